@@ -1,0 +1,34 @@
+# Every target that runs code depends on `setup`, so a fresh clone needs only `make demo` or `make test`.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Installed first, pinned, so that the package's `torch>=2.3` is already met: a bare `torch`
+# can resolve to a multi-gigabyte CUDA build on a host with no GPU.
+TORCH := torch==2.13.0
+
+.PHONY: setup test demo lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet '$(TORCH)'
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/pytest -q
+
+demo: setup
+	$(BIN)/kvctl simulate --scenario random-lengths
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

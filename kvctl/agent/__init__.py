@@ -1,0 +1,1 @@
+"""The per-node agent: paged KV pool, model runtime, HTTP server, metrics and alerts."""

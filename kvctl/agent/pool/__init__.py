@@ -1,0 +1,46 @@
+"""The paged KV pool: plain-Python bookkeeping (no torch) plus a torch storage layer.
+
+Import the bookkeeping from here; import `kvctl.agent.pool.storage` only where tensors are needed.
+"""
+
+from kvctl.agent.pool.auto_defrag import AutoDefrag, DefragPolicy
+from kvctl.agent.pool.defrag import (
+    Defragmenter,
+    DefragReport,
+    DefragTrigger,
+    PageCopier,
+    moves_needed,
+    plan_moves,
+)
+from kvctl.agent.pool.errors import PoolError, PoolExhausted, ResizeRefused, UnknownSequence
+from kvctl.agent.pool.extents import FreeExtents
+from kvctl.agent.pool.page_pool import CopyOnWrite, PagePool, PageTable, PoolCorrupted
+from kvctl.agent.pool.resize import PoolResizer, ResizeResult, SegmentStore
+from kvctl.agent.pool.stats import PageRun, PageState, PoolStats, fragmentation_ratio
+
+__all__ = [
+    "AutoDefrag",
+    "CopyOnWrite",
+    "DefragPolicy",
+    "DefragReport",
+    "DefragTrigger",
+    "Defragmenter",
+    "FreeExtents",
+    "PageCopier",
+    "PagePool",
+    "PageRun",
+    "PageState",
+    "PageTable",
+    "PoolCorrupted",
+    "PoolError",
+    "PoolExhausted",
+    "PoolResizer",
+    "PoolStats",
+    "ResizeRefused",
+    "ResizeResult",
+    "SegmentStore",
+    "UnknownSequence",
+    "fragmentation_ratio",
+    "moves_needed",
+    "plan_moves",
+]

@@ -1,0 +1,146 @@
+"""When to defragment: the triggers of DESIGN.md turned into budgeted steps.
+
+A *session* starts on a trigger (manual, fragmentation above threshold, too many free extents,
+a request that wanted a contiguous run and got scattered pages, a shrink) and then advances a
+little on every engine step (`tick`), bounded by pages and seconds, until the pool is compact
+enough. Stopping at a lower fragmentation than the one that started it (hysteresis) keeps a pool
+that hovers around the threshold from defragmenting on and off.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from kvctl.agent.pool.defrag import Defragmenter, DefragReport, DefragTrigger
+
+
+@dataclass(frozen=True)
+class DefragPolicy:
+    """Thresholds and budgets of automatic defragmentation (all settable in the agent's config)."""
+
+    enabled: bool = True
+    fragmentation_threshold: float = 0.5  # start a session above this
+    fragmentation_target: float = 0.1  # a session stops at or below this
+    max_free_extents: int = 64  # start a session with more free runs than this
+    on_contiguous_miss: bool = True  # start one when a request got scattered pages
+    min_free_pages: int = 16  # below this the ratio says little: ignore threshold and extents
+    check_interval_s: float = 5.0  # how often thresholds are checked
+    step_max_pages: int = 64  # budget of one tick
+    step_max_seconds: float = 0.005
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fragmentation_target <= self.fragmentation_threshold <= 1.0:
+            raise ValueError(
+                "need 0 <= fragmentation_target <= fragmentation_threshold <= 1, got "
+                f"{self.fragmentation_target} and {self.fragmentation_threshold}"
+            )
+        for name in ("max_free_extents", "min_free_pages", "step_max_pages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.check_interval_s < 0 or self.step_max_seconds <= 0:
+            raise ValueError("check_interval_s must be >= 0 and step_max_seconds > 0")
+
+
+class AutoDefrag:
+    """Starts defragmentation sessions on triggers and advances them under a per-tick budget."""
+
+    def __init__(
+        self,
+        defragmenter: Defragmenter,
+        policy: DefragPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        history: int = 32,
+    ) -> None:
+        self.defragmenter = defragmenter
+        self.policy = policy or DefragPolicy()
+        self.clock = clock
+        self.active: DefragReport | None = None  # the running session, accumulated
+        self.completed: deque[DefragReport] = deque(maxlen=history)
+        self.runs_total: Counter[DefragTrigger] = Counter()
+        self.pages_moved_total = 0
+        self._next_check = clock()
+        self._misses_seen = defragmenter.pool.contiguous_misses
+
+    def request(self, trigger: DefragTrigger = DefragTrigger.MANUAL) -> None:
+        """Start a session at the next tick, whatever the thresholds say."""
+        if self.active is None:
+            self._start(trigger)
+
+    def due_trigger(self) -> DefragTrigger | None:
+        """The trigger that should start a session now, if any (checks thresholds when due)."""
+        pool, policy = self.defragmenter.pool, self.policy
+        misses = pool.contiguous_misses
+        missed = misses > self._misses_seen
+        self._misses_seen = misses
+        if not policy.enabled:
+            return None
+        if missed and policy.on_contiguous_miss:
+            return DefragTrigger.ALLOC_FAILURE
+        now = self.clock()
+        if now < self._next_check:
+            return None
+        self._next_check = now + policy.check_interval_s
+        stats = pool.stats()
+        if stats.free_pages < policy.min_free_pages:
+            return None
+        if stats.fragmentation_ratio > policy.fragmentation_threshold:
+            return DefragTrigger.THRESHOLD
+        if stats.free_extents > policy.max_free_extents:
+            return DefragTrigger.EXTENTS
+        return None
+
+    def tick(self) -> DefragReport | None:
+        """Advance the session (starting one if a trigger is due); return this tick's work."""
+        if self.active is None:
+            trigger = self.due_trigger()
+            if trigger is None:
+                return None
+            self._start(trigger)
+        assert self.active is not None
+        report = self.defragmenter.run(
+            self.active.trigger,
+            max_pages=self.policy.step_max_pages,
+            max_seconds=self.policy.step_max_seconds,
+        )
+        self._accumulate(report)
+        return report
+
+    def _start(self, trigger: DefragTrigger) -> None:
+        stats = self.defragmenter.pool.stats()
+        self.runs_total[trigger] += 1
+        self.active = DefragReport(
+            trigger=trigger,
+            fragmentation_before=stats.fragmentation_ratio,
+            fragmentation_after=stats.fragmentation_ratio,
+            free_extents_before=stats.free_extents,
+            free_extents_after=stats.free_extents,
+            pages_moved=0,
+            bytes_moved=0,
+            seconds=0.0,
+            complete=False,
+        )
+
+    def _accumulate(self, report: DefragReport) -> None:
+        assert self.active is not None
+        self.pages_moved_total += report.pages_moved
+        session = replace(
+            self.active,
+            fragmentation_after=report.fragmentation_after,
+            free_extents_after=report.free_extents_after,
+            pages_moved=self.active.pages_moved + report.pages_moved,
+            bytes_moved=self.active.bytes_moved + report.bytes_moved,
+            seconds=self.active.seconds + report.seconds,
+            complete=report.complete,
+        )
+        compact_enough = (
+            report.fragmentation_after <= self.policy.fragmentation_target
+            and report.free_extents_after <= self.policy.max_free_extents
+        )
+        if report.complete or compact_enough:
+            self.completed.append(session)
+            self.active = None
+        else:
+            self.active = session

@@ -1,0 +1,167 @@
+"""Compaction of a pool's occupied pages toward the lowest ids.
+
+A move copies a page's K/V to a free page, switches every page-table entry (and the prefix
+cache's reference) to the new page, then frees the old one. Because the switch happens between
+two decode steps and the contents are identical, a model mid-generation cannot tell.
+
+Plan: with `U` occupied pages, a fully compacted pool holds them in `[0, U)`. Every occupied page
+at or above the boundary moves into a free page below it: the highest sources first (so the tail
+empties first, which is what a shrink needs) into the lowest holes first. That is the minimum
+number of moves, and after them the free space is one run: fragmentation 0.
+
+Work is cut into batches bounded by a page count and a time budget, so the engine can interleave
+defragmentation with decode steps; each batch is complete (copied and switched) before the next,
+so stopping between batches loses nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any, Protocol
+
+from kvctl.agent.pool.page_pool import PagePool
+
+
+class DefragTrigger(StrEnum):
+    """Why a defragmentation ran (the `trigger` label of `kvctl_defrag_runs_total`)."""
+
+    MANUAL = "manual"
+    THRESHOLD = "threshold"
+    EXTENTS = "extents"
+    ALLOC_FAILURE = "alloc_failure"
+    SHRINK = "shrink"
+
+
+class PageCopier(Protocol):
+    """Whatever holds page contents: copies pages `src[i]` to `dst[i]` in one batch."""
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class DefragReport:
+    """What one defragmentation run did and what it cost."""
+
+    trigger: DefragTrigger
+    fragmentation_before: float
+    fragmentation_after: float
+    free_extents_before: int
+    free_extents_after: int
+    pages_moved: int
+    bytes_moved: int
+    seconds: float
+    complete: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["trigger"] = self.trigger.value
+        return data
+
+
+def _occupied_descending(
+    pool: PagePool, runs: list[tuple[int, int]], boundary: int
+) -> Iterator[int]:
+    """Occupied page ids at or above `boundary`, highest first, read off the gaps between runs."""
+    end = pool.capacity
+    for start, length in reversed(runs):
+        if end <= boundary:
+            return
+        yield from range(end - 1, max(start + length, boundary) - 1, -1)
+        end = start
+    yield from range(end - 1, boundary - 1, -1)
+
+
+def plan_moves(pool: PagePool, limit: int, boundary: int | None = None) -> list[tuple[int, int]]:
+    """Up to `limit` (src, dst) moves toward compaction below `boundary` (default: full).
+
+    Destinations ascend within each free run, the order `PagePool.relocate` serves in O(1).
+    """
+    runs = pool.free_runs()
+    if boundary is None:
+        boundary = pool.capacity - pool.free_pages
+    holes: list[int] = []
+    for start, length in runs:
+        if start >= boundary or len(holes) >= limit:
+            break
+        holes.extend(range(start, min(start + length, boundary, start + limit - len(holes))))
+    return list(zip(_occupied_descending(pool, runs, boundary), holes, strict=False))
+
+
+def moves_needed(pool: PagePool, boundary: int | None = None) -> int:
+    """How many page moves a full compaction (below `boundary`) still needs."""
+    if boundary is None:
+        boundary = pool.capacity - pool.free_pages
+    return pool.occupied_above(boundary)
+
+
+class Defragmenter:
+    """Applies planned moves in bounded batches: copy contents, switch references, free old."""
+
+    def __init__(
+        self,
+        pool: PagePool,
+        copier: PageCopier | None = None,
+        batch_pages: int = 64,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.pool = pool
+        self.copier = copier
+        self.batch_pages = batch_pages
+        self.clock = clock
+
+    def step(self, max_pages: int, boundary: int | None = None) -> int:
+        """Move at most `max_pages` pages as one batch; return how many moved (0 when done)."""
+        moves = plan_moves(self.pool, max_pages, boundary)
+        if not moves:
+            return 0
+        if self.copier is not None:
+            self.copier.copy_pages([s for s, _ in moves], [d for _, d in moves])
+        self.pool.relocate(moves)
+        return len(moves)
+
+    def run(
+        self,
+        trigger: DefragTrigger,
+        max_pages: int | None = None,
+        max_seconds: float | None = None,
+        boundary: int | None = None,
+    ) -> DefragReport:
+        """Compact until done or a budget (pages, seconds) is spent; report the effect.
+
+        With no budget it runs to completion: fragmentation 0 (or, with `boundary`, nothing
+        occupied at or above it).
+        """
+        before = self.pool.stats()
+        started = self.clock()
+        moved = 0
+        complete = False
+        while True:
+            room = (
+                self.batch_pages if max_pages is None else min(self.batch_pages, max_pages - moved)
+            )
+            if room <= 0:
+                break
+            n = self.step(room, boundary)
+            moved += n
+            if n == 0:
+                complete = True
+                break
+            if max_seconds is not None and self.clock() - started >= max_seconds:
+                break
+        if not complete:
+            complete = moves_needed(self.pool, boundary) == 0
+        after = self.pool.stats()
+        return DefragReport(
+            trigger=trigger,
+            fragmentation_before=before.fragmentation_ratio,
+            fragmentation_after=after.fragmentation_ratio,
+            free_extents_before=before.free_extents,
+            free_extents_after=after.free_extents,
+            pages_moved=moved,
+            bytes_moved=moved * self.pool.bytes_per_page,
+            seconds=self.clock() - started,
+            complete=complete,
+        )

@@ -1,0 +1,221 @@
+"""The free space of a pool as extents (runs of consecutive free page ids).
+
+Why extents and not a free list of pages: the pool must hand out *contiguous runs* for a request's
+prompt and report fragmentation (largest free run, number of runs) on every scrape. A free list of
+single pages answers neither without a scan. Here every free run is one entry, so taking a run,
+giving one back and coalescing with both neighbours cost a handful of dict operations, whatever
+the pool size.
+
+Runs are kept in size classes (segregated fit): classes 1..63 hold runs of exactly that many
+pages, classes from 64 up hold runs whose size has the same bit length. A bit mask of non-empty
+classes finds the smallest class that can serve a request with two integer operations, so
+allocation is best-fit for runs under 64 pages and good-fit above, in O(1) for the common case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+_EXACT_CLASSES = 64
+_BIAS = _EXACT_CLASSES - 7  # class of a run of n >= 64 pages: _BIAS + n.bit_length()
+
+
+def size_class(length: int) -> int:
+    """The class of a run of `length` pages: exact below 64, by bit length above."""
+    if length < _EXACT_CLASSES:
+        return length
+    return _BIAS + length.bit_length()
+
+
+class FreeExtents:
+    """Free page ids as maximal runs `[start, start + length)`; neighbours always coalesce.
+
+    Guarantees: runs never overlap and never touch (two touching runs are merged at once), so
+    `len(self)` is the number of free extents and `largest()` the largest free run.
+    """
+
+    __slots__ = ("_by_end", "_by_start", "_classes", "_mask", "free_pages")
+
+    def __init__(self) -> None:
+        self._by_start: dict[int, int] = {}  # start -> length
+        self._by_end: dict[int, int] = {}  # end (exclusive) -> start
+        self._classes: list[dict[int, None]] = [{} for _ in range(_EXACT_CLASSES + 64)]
+        self._mask = 0  # bit c set <=> class c holds at least one run
+        self.free_pages = 0
+
+    def __len__(self) -> int:
+        return len(self._by_start)
+
+    def _insert(self, start: int, length: int) -> None:
+        self._by_start[start] = length
+        self._by_end[start + length] = start
+        c = size_class(length)
+        self._classes[c][start] = None
+        self._mask |= 1 << c
+
+    def _remove(self, start: int, length: int) -> None:
+        del self._by_start[start]
+        del self._by_end[start + length]
+        c = size_class(length)
+        runs = self._classes[c]
+        del runs[start]
+        if not runs:
+            self._mask &= ~(1 << c)
+
+    def give(self, start: int, length: int) -> None:
+        """Return the pages `[start, start + length)` to the free space, merging with neighbours.
+
+        The caller guarantees the pages are not already free. (Hot path: written out inline.)
+        """
+        self.free_pages += length
+        by_start, by_end, classes = self._by_start, self._by_end, self._classes
+        left = by_end.pop(start, None)
+        if left is not None:
+            left_len = start - left
+            del by_start[left]
+            c = left_len if left_len < _EXACT_CLASSES else _BIAS + left_len.bit_length()
+            runs = classes[c]
+            del runs[left]
+            if not runs:
+                self._mask &= ~(1 << c)
+            start, length = left, length + left_len
+        end = start + length
+        right_len = by_start.pop(end, None)
+        if right_len is not None:
+            del by_end[end + right_len]
+            c = right_len if right_len < _EXACT_CLASSES else _BIAS + right_len.bit_length()
+            runs = classes[c]
+            del runs[end]
+            if not runs:
+                self._mask &= ~(1 << c)
+            length += right_len
+        by_start[start] = length
+        by_end[start + length] = start
+        c = length if length < _EXACT_CLASSES else _BIAS + length.bit_length()
+        classes[c][start] = None
+        self._mask |= 1 << c
+
+    def take_run(self, length: int) -> int | None:
+        """Take `length` consecutive free pages and return the first id, or None if no run fits.
+
+        Serves from the smallest class that fits, and from the low end of the chosen run, so
+        large runs stay whole for large requests.
+        """
+        c = length if length < _EXACT_CLASSES else _BIAS + length.bit_length()
+        pending = self._mask >> c
+        if pending & 1 and c == length:  # a run of exactly this size: no remainder to file
+            runs = self._classes[c]
+            start = runs.popitem()[0]
+            if not runs:
+                self._mask &= ~(1 << c)
+            del self._by_start[start]
+            del self._by_end[start + c]
+            self.free_pages -= c
+            return start
+        while pending:
+            skip = (pending & -pending).bit_length() - 1
+            c += skip
+            pending >>= skip
+            runs = self._classes[c]
+            if c < _EXACT_CLASSES:
+                return self._split(runs.popitem()[0], c, c, length)
+            for start in runs:
+                run_len = self._by_start[start]
+                if run_len >= length:
+                    del runs[start]
+                    return self._split(start, run_len, c, length)
+            c += 1
+            pending >>= 1
+        return None
+
+    def _split(self, start: int, run_len: int, c: int, length: int) -> int:
+        """Take the low `length` pages of the run at `start` (of class `c`, already out of it)."""
+        by_start = self._by_start
+        runs = self._classes[c]
+        del by_start[start]
+        rest = run_len - length
+        if rest:
+            new_start = start + length
+            by_start[new_start] = rest
+            self._by_end[new_start + rest] = new_start
+            rc = rest if rest < _EXACT_CLASSES else _BIAS + rest.bit_length()
+            if rc != c:
+                if not runs:
+                    self._mask &= ~(1 << c)
+                self._classes[rc][new_start] = None
+                self._mask |= 1 << rc
+            else:
+                runs[new_start] = None
+        else:
+            del self._by_end[start + run_len]
+            if not runs:
+                self._mask &= ~(1 << c)
+        self.free_pages -= length
+        return start
+
+    def take_scattered(self, length: int) -> list[tuple[int, int]]:
+        """Take `length` free pages as few runs as possible (largest runs first).
+
+        The caller checks `free_pages >= length` first; the result covers exactly `length` pages.
+        """
+        assert length <= self.free_pages
+        taken: list[tuple[int, int]] = []
+        need = length
+        while need:
+            c = self._mask.bit_length() - 1
+            runs = self._classes[c]
+            if c >= _EXACT_CLASSES:
+                start = max(runs, key=self._by_start.__getitem__)
+                del runs[start]
+            else:
+                start = runs.popitem()[0]
+            run_len = self._by_start[start]
+            part = min(run_len, need)
+            self._split(start, run_len, c, part)
+            taken.append((start, part))
+            need -= part
+        return taken
+
+    def take_range(self, start: int, length: int) -> None:
+        """Remove the free pages `[start, start + length)`, which must all be free (for shrink)."""
+        run_start = self.run_containing(start)
+        assert run_start is not None, f"page {start} is not free"
+        run_len = self._by_start[run_start]
+        assert start + length <= run_start + run_len, "range is not entirely free"
+        self._remove(run_start, run_len)
+        if start > run_start:
+            self._insert(run_start, start - run_start)
+        if run_start + run_len > start + length:
+            self._insert(start + length, run_start + run_len - start - length)
+        self.free_pages -= length
+
+    def run_containing(self, page: int) -> int | None:
+        """The start of the free run holding `page`, or None. O(number of runs); not a hot path."""
+        if page in self._by_start:
+            return page
+        for start, length in self._by_start.items():
+            if start <= page < start + length:
+                return start
+        return None
+
+    def largest(self) -> int:
+        """Length of the largest free run (0 when nothing is free)."""
+        if not self._mask:
+            return 0
+        c = self._mask.bit_length() - 1
+        if c < _EXACT_CLASSES:
+            return c
+        return max(self._by_start[s] for s in self._classes[c])
+
+    def runs(self) -> Iterator[tuple[int, int]]:
+        """Every free run as (start, length), in increasing page order."""
+        for start in sorted(self._by_start):
+            yield start, self._by_start[start]
+
+    def last_run(self) -> tuple[int, int] | None:
+        """The free run with the highest ids, if any (used to find a free tail)."""
+        if not self._by_end:
+            return None
+        end = max(self._by_end)
+        start = self._by_end[end]
+        return start, end - start

@@ -1,0 +1,135 @@
+"""Growing and shrinking a pool by whole segments.
+
+Grow: storage allocates the new segments first (if the device is out of memory nothing changed),
+then the pool adds their pages as one free run at the top.
+
+Shrink: refuse before touching anything if the pages in use do not fit the new size; otherwise
+evict cached pages that would not fit, evacuate every occupied page above the new size into free
+pages below it (a defragmentation with the new size as boundary), and only then drop the tail
+pages and release the storage segments. An interruption before the release leaves a valid,
+larger pool; nothing is ever released while it still holds a page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvctl.agent.pool.defrag import Defragmenter, DefragReport, DefragTrigger
+from kvctl.agent.pool.errors import ResizeRefused
+from kvctl.agent.pool.page_pool import PagePool
+
+
+class SegmentStore(Protocol):
+    """Storage that can add segments at the top and release them from the top."""
+
+    def add_segments(self, count: int) -> None: ...
+
+    def release_segments(self, count: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class ResizeResult:
+    """Capacity before and after a resize, and the evacuation it needed."""
+
+    old_pages: int
+    new_pages: int
+    pages_moved: int
+    pages_evicted: int
+
+    @property
+    def direction(self) -> str:
+        if self.new_pages > self.old_pages:
+            return "grow"
+        return "shrink" if self.new_pages < self.old_pages else "none"
+
+
+class PoolResizer:
+    """Changes a pool's capacity to a number of pages, rounded up to whole segments."""
+
+    def __init__(
+        self,
+        pool: PagePool,
+        defragmenter: Defragmenter,
+        storage: SegmentStore | None = None,
+        min_pages: int | None = None,
+        max_pages: int | None = None,
+    ) -> None:
+        self.pool = pool
+        self.defragmenter = defragmenter
+        self.storage = storage
+        self.min_pages = min_pages or pool.segment_pages
+        self.max_pages = max_pages
+        self.last_evacuation: DefragReport | None = None
+
+    def round_to_segments(self, pages: int) -> int:
+        seg = self.pool.segment_pages
+        return -(-pages // seg) * seg
+
+    def check(self, pages: int) -> int:
+        """The capacity a resize to `pages` would give; raises `ResizeRefused` if it cannot."""
+        pool = self.pool
+        target = self.round_to_segments(pages)
+        if pages < 1 or target < self.min_pages:
+            raise ResizeRefused(
+                f"the pool cannot be smaller than {self.min_pages} pages; asked for {pages}"
+            )
+        if self.max_pages is not None and target > self.max_pages:
+            raise ResizeRefused(
+                f"{target} pages is above the maximum of {self.max_pages}; "
+                "raise --max-pool-pages to allow it"
+            )
+        if target < pool.used_pages:
+            raise ResizeRefused(
+                f"{pool.used_pages} pages in use above the new size {target}; "
+                "wait for requests to finish or choose a size of at least "
+                f"{self.round_to_segments(pool.used_pages)} pages"
+            )
+        if target < pool.used_pages + pool.cached_pages and not pool.can_evict:
+            raise ResizeRefused(
+                f"{pool.used_pages + pool.cached_pages} pages are used or cached above the new "
+                f"size {target} and nothing can evict the cached ones; choose a larger size"
+            )
+        return target
+
+    def resize(self, pages: int) -> ResizeResult:
+        """Grow or shrink to `pages` (rounded up to whole segments)."""
+        target = self.check(pages)
+        old = self.pool.capacity
+        if target > old:
+            self._grow(target - old)
+            return ResizeResult(old, target, 0, 0)
+        if target < old:
+            moved, evicted = self._shrink(target)
+            return ResizeResult(old, target, moved, evicted)
+        return ResizeResult(old, old, 0, 0)
+
+    def _grow(self, pages: int) -> None:
+        if self.storage is not None:
+            self.storage.add_segments(pages // self.pool.segment_pages)
+        self.pool.grow(pages)
+
+    def _shrink(self, target: int) -> tuple[int, int]:
+        pool = self.pool
+        evicted = 0
+        overflow = pool.used_pages + pool.cached_pages - target
+        if overflow > 0:
+            evicted = self._evict(overflow)
+        report = self.defragmenter.run(DefragTrigger.SHRINK, boundary=target)
+        self.last_evacuation = report
+        if not report.complete:
+            raise ResizeRefused(
+                f"could not evacuate pages above {target}; the pool keeps {pool.capacity} pages"
+            )
+        released = (pool.capacity - target) // pool.segment_pages
+        pool.truncate(target)
+        if self.storage is not None:
+            self.storage.release_segments(released)
+        return report.pages_moved, evicted
+
+    def _evict(self, pages: int) -> int:
+        """Free cached pages so that what is occupied fits the new size."""
+        freed = self.pool.evict(pages)
+        if freed < pages:
+            raise ResizeRefused(f"could evict only {freed} of {pages} cached pages")
+        return freed

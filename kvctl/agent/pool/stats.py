@@ -1,0 +1,85 @@
+"""Immutable snapshots of a pool's state: what every reader outside the pool sees.
+
+The server, the metrics exporter, the alert evaluator and the simulator read these snapshots and
+never the pool's internals, so the pool can change its data structures without touching them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class PageState(StrEnum):
+    """The state of one page, as DESIGN.md defines it."""
+
+    FREE = "free"
+    USED = "used"  # held by at least one running sequence
+    CACHED = "cached"  # held only by the prefix cache, evictable
+
+
+def fragmentation_ratio(largest_free_run: int, free_pages: int) -> float:
+    """1 - largest free run / free pages; 0 when nothing is free."""
+    if free_pages == 0:
+        return 0.0
+    return 1.0 - largest_free_run / free_pages
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """One consistent reading of a pool's occupancy, fragmentation and allocation counters."""
+
+    page_size: int
+    bytes_per_page: int
+    segment_pages: int
+    segments: int
+    capacity_pages: int
+    used_pages: int
+    cached_pages: int
+    free_pages: int
+    free_extents: int
+    largest_free_run: int
+    sequences: int
+    alloc_attempts: int
+    alloc_failures: int
+    contiguous_misses: int
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_pages * self.bytes_per_page
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_pages * self.bytes_per_page
+
+    @property
+    def utilization_ratio(self) -> float:
+        """(used + cached) / capacity."""
+        if self.capacity_pages == 0:
+            return 0.0
+        return (self.used_pages + self.cached_pages) / self.capacity_pages
+
+    @property
+    def fragmentation_ratio(self) -> float:
+        return fragmentation_ratio(self.largest_free_run, self.free_pages)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain fields plus the derived ratios and byte counts, for JSON."""
+        data = asdict(self)
+        data.update(
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self.used_bytes,
+            utilization_ratio=self.utilization_ratio,
+            fragmentation_ratio=self.fragmentation_ratio,
+        )
+        return data
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """`length` consecutive pages from `start`, all in `state` (one entry of the run-length map)."""
+
+    state: PageState
+    start: int
+    length: int

@@ -1,0 +1,341 @@
+"""The tensors behind the page pool: K/V contents of every page, in segments.
+
+`PagePool` decides which page holds what; this module holds the bytes and applies the pool's
+decisions to them (copy a page, write new tokens, read a batch's pages for attention).
+
+Why segments: the pool must grow and shrink while the model runs. One big tensor could only be
+resized by allocating a new one and copying everything (twice the memory at the worst moment), and
+the caching allocator would keep the old block. A segment is `segment_pages` pages in one tensor
+allocation of its own: growing allocates new segments at the top of the id space, shrinking
+drops the top ones (after the defragmenter emptied them) and, on CUDA, returns their memory to the
+driver. Page id `p` lives in segment `p // segment_pages`, row `p % segment_pages`.
+
+Why this layout, per segment `[segment_pages, layers, 2, page_size, kv_heads, head_dim]` (page
+major): the page is the unit the pool moves, so one page's K and V of every layer form one
+contiguous block and `copy_pages` (defragmentation, copy-on-write) copies one row per page. The
+model's per-layer reads stay efficient: the view `seg[:, layer, kv]` is `[segment_pages, page_size,
+kv_heads, head_dim]` with the page as its only strided dimension, so each page's K (or V) of one
+layer is still `page_size * kv_heads * head_dim` contiguous elements, which is what index_select,
+index_put and paged-attention kernels (unit innermost stride, any page stride) need. A layer-major
+layout (`[layers, 2, segment_pages, ...]`) cuts every page into `2 * layers` pieces instead, and
+measured 1.4x slower page copies on CPU.
+
+Segments start zeroed, never uninitialised: attention masks padding entries by weight, and a NaN
+left in an unused page would survive a zero weight (0 * NaN = NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_STAGING_BYTES = {"cuda": 64 << 20}
+"""Bytes of the staging buffer `copy_pages` goes through, per device type (default below).
+
+Small on CPU so that the buffer stays in cache between the gather and the scatter, and so that
+no copy ever allocates (a fresh multi-MiB allocation page-faults at ~1 GB/s). Bounded on CUDA
+so a defragmentation, which often runs when memory is tight, needs only a fixed extra amount.
+"""
+_DEFAULT_STAGING_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class PageIndex:
+    """Page ids of a batch, already split by segment, to gather every layer without regrouping.
+
+    `groups` holds `(segment, rows)`: the rows (ids local to that segment) of the pages in that
+    segment, in the order that `order` sorted the flattened ids; `restore` puts them back in the
+    caller's order (None when one segment holds them all in order).
+    """
+
+    shape: tuple[int, int]  # [B, P]
+    groups: tuple[tuple[int, torch.Tensor], ...]
+    restore: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class SlotIndex:
+    """Token slots `(page, offset)` split by segment: `(segment, positions, rows, offsets)`."""
+
+    groups: tuple[tuple[int, torch.Tensor | None, torch.Tensor, torch.Tensor], ...]
+
+
+class KVStorage:
+    """K/V contents of `num_segments * segment_pages` pages, one tensor per segment."""
+
+    def __init__(
+        self,
+        num_segments: int,
+        segment_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        staging_bytes: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_segments", num_segments),
+            ("segment_pages", segment_pages),
+            ("page_size", page_size),
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        self.segment_pages = segment_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self._dtype = dtype
+        self._device = torch.device(device)
+        self._segments: list[torch.Tensor] = []  # each [segment_pages, layers, 2, ps, kvh, hd]
+        self.add_segments(num_segments)
+        self._device = self._segments[0].device  # "cuda" -> "cuda:0"
+        if staging_bytes is None:
+            staging_bytes = _STAGING_BYTES.get(self._device.type, _DEFAULT_STAGING_BYTES)
+        staging_pages = max(1, staging_bytes // self.bytes_per_page)
+        self._staging = torch.empty(  # [staging_pages, page elements]
+            staging_pages, self._page_elements, dtype=dtype, device=self._device
+        )
+
+    # ---- shape and size -----------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def num_segments(self) -> int:
+        return len(self._segments)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._segments) * self.segment_pages
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one page: K and V of `page_size` tokens in every layer."""
+        return self._page_elements * self._dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the pages (the staging buffer of `copy_pages` not included)."""
+        return self.num_pages * self.bytes_per_page
+
+    @property
+    def _page_elements(self) -> int:
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
+
+    @property
+    def _page_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
+
+    # ---- resizing -----------------------------------------------------------------------
+
+    def add_segments(self, count: int) -> None:
+        """Allocate `count` zeroed segments at the top; if one allocation fails, none is added."""
+        if count < 0:
+            raise ValueError(f"cannot add {count} segments")
+        shape = (self.segment_pages, *self._page_shape)
+        new = [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in range(count)]
+        self._segments.extend(new)
+
+    def release_segments(self, count: int) -> None:
+        """Free the top `count` segments (their pages must already be empty in the pool).
+
+        At least one segment always remains. On CUDA the memory goes back to the driver, not just
+        to torch's caching allocator, so other processes on the GPU can use it.
+        """
+        if count < 0 or count >= len(self._segments):
+            raise ValueError(
+                f"cannot release {count} of {len(self._segments)} segments; "
+                "release at most all but one"
+            )
+        if count == 0:
+            return
+        del self._segments[-count:]
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- moving whole pages -------------------------------------------------------------
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy pages `src[i]` to `dst[i]` (every layer, K and V) in a few batched operations.
+
+        Destinations must be distinct and disjoint from the sources (the pool only ever copies
+        into free pages), so no copy can overwrite a page another copy still has to read.
+        Pages are grouped by (source segment, destination segment); each group is one gather
+        into the staging buffer and one scatter out of it per staging-buffer-full of pages.
+        """
+        src_ids = torch.as_tensor(src, dtype=torch.long)
+        dst_ids = torch.as_tensor(dst, dtype=torch.long)
+        self._check_copy(src_ids, dst_ids)
+        if src_ids.numel() == 0:
+            return
+        seg_pages = self.segment_pages
+        if len(self._segments) == 1:
+            self._copy_rows(0, src_ids, 0, dst_ids)
+            return
+        src_seg, dst_seg = src_ids // seg_pages, dst_ids // seg_pages
+        pair = src_seg * len(self._segments) + dst_seg
+        for key, positions in _group(pair, len(self._segments) ** 2):
+            s, d = divmod(key, len(self._segments))
+            self._copy_rows(s, src_ids[positions] % seg_pages, d, dst_ids[positions] % seg_pages)
+
+    def _check_copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.shape != dst.shape or src.dim() != 1:
+            raise ValueError(f"copy_pages: {src.numel()} sources but {dst.numel()} destinations")
+        if src.numel() == 0:
+            return
+        low = int(torch.minimum(src.min(), dst.min()))
+        high = int(torch.maximum(src.max(), dst.max()))
+        if low < 0 or high >= self.num_pages:
+            raise IndexError(f"copy_pages: page ids must be in [0, {self.num_pages})")
+        seen = torch.zeros(self.num_pages, dtype=torch.bool)
+        seen[dst] = True
+        if int(seen.sum()) != dst.numel() or bool(seen[src].any()):
+            raise ValueError("copy_pages: destinations must be distinct and not among the sources")
+
+    def _copy_rows(self, src_seg: int, src: torch.Tensor, dst_seg: int, dst: torch.Tensor) -> None:
+        """Copy rows `src` of one segment to rows `dst` of another (or the same) one."""
+        source = self._segments[src_seg].view(self.segment_pages, -1)  # [sp, page elements]
+        target = self._segments[dst_seg].view(self.segment_pages, -1)
+        src, dst = src.to(self._device), dst.to(self._device)
+        step = self._staging.shape[0]
+        for start in range(0, src.numel(), step):
+            rows = src[start : start + step]
+            staged = self._staging[: rows.numel()]
+            torch.index_select(source, 0, rows, out=staged)
+            target.index_copy_(0, dst[start : start + step], staged)
+
+    # ---- the model's reads and writes ---------------------------------------------------
+
+    def index_slots(self, slots_page: torch.Tensor, slots_offset: torch.Tensor) -> SlotIndex:
+        """Split token slots by segment once, to `write` every layer without regrouping."""
+        page = slots_page.to(self._device, torch.long)
+        offset = slots_offset.to(self._device, torch.long)
+        if len(self._segments) == 1:
+            return SlotIndex(((0, None, page, offset),))
+        seg = page // self.segment_pages
+        groups = tuple(
+            (s, pos, page[pos] - s * self.segment_pages, offset[pos])
+            for s, pos in _group(seg, len(self._segments))
+        )
+        return SlotIndex(groups)
+
+    def write(
+        self,
+        layer: int,
+        slots_page: torch.Tensor | SlotIndex,
+        slots_offset: torch.Tensor | None,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Store new tokens' K and V (`[T, kv_heads, head_dim]`) at slots (page, offset).
+
+        Pass the slots as two `[T]` id tensors, or as `index_slots(...)` with `slots_offset`
+        None. With several segments the grouping reads segment counts back to the host, which
+        on CUDA is a synchronisation: group once per step with `index_slots`, not per layer.
+        """
+        if isinstance(slots_page, SlotIndex):
+            index = slots_page
+        else:
+            if slots_offset is None:
+                raise ValueError("write: slots_offset is required with a page id tensor")
+            index = self.index_slots(slots_page, slots_offset)
+        k, v = k.to(self._dtype), v.to(self._dtype)
+        for s, pos, rows, offsets in index.groups:
+            seg = self._segments[s]  # [sp, layers, 2, ps, kvh, hd]
+            seg_k, seg_v = seg[:, layer, 0], seg[:, layer, 1]  # [sp, ps, kvh, hd] each
+            if pos is None:
+                seg_k[rows, offsets] = k
+                seg_v[rows, offsets] = v
+            else:
+                seg_k[rows, offsets] = k.index_select(0, pos)
+                seg_v[rows, offsets] = v.index_select(0, pos)
+
+    def index_pages(self, page_ids: torch.Tensor) -> PageIndex:
+        """Split a batch's page ids (`[B, P]`) by segment once, to `gather` every layer."""
+        ids = page_ids.to(self._device, torch.long)
+        if ids.dim() != 2:
+            raise ValueError(f"page_ids must be [batch, pages], got shape {tuple(ids.shape)}")
+        shape = (ids.shape[0], ids.shape[1])
+        flat = ids.reshape(-1)
+        if len(self._segments) == 1:
+            return PageIndex(shape, ((0, flat),), None)
+        by_segment = _group(flat // self.segment_pages, len(self._segments))
+        groups = tuple((s, flat[pos] - s * self.segment_pages) for s, pos in by_segment)
+        order = torch.cat([pos for _, pos in by_segment]) if by_segment else flat
+        restore = torch.empty_like(order)
+        restore[order] = torch.arange(order.numel(), device=order.device)
+        return PageIndex(shape, groups, restore)
+
+    def gather(
+        self, layer: int, page_ids: torch.Tensor | PageIndex
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read whole pages of one layer: `page_ids` `[B, P]` -> K, V `[B, P * page_size, kvh, hd]`.
+
+        Every entry must be a valid page id; padding entries may repeat any page (e.g. 0) and the
+        caller masks them. Pass `index_pages(...)` to reuse one grouping across layers.
+        """
+        index = page_ids if isinstance(page_ids, PageIndex) else self.index_pages(page_ids)
+        batch, pages = index.shape
+        count = batch * pages
+        shape = (count, self.page_size, self.num_kv_heads, self.head_dim)
+        staged_k = torch.empty(shape, dtype=self._dtype, device=self._device)
+        staged_v = torch.empty(shape, dtype=self._dtype, device=self._device)
+        start = 0
+        for s, rows in index.groups:
+            seg = self._segments[s]
+            end = start + rows.numel()
+            torch.index_select(seg[:, layer, 0], 0, rows, out=staged_k[start:end])
+            torch.index_select(seg[:, layer, 1], 0, rows, out=staged_v[start:end])
+            start = end
+        if index.restore is not None:
+            staged_k = staged_k.index_select(0, index.restore)
+            staged_v = staged_v.index_select(0, index.restore)
+        out_shape = (batch, pages * self.page_size, self.num_kv_heads, self.head_dim)
+        return staged_k.view(out_shape), staged_v.view(out_shape)
+
+    # ---- whole-page helpers (tests, diagnostics) ----------------------------------------
+
+    def read_pages(self, page_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Copies of whole pages: `[n, layers, 2, page_size, kv_heads, head_dim]`."""
+        ids = torch.as_tensor(page_ids, dtype=torch.long, device=self._device).reshape(-1)
+        out = torch.empty((ids.numel(), *self._page_shape), dtype=self._dtype, device=self._device)
+        for s, pos in _group(ids // self.segment_pages, len(self._segments)):
+            out[pos] = self._segments[s][ids[pos] - s * self.segment_pages]
+        return out
+
+    def fill_pages(
+        self, page_ids: Sequence[int] | torch.Tensor, values: torch.Tensor | float
+    ) -> None:
+        """Set whole pages to `values`, broadcast to `[n, layers, 2, page_size, kvh, hd]`."""
+        ids = torch.as_tensor(page_ids, dtype=torch.long, device=self._device).reshape(-1)
+        full = (ids.numel(), *self._page_shape)
+        vals = torch.as_tensor(values, dtype=self._dtype, device=self._device).expand(full)
+        for s, pos in _group(ids // self.segment_pages, len(self._segments)):
+            self._segments[s][ids[pos] - s * self.segment_pages] = vals[pos]
+
+
+def _group(keys: torch.Tensor, num_keys: int) -> list[tuple[int, torch.Tensor]]:
+    """Positions of each distinct key in `keys` (`[n]`, values in `[0, num_keys)`), by key.
+
+    One sort and one count, whatever the number of keys; reading the counts back to the host is
+    the only synchronisation.
+    """
+    order = torch.argsort(keys, stable=True)
+    counts = torch.bincount(keys, minlength=num_keys).tolist()
+    if len(counts) > num_keys:
+        raise IndexError(f"page id beyond the pool (segment {len(counts) - 1} of {num_keys})")
+    return [(key, pos) for key, pos in enumerate(order.split(counts)) if pos.numel()]

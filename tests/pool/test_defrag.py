@@ -1,0 +1,170 @@
+"""Defragmenter and AutoDefrag scenarios with exact moves and exact resulting page tables."""
+
+import pytest
+
+from kvctl.agent.pool import (
+    AutoDefrag,
+    Defragmenter,
+    DefragPolicy,
+    DefragTrigger,
+    PagePool,
+    moves_needed,
+    plan_moves,
+)
+
+
+class RecordingCopier:
+    """Holds one value per page so a test can see contents follow their pages."""
+
+    def __init__(self, pages: int) -> None:
+        self.contents = [None] * pages
+        self.batches: list[tuple[list[int], list[int]]] = []
+
+    def copy_pages(self, src, dst) -> None:
+        self.batches.append((list(src), list(dst)))
+        values = [self.contents[s] for s in src]
+        for d, v in zip(dst, values, strict=True):
+            self.contents[d] = v
+
+
+def fragmented() -> PagePool:
+    """12 pages of 4 tokens: a=[0,1] c=[4,5] e=[8,9] f=[10,11]; free [2,3] and [6,7]."""
+    p = PagePool(12, 4, segment_pages=4, bytes_per_page=10)
+    for name in "abcdef":
+        p.allocate(name, 8)
+    p.free("b")
+    p.free("d")
+    return p
+
+
+def test_plan_moves_highest_sources_into_lowest_holes() -> None:
+    p = fragmented()
+    assert moves_needed(p) == 4
+    assert plan_moves(p, 10) == [(11, 2), (10, 3), (9, 6), (8, 7)]
+    assert plan_moves(p, 3) == [(11, 2), (10, 3), (9, 6)]
+    assert plan_moves(p, 10, boundary=10) == [(11, 2), (10, 3)]
+
+
+def test_full_defrag_compacts_and_contents_follow_their_pages() -> None:
+    p = fragmented()
+    copier = RecordingCopier(12)
+    for name in "acef":
+        for i, page in enumerate(p.table(name).pages):
+            copier.contents[page] = (name, i)
+    report = Defragmenter(p, copier, batch_pages=2).run(DefragTrigger.MANUAL)
+    assert copier.batches == [([11, 10], [2, 3]), ([9, 8], [6, 7])]
+    assert p.table("f").pages == [3, 2]
+    assert p.table("e").pages == [7, 6]
+    assert p.free_runs() == [(8, 4)]
+    for name in "acef":
+        assert [copier.contents[pg] for pg in p.table(name).pages] == [(name, 0), (name, 1)]
+    assert report.fragmentation_before == pytest.approx(0.5)
+    assert (report.fragmentation_after, report.pages_moved, report.bytes_moved) == (0.0, 4, 40)
+    assert (report.free_extents_before, report.free_extents_after, report.complete) == (2, 1, True)
+    p.check_invariants()
+
+
+def test_budgeted_run_stops_early_and_resumes() -> None:
+    p = fragmented()
+    d = Defragmenter(p, batch_pages=1)
+    first = d.run(DefragTrigger.THRESHOLD, max_pages=3)
+    assert (first.pages_moved, first.complete) == (3, False)
+    second = d.run(DefragTrigger.THRESHOLD, max_pages=3)
+    assert (second.pages_moved, second.complete) == (1, True)
+    assert p.stats().fragmentation_ratio == 0.0
+
+
+def test_time_budget_is_read_from_the_injected_clock() -> None:
+    p = fragmented()
+    ticks = iter(range(100))
+    d = Defragmenter(p, batch_pages=1, clock=lambda: float(next(ticks)))
+    report = d.run(DefragTrigger.MANUAL, max_seconds=2.0)
+    assert report.pages_moved == 2  # one page per clock tick, stopped after two seconds
+    assert not report.complete
+
+
+def test_moves_update_cached_holds_and_listeners() -> None:
+    p = fragmented()
+    p.hold_cached([10, 11])
+    p.free("f")  # pages 10, 11 stay cached
+    seen: list[dict[int, int]] = []
+    p.add_relocation_listener(seen.append)
+    Defragmenter(p).run(DefragTrigger.MANUAL)
+    assert seen == [{11: 2, 10: 3, 9: 6, 8: 7}]
+    assert (p.state(2).value, p.state(3).value) == ("cached", "cached")
+    assert p.cached_pages == 2
+    p.check_invariants()
+
+
+def test_auto_defrag_threshold_with_hysteresis() -> None:
+    p = fragmented()  # fragmentation 0.5 with 4 free pages
+    now = [0.0]
+    policy = DefragPolicy(
+        fragmentation_threshold=0.4,
+        fragmentation_target=0.1,
+        min_free_pages=1,
+        check_interval_s=10.0,
+        step_max_pages=1,
+    )
+    auto = AutoDefrag(Defragmenter(p, batch_pages=1), policy, clock=lambda: now[0])
+    first = auto.tick()
+    assert first is not None and first.trigger is DefragTrigger.THRESHOLD
+    assert first.pages_moved == 1
+    # the session goes on below the threshold until it reaches the target
+    while auto.active is not None:
+        assert auto.tick() is not None
+    assert p.stats().fragmentation_ratio == 0.0
+    assert auto.runs_total == {DefragTrigger.THRESHOLD: 1}
+    assert auto.completed[-1].pages_moved == 4
+    # compact now, and no check due before the interval: nothing runs
+    assert auto.tick() is None
+
+
+def test_auto_defrag_checks_thresholds_only_every_interval() -> None:
+    p = PagePool(12, 4, segment_pages=4)
+    now = [0.0]
+    policy = DefragPolicy(fragmentation_threshold=0.4, min_free_pages=1, check_interval_s=10.0)
+    auto = AutoDefrag(Defragmenter(p), policy, clock=lambda: now[0])
+    assert auto.tick() is None  # compact pool: checked at t=0, nothing to do
+    for name in "abcdef":
+        p.allocate(name, 8)
+    p.free("b")
+    p.free("d")
+    now[0] = 5.0
+    assert auto.tick() is None  # fragmented, but the next check is at t=10
+    now[0] = 10.0
+    assert auto.tick() is not None
+
+
+def test_auto_defrag_starts_on_a_contiguous_miss_and_on_extents() -> None:
+    p = fragmented()
+    policy = DefragPolicy(fragmentation_threshold=1.0, fragmentation_target=1.0, min_free_pages=1)
+    auto = AutoDefrag(Defragmenter(p), policy, clock=lambda: 0.0)
+    assert auto.tick() is None
+    p.allocate("g", 12)  # three pages, no run of three: a contiguous miss
+    report = auto.tick()
+    assert report is not None and report.trigger is DefragTrigger.ALLOC_FAILURE
+
+    p2 = fragmented()
+    policy2 = DefragPolicy(
+        fragmentation_threshold=1.0, max_free_extents=1, min_free_pages=1, check_interval_s=0
+    )
+    auto2 = AutoDefrag(Defragmenter(p2), policy2, clock=lambda: 0.0)
+    report2 = auto2.tick()
+    assert report2 is not None and report2.trigger is DefragTrigger.EXTENTS
+
+
+def test_disabled_auto_defrag_runs_only_on_request() -> None:
+    p = fragmented()
+    auto = AutoDefrag(Defragmenter(p), DefragPolicy(enabled=False), clock=lambda: 0.0)
+    assert auto.tick() is None
+    auto.request(DefragTrigger.MANUAL)
+    report = auto.tick()
+    assert report is not None and report.trigger is DefragTrigger.MANUAL
+
+
+def test_policy_validation() -> None:
+    with pytest.raises(ValueError, match="fragmentation_target"):
+        DefragPolicy(fragmentation_threshold=0.2, fragmentation_target=0.5)
+    with pytest.raises(ValueError, match="step_max_pages"):
+        DefragPolicy(step_max_pages=0)

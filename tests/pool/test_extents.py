@@ -1,0 +1,65 @@
+"""FreeExtents: exact runs after each operation on tiny free spaces."""
+
+import pytest
+
+from kvctl.agent.pool.extents import FreeExtents, size_class
+
+
+def runs(ext: FreeExtents) -> list[tuple[int, int]]:
+    return list(ext.runs())
+
+
+def test_size_classes_are_exact_below_64_then_by_bit_length() -> None:
+    assert [size_class(n) for n in (1, 2, 63)] == [1, 2, 63]
+    assert size_class(64) == size_class(127) == 64
+    assert size_class(128) == 65
+
+
+def test_give_coalesces_with_both_neighbours() -> None:
+    ext = FreeExtents()
+    ext.give(0, 2)
+    ext.give(5, 3)
+    assert runs(ext) == [(0, 2), (5, 3)]
+    ext.give(2, 3)  # fills the hole between them
+    assert runs(ext) == [(0, 8)]
+    assert (len(ext), ext.free_pages, ext.largest()) == (1, 8, 8)
+
+
+def test_take_run_is_best_fit_and_serves_from_the_low_end() -> None:
+    ext = FreeExtents()
+    ext.give(0, 10)
+    ext.give(20, 3)
+    assert ext.take_run(3) == 20  # the exact-size run, not the big one
+    assert runs(ext) == [(0, 10)]
+    assert ext.take_run(4) == 0
+    assert runs(ext) == [(4, 6)]
+    assert ext.take_run(7) is None
+    assert ext.free_pages == 6
+
+
+def test_take_run_searches_large_classes_for_a_fitting_run() -> None:
+    ext = FreeExtents()
+    ext.give(0, 70)  # same class (64..127) as 100 but too small
+    ext.give(200, 300)
+    assert ext.take_run(100) == 200
+    assert runs(ext) == [(0, 70), (300, 200)]
+
+
+def test_take_scattered_takes_largest_runs_first() -> None:
+    ext = FreeExtents()
+    ext.give(0, 2)
+    ext.give(4, 5)
+    ext.give(12, 1)
+    assert ext.take_scattered(6) == [(4, 5), (0, 1)]
+    assert runs(ext) == [(1, 1), (12, 1)]
+    assert ext.free_pages == 2
+
+
+def test_take_range_splits_a_run() -> None:
+    ext = FreeExtents()
+    ext.give(0, 10)
+    ext.take_range(3, 2)
+    assert runs(ext) == [(0, 3), (5, 5)]
+    with pytest.raises(AssertionError):
+        ext.take_range(2, 2)  # page 3 is no longer free
+    assert ext.last_run() == (5, 5)

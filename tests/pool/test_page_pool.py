@@ -1,0 +1,163 @@
+"""PagePool scenarios on tiny pools, with the exact page ids expected after each step."""
+
+import pytest
+
+from kvctl.agent.pool import PagePool, PageState, PoolError, PoolExhausted, UnknownSequence
+from kvctl.agent.pool.stats import PageRun
+
+
+def pool(pages: int = 12, page_size: int = 4, segment_pages: int = 4) -> PagePool:
+    return PagePool(pages, page_size, segment_pages, bytes_per_page=100)
+
+
+def test_allocate_prefers_one_contiguous_run() -> None:
+    p = pool()
+    assert p.allocate("a", 10).pages == [0, 1, 2]  # 10 tokens / 4 per page
+    assert p.allocate("b", 4).pages == [3]
+    assert p.allocate("c", 8).pages == [4, 5]
+    p.free("b")
+    # the freed single page is the best fit for a one-page request
+    assert p.allocate("d", 1).pages == [3]
+    assert p.free_runs() == [(6, 6)]
+    p.check_invariants()
+
+
+def test_allocation_falls_back_to_scattered_pages_and_counts_the_miss() -> None:
+    p = pool()
+    for name in "abcdef":
+        p.allocate(name, 8)  # two pages each: a=[0,1] b=[2,3] ... f=[10,11]
+    p.free("b")
+    p.free("d")
+    assert p.free_runs() == [(2, 2), (6, 2)]
+    t = p.allocate("g", 16)  # four pages, no run of four is free
+    assert sorted(t.pages) == [2, 3, 6, 7]
+    assert not t.is_run
+    stats = p.stats()
+    assert (stats.contiguous_misses, stats.alloc_attempts, stats.alloc_failures) == (1, 7, 0)
+    p.check_invariants()
+
+
+def test_exhaustion_raises_counts_a_failure_and_changes_nothing() -> None:
+    p = pool()
+    p.allocate("a", 40)
+    with pytest.raises(PoolExhausted, match="need 3 pages, 2 free"):
+        p.allocate("b", 12)
+    assert "b" not in p
+    assert p.free_runs() == [(10, 2)]
+    assert (p.alloc_attempts, p.alloc_failures) == (2, 1)
+    with pytest.raises(PoolExhausted):
+        p.append("a", 12)
+    assert p.table("a").num_tokens == 40
+    p.check_invariants()
+
+
+def test_append_fills_the_last_page_before_taking_a_new_one() -> None:
+    p = pool()
+    p.allocate("a", 3)
+    assert p.append("a", 1) == []
+    assert p.table("a").pages == [0]
+    p.append("a", 1)  # token 5 needs a second page
+    assert p.table("a").pages == [0, 1]
+    assert p.table("a").is_run
+    p.check_invariants()
+
+
+def test_fork_shares_pages_and_append_copies_a_shared_partial_page() -> None:
+    p = pool()
+    p.allocate("a", 6)  # pages [0, 1]; page 1 holds 2 of 4 tokens
+    p.fork("a", "b")
+    assert p.table("b").pages == [0, 1]
+    assert (p.refcount(0), p.refcount(1)) == (2, 2)
+    copies = p.append("b", 1)
+    assert [(c.src, c.dst) for c in copies] == [(1, 2)]
+    assert p.table("b").pages == [0, 2]
+    assert (p.refcount(1), p.refcount(2)) == (1, 1)
+    assert p.append("a", 1) == []  # page 1 is private to "a" again: no copy
+    p.free("a")
+    assert p.free_runs() == [(1, 1), (3, 9)]
+    p.free("b")
+    assert p.free_runs() == [(0, 12)]
+    p.check_invariants()
+
+
+def test_cached_pages_outlive_their_sequence_until_released() -> None:
+    p = pool()
+    p.allocate("a", 8)  # [0, 1]
+    p.hold_cached([0, 1])
+    p.free("a")
+    assert [p.state(0), p.state(1), p.state(2)] == [
+        PageState.CACHED,
+        PageState.CACHED,
+        PageState.FREE,
+    ]
+    assert (p.used_pages, p.cached_pages, p.free_pages) == (0, 2, 10)
+    table, copies = p.adopt("b", [0, 1], shared_tokens=6, num_tokens=7)
+    # page 1 is held by the cache and only partly matched: "b" writes into a private copy
+    assert [(c.src, c.dst) for c in copies] == [(1, 2)]
+    assert table.pages == [0, 2]
+    assert (p.used_pages, p.cached_pages) == (2, 1)
+    p.release_cached([0, 1])
+    assert p.free_runs() == [(1, 1), (3, 9)]
+    p.check_invariants()
+
+
+def test_allocation_evicts_cached_pages_when_short() -> None:
+    p = pool(pages=4, segment_pages=4)
+    p.allocate("a", 16)
+    p.hold_cached([0, 1, 2, 3])
+    p.free("a")
+
+    def evict(n: int) -> int:
+        p.release_cached([3, 2][:n] if n <= 2 else [3, 2, 1, 0][:n])
+        return n
+
+    p.set_evictor(evict)
+    assert p.can_allocate(8)
+    assert p.allocate("b", 8).pages == [2, 3]
+    assert p.cached_pages == 2
+    p.check_invariants()
+
+
+def test_page_map_is_run_length_encoded() -> None:
+    p = pool()
+    p.allocate("a", 8)  # [0, 1]
+    p.allocate("b", 4)  # [2]
+    p.hold_cached([2])
+    p.free("b")
+    assert p.page_map() == [
+        PageRun(PageState.USED, 0, 2),
+        PageRun(PageState.CACHED, 2, 1),
+        PageRun(PageState.FREE, 3, 9),
+    ]
+
+
+def test_stats_follow_the_design_definitions() -> None:
+    p = pool()
+    for name in "abcdef":
+        p.allocate(name, 8)
+    p.free("b")  # frees [2, 3]
+    p.free("e")  # frees [8, 9]
+    p.free("f")  # frees [10, 11] -> run [8, 12)
+    s = p.stats()
+    assert (s.free_pages, s.free_extents, s.largest_free_run) == (6, 2, 4)
+    assert s.fragmentation_ratio == pytest.approx(1 - 4 / 6)
+    assert s.utilization_ratio == pytest.approx(6 / 12)
+    assert (s.capacity_bytes, s.used_bytes) == (1200, 600)
+    assert pool().stats().fragmentation_ratio == 0.0
+    full = pool()
+    full.allocate("x", 48)
+    assert full.stats().fragmentation_ratio == 0.0  # nothing free
+
+
+def test_bad_calls_are_refused() -> None:
+    p = pool()
+    p.allocate("a", 1)
+    with pytest.raises(PoolError, match="already has a page table"):
+        p.allocate("a", 1)
+    with pytest.raises(UnknownSequence, match="'zz' is not in the pool"):
+        p.free("zz")
+    with pytest.raises(ValueError):
+        p.allocate("b", -1)
+    with pytest.raises(PoolError, match="is free"):
+        p.hold_cached([5])
+    p.check_invariants()

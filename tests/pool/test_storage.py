@@ -1,0 +1,321 @@
+"""KVStorage: page copies, the model's writes and gathers, segments, and the whole pool stack.
+
+Contents are built so that every element of every page is distinct, and every check compares
+exact values, so a copy to the wrong page, segment, layer, K/V half, head or offset fails.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvctl.agent.pool.defrag import Defragmenter, DefragTrigger
+from kvctl.agent.pool.page_pool import PagePool, PageTable
+from kvctl.agent.pool.resize import PoolResizer
+from kvctl.agent.pool.storage import KVStorage
+
+# A small page: 2 layers, K and V, 2 tokens, 2 kv heads, head_dim 3 -> 48 elements.
+SHAPE = {"page_size": 2, "num_layers": 2, "num_kv_heads": 2, "head_dim": 3}
+PAGE_ELEMENTS = 2 * 2 * 2 * 2 * 3
+
+
+def make_storage(num_segments: int, segment_pages: int, **kwargs: object) -> KVStorage:
+    return KVStorage(num_segments, segment_pages, **SHAPE, **kwargs)  # type: ignore[arg-type]
+
+
+def page_contents(page: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Distinct values for every element of page `page`: `[layers, 2, ps, kvh, hd]`."""
+    values = torch.arange(PAGE_ELEMENTS, dtype=torch.float32) + 100 * page
+    return values.reshape(2, 2, 2, 2, 3).to(dtype)
+
+
+def fill_distinct(storage: KVStorage) -> None:
+    pages = list(range(storage.num_pages))
+    storage.fill_pages(pages, torch.stack([page_contents(p, storage.dtype) for p in pages]))
+
+
+def expected_after(num_pages: int, src: list[int], dst: list[int]) -> torch.Tensor:
+    contents = {p: page_contents(p) for p in range(num_pages)}
+    for s, d in zip(src, dst, strict=True):
+        contents[d] = page_contents(s)
+    return torch.stack([contents[p] for p in range(num_pages)])
+
+
+# ---- size ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"), [(torch.float32, 65536), (torch.float16, 32768), (torch.bfloat16, 32768)]
+)
+def test_bytes_per_page_of_the_demo_shape(dtype: torch.dtype, expected: int) -> None:
+    storage = KVStorage(3, 8, 16, 4, 4, 32, dtype=dtype, device="cpu")
+    # layers 4 * (K, V) 2 * page_size 16 * kv_heads 4 * head_dim 32 * element size
+    assert storage.bytes_per_page == expected
+    assert storage.num_pages == 24
+    assert storage.nbytes == 24 * expected
+    assert storage.dtype == dtype
+    assert storage.device == torch.device("cpu")
+
+
+def test_new_pages_are_zero() -> None:
+    storage = make_storage(2, 3)
+    assert torch.equal(storage.read_pages(range(6)), torch.zeros(6, 2, 2, 2, 2, 3))
+
+
+# ---- copy_pages ---------------------------------------------------------------------------
+
+
+def test_copy_within_one_segment_with_interleaved_sources_and_destinations() -> None:
+    storage = make_storage(1, 8)
+    fill_distinct(storage)
+    src, dst = [7, 3, 5, 1], [0, 2, 4, 6]  # 0 1 2 3 4 5 6 7: dst, src alternate
+    storage.copy_pages(src, dst)
+    # page 0 <- 7, 2 <- 3, 4 <- 5, 6 <- 1; sources keep their contents
+    assert torch.equal(storage.read_pages(range(8)), expected_after(8, src, dst))
+
+
+def test_copy_across_segments_in_every_direction() -> None:
+    storage = make_storage(3, 4)  # pages 0-3 | 4-7 | 8-11
+    fill_distinct(storage)
+    src = [11, 9, 6, 1, 10, 2]
+    dst = [0, 3, 5, 8, 4, 7]  # 2->0, 2->0, 1->1, 0->2, 2->1, 0->1
+    storage.copy_pages(src, dst)
+    assert torch.equal(storage.read_pages(range(12)), expected_after(12, src, dst))
+
+
+@pytest.mark.parametrize("num_segments", [1, 3])
+def test_copy_through_a_staging_buffer_smaller_than_the_batch(num_segments: int) -> None:
+    storage = make_storage(num_segments, 12 // num_segments, staging_bytes=1)  # one page at a time
+    fill_distinct(storage)
+    src, dst = [11, 10, 9, 8, 7, 1], [0, 2, 3, 4, 5, 6]
+    storage.copy_pages(src, dst)
+    assert torch.equal(storage.read_pages(range(12)), expected_after(12, src, dst))
+
+
+def test_one_source_can_be_copied_to_several_destinations() -> None:
+    storage = make_storage(2, 4)
+    fill_distinct(storage)
+    storage.copy_pages([5, 5], [0, 7])
+    assert torch.equal(storage.read_pages(range(8)), expected_after(8, [5, 5], [0, 7]))
+
+
+def test_empty_copy_changes_nothing() -> None:
+    storage = make_storage(2, 4)
+    fill_distinct(storage)
+    storage.copy_pages([], [])
+    assert torch.equal(storage.read_pages(range(8)), expected_after(8, [], []))
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "error"),
+    [
+        ([1, 2], [3], ValueError),  # lengths differ
+        ([1, 2], [3, 3], ValueError),  # one destination twice
+        ([1, 2], [2, 3], ValueError),  # a destination is a source
+        ([1], [8], IndexError),  # beyond the pool
+        ([-1], [0], IndexError),
+    ],
+)
+def test_bad_copies_are_refused_and_change_nothing(
+    src: list[int], dst: list[int], error: type[Exception]
+) -> None:
+    storage = make_storage(2, 4)
+    fill_distinct(storage)
+    with pytest.raises(error):
+        storage.copy_pages(src, dst)
+    assert torch.equal(storage.read_pages(range(8)), expected_after(8, [], []))
+
+
+# ---- write and gather ---------------------------------------------------------------------
+
+
+def token_kv(count: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct K and V for `count` tokens: `[count, kvh 2, hd 3]` each."""
+    k = torch.arange(count * 6, dtype=torch.float32).reshape(count, 2, 3) + start
+    return k, -k - 1
+
+
+@pytest.mark.parametrize("num_segments", [1, 4])
+@pytest.mark.parametrize("prepared", [False, True])
+def test_write_then_gather_scattered_pages(num_segments: int, prepared: bool) -> None:
+    storage = make_storage(num_segments, 16 // num_segments)
+    # Two sequences on scattered pages (segments 3, 0, 2 and 1, 3 when there are 4 of 4 pages).
+    tables = [[13, 2, 9], [5, 14]]
+    lengths = [6, 3]  # page_size 2: 3 full pages; one full page and one token
+    slots = [
+        (t, seq, pages[t // 2], t % 2)
+        for seq, (pages, n) in enumerate(zip(tables, lengths, strict=True))
+        for t in range(n)
+    ]
+    page = torch.tensor([s[2] for s in slots])
+    offset = torch.tensor([s[3] for s in slots])
+    k, v = token_kv(len(slots), start=1000)
+    if prepared:
+        storage.write(1, storage.index_slots(page, offset), None, k, v)
+    else:
+        storage.write(1, page, offset, k, v)
+
+    page_ids = torch.tensor([[13, 2, 9], [5, 14, 0]])  # the second row padded with page 0
+    index = storage.index_pages(page_ids) if prepared else page_ids
+    got_k, got_v = storage.gather(1, index)
+    assert got_k.shape == got_v.shape == (2, 6, 2, 3)
+    for i, (t, seq, _, _) in enumerate(slots):
+        assert torch.equal(got_k[seq, t], k[i]), (seq, t)
+        assert torch.equal(got_v[seq, t], v[i]), (seq, t)
+    # the unwritten slots read as zeros: sequence 1's second page past its token, and padding
+    assert torch.equal(got_k[1, 3:], torch.zeros(3, 2, 3))
+    # the other layer is untouched
+    other_k, other_v = storage.gather(0, page_ids)
+    assert not other_k.any() and not other_v.any()
+
+
+def test_gather_reads_whole_pages_in_table_order() -> None:
+    storage = make_storage(3, 4)
+    fill_distinct(storage)
+    page_ids = torch.tensor([[10, 1, 5], [0, 0, 7]])
+    k, v = storage.gather(1, page_ids)
+    for b in range(2):
+        for j in range(3):
+            page = int(page_ids[b, j])
+            tokens = slice(2 * j, 2 * j + 2)
+            assert torch.equal(k[b, tokens], page_contents(page)[1, 0]), (b, j)
+            assert torch.equal(v[b, tokens], page_contents(page)[1, 1]), (b, j)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_copy_write_and_gather(dtype: torch.dtype) -> None:
+    storage = make_storage(2, 4, dtype=dtype)
+    tags = torch.arange(1, 9, dtype=dtype)  # page p holds p + 1 everywhere: exact in both dtypes
+    storage.fill_pages(range(8), tags[:, None, None, None, None, None])
+    storage.copy_pages([6, 1], [0, 5])
+    got = storage.read_pages(range(8))
+    assert got.dtype == dtype
+    assert torch.equal(got[:, 0, 0, 0, 0, 0], torch.tensor([7, 2, 3, 4, 5, 2, 7, 8], dtype=dtype))
+    assert torch.equal(got, got[:, :1, :1, :1, :1, :1].expand_as(got))
+    k, v = token_kv(2, start=0)  # integers below 12: exact in both dtypes
+    storage.write(0, torch.tensor([3, 4]), torch.tensor([1, 0]), k, v)  # cast from float32
+    got_k, got_v = storage.gather(0, torch.tensor([[3, 4]]))
+    assert got_k.dtype == got_v.dtype == dtype
+    assert torch.equal(got_k[0, 1], k[0].to(dtype))
+    assert torch.equal(got_k[0, 2], k[1].to(dtype))
+    assert torch.equal(got_v[0, 2], v[1].to(dtype))
+    assert torch.equal(got_k[0, 0], torch.full((2, 3), 4, dtype=dtype))  # page 3 offset 0: tag
+
+
+# ---- segments -----------------------------------------------------------------------------
+
+
+def test_add_and_release_segments_keep_the_remaining_pages() -> None:
+    storage = make_storage(2, 4)
+    fill_distinct(storage)
+    storage.add_segments(2)
+    assert (storage.num_segments, storage.num_pages) == (4, 16)
+    pages = storage.read_pages(range(16))
+    assert torch.equal(pages[:8], expected_after(8, [], []))
+    assert not pages[8:].any()  # new segments start zeroed
+    storage.fill_pages([12], 7.0)
+    storage.release_segments(1)
+    assert (storage.num_segments, storage.num_pages) == (3, 12)
+    assert torch.equal(storage.read_pages(range(8)), expected_after(8, [], []))
+    storage.release_segments(2)
+    assert torch.equal(storage.read_pages(range(4)), expected_after(4, [], []))
+
+
+@pytest.mark.parametrize("count", [2, 3, -1])
+def test_release_refuses_to_leave_no_segment(count: int) -> None:
+    storage = make_storage(2, 4)
+    with pytest.raises(ValueError, match="at most all but one"):
+        storage.release_segments(count)
+    assert storage.num_segments == 2
+
+
+def test_pages_beyond_a_released_segment_are_out_of_range() -> None:
+    storage = make_storage(2, 4)
+    storage.release_segments(1)
+    with pytest.raises(IndexError):
+        storage.copy_pages([5], [0])
+
+
+# ---- the whole stack: pool + defragmenter + resizer over real storage ---------------------
+
+PAGE_SIZE = 4
+LAYERS = 2
+
+
+def write_tags(storage: KVStorage, table: PageTable, tag: int) -> None:
+    """Token t of the sequence tagged `tag` holds K = tag*1000 + t + layer*100000, V = -K."""
+    t = torch.arange(table.num_tokens)
+    pages = torch.tensor(table.pages)[t // PAGE_SIZE]
+    for layer in range(LAYERS):
+        values = (tag * 1000 + t + layer * 100_000).float()
+        k = values[:, None, None].expand(-1, 2, 3)
+        storage.write(layer, pages, t % PAGE_SIZE, k, -k)
+
+
+def check_tags(storage: KVStorage, table: PageTable, tag: int) -> None:
+    t = torch.arange(table.num_tokens)
+    for layer in range(LAYERS):
+        k, v = storage.gather(layer, torch.tensor([table.pages]))
+        expected = (tag * 1000 + t + layer * 100_000).float()[:, None, None].expand(-1, 2, 3)
+        assert torch.equal(k[0, : table.num_tokens], expected), (table.seq_id, layer)
+        assert torch.equal(v[0, : table.num_tokens], -expected), (table.seq_id, layer)
+
+
+def test_defrag_grow_and_shrink_keep_every_sequence_readable() -> None:
+    rng = random.Random(7)
+    storage = KVStorage(4, 16, PAGE_SIZE, LAYERS, 2, 3)
+    pool = PagePool(64, PAGE_SIZE, segment_pages=16, bytes_per_page=storage.bytes_per_page)
+    defrag = Defragmenter(pool, storage, batch_pages=5)
+    resizer = PoolResizer(pool, defrag, storage)
+    tags: dict[int, int] = {}
+
+    def start(seq: int, tokens: int) -> None:
+        write_tags(storage, pool.allocate(seq, tokens), seq)
+        tags[seq] = seq
+
+    for seq in range(16):  # 44 of 64 pages
+        start(seq, rng.randint(5, 16))
+    for seq in range(0, 16, 2):
+        pool.free(seq)
+        del tags[seq]
+    for seq in range(16, 22):  # these land in the holes, some scattered
+        start(seq, rng.randint(1, 10))
+    for seq in (1, 5, 9, 17):  # grow in place: appended tokens get new tags too
+        pool.append(seq, 5)
+        write_tags(storage, pool.table(seq), seq)
+    for seq in (3, 11, 19):
+        pool.free(seq)
+        del tags[seq]
+    before = {seq: list(pool.table(seq).pages) for seq in tags}
+    assert pool.stats().fragmentation_ratio > 0.3
+
+    report = defrag.run(DefragTrigger.MANUAL)
+
+    assert report.complete and report.pages_moved > 0
+    assert report.bytes_moved == report.pages_moved * storage.bytes_per_page
+    assert pool.stats().fragmentation_ratio == 0.0
+    assert pool.stats().free_extents == 1
+    assert any(pool.table(seq).pages != pages for seq, pages in before.items())
+    for seq, tag in tags.items():
+        check_tags(storage, pool.table(seq), tag)
+
+    resizer.resize(96)
+    assert (pool.capacity, storage.num_pages) == (96, 96)
+    used = pool.used_pages
+    start(30, 4 * (96 - used - 8))  # fills the pool up to the top, leaving 8 pages free
+    for seq in (1, 5, 7):  # holes low in the pool, occupied pages high
+        pool.free(seq)
+        del tags[seq]
+    for seq, tag in tags.items():
+        check_tags(storage, pool.table(seq), tag)
+
+    result = resizer.resize(pool.used_pages)
+
+    assert result.pages_moved > 0
+    assert pool.capacity == storage.num_pages == result.new_pages < 96
+    assert max(max(pool.table(seq).pages) for seq in tags) < pool.capacity
+    pool.check_invariants()
+    for seq, tag in tags.items():
+        check_tags(storage, pool.table(seq), tag)
