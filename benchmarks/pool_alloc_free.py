@@ -6,8 +6,9 @@ same trace and the figure is pages allocated plus pages freed per second.
 
 The baseline is vLLM's block pool design, ported line for line to the operations this trace
 needs: a hand-made doubly linked list of block objects with batch pop from the head and batch
-append at the tail, plus a reference count per block. It is fast, but it has no notion of contiguity; ours hands out contiguous runs when it can
-and keeps the free extents that fragmentation statistics need.
+append at the tail, plus a reference count per block. It is fast, but it has no notion of
+contiguity; ours hands out contiguous runs when it can and keeps the free extents that the
+fragmentation statistics need.
 
     python benchmarks/pool_alloc_free.py [--pages 100000] [--ops 200000] [--seed 0]
 """

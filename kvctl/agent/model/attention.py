@@ -1,0 +1,153 @@
+"""Attention over a flattened batch, and the backend protocol through which the model reaches its
+KV cache.
+
+The model never sees how K and V are stored: each layer hands its new q/k/v to an
+`AttentionBackend`, which stores k/v and attends. The math lives in two helpers shared by every
+backend, so the contiguous baseline and the paged pool compute attention identically and differ
+only in where K/V come from:
+
+- `attend_one`: one sequence, t new tokens after `cached_len` cached ones (prefill, chunked
+  prefill, prefix-cache hits).
+- `attend_decode`: B sequences, one new token each, K/V gathered into a padded [B, L, kvh, d]
+  tensor with a key mask: one SDPA call for the whole decode batch.
+
+Query head i reads KV head i // group (group = num_heads // num_kv_heads), as in Hugging Face's
+`repeat_kv`. Decode groups the query heads by KV head ([B, kvh, group, d]) instead of repeating
+K/V, so reading the cache costs no copy of it.
+"""
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class AttentionBackend(Protocol):
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] for the T new tokens of
+        the batch, laid out sequence after sequence. Stores k and v as the cache of those tokens,
+        then returns [T, num_heads, head_dim]: each new token attends causally to its own
+        sequence's cached tokens and to the new tokens of its sequence up to and including
+        itself."""
+        ...
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Which tokens of a flattened batch belong to which sequence, and where each sequence stands.
+
+    Sequence i owns the `new_lens[i]` consecutive tokens starting at `offsets[i]`; it had
+    `cached_lens[i]` tokens in the cache before this step, so its new tokens sit at positions
+    `cached_lens[i] ... cached_lens[i] + new_lens[i] - 1`.
+    """
+
+    seq_ids: tuple[Hashable, ...]
+    cached_lens: tuple[int, ...]
+    new_lens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.seq_ids:
+            raise ValueError("a step needs at least one sequence")
+        if not len(self.seq_ids) == len(self.cached_lens) == len(self.new_lens):
+            raise ValueError("seq_ids, cached_lens and new_lens must have one entry per sequence")
+        if len(set(self.seq_ids)) != len(self.seq_ids):
+            raise ValueError(f"a sequence appears twice in one step: {list(self.seq_ids)}")
+        if any(n < 1 for n in self.new_lens):
+            raise ValueError(f"every sequence in a step needs ≥ 1 new token, got {self.new_lens}")
+        if any(c < 0 for c in self.cached_lens):
+            raise ValueError(f"cached lengths must be ≥ 0, got {self.cached_lens}")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.new_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every sequence adds exactly one token: the batched decode fast path."""
+        return all(n == 1 for n in self.new_lens)
+
+    @property
+    def total_lens(self) -> tuple[int, ...]:
+        return tuple(c + n for c, n in zip(self.cached_lens, self.new_lens, strict=True))
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        starts, offset = [], 0
+        for n in self.new_lens:
+            starts.append(offset)
+            offset += n
+        return tuple(starts)
+
+    def positions(self, device: torch.device | str = "cpu") -> Tensor:
+        """Position of every token of the flat batch: LongTensor [T]."""
+        ranges = [range(c, c + n) for c, n in zip(self.cached_lens, self.new_lens, strict=True)]
+        return torch.tensor([p for r in ranges for p in r], dtype=torch.long, device=device)
+
+    def last_token_indices(self, device: torch.device | str = "cpu") -> Tensor:
+        """Index in the flat batch of each sequence's last new token: LongTensor [B], the rows
+        whose hidden states give next-token logits."""
+        last = [o + n - 1 for o, n in zip(self.offsets, self.new_lens, strict=True)]
+        return torch.tensor(last, dtype=torch.long, device=device)
+
+
+def attend_one(q: Tensor, k_all: Tensor, v_all: Tensor, cached_len: int) -> Tensor:
+    """Causal attention of one sequence's t new tokens.
+
+    q [t, h, d]; k_all, v_all [L, kvh, d] with L = cached_len + t (cached tokens, then the new
+    ones). New token i sees keys 0 .. cached_len + i. Returns [t, h, d].
+
+    A single token uses the grouped layout (no mask, no copy). Several tokens repeat K/V per
+    query head instead: prefill is compute-bound, and a plain causal call (`is_causal`, no mask
+    tensor) lets SDPA pick its flash kernel.
+    """
+    t, h, d = q.shape
+    length, kvh, _ = k_all.shape
+    assert length == cached_len + t, f"k_all has {length} rows, expected {cached_len} + {t}"
+    if t == 1:
+        qg = q.view(kvh, h // kvh, d)  # [kvh, g, d]
+        out = F.scaled_dot_product_attention(qg, k_all.transpose(0, 1), v_all.transpose(0, 1))
+        return out.reshape(1, h, d)
+    keys = k_all.repeat_interleave(h // kvh, dim=1).transpose(0, 1)  # [h, L, d]
+    values = v_all.repeat_interleave(h // kvh, dim=1).transpose(0, 1)  # [h, L, d]
+    mask = None
+    if cached_len:
+        rows = torch.arange(t, device=q.device)[:, None] + cached_len  # [t, 1]
+        mask = torch.arange(length, device=q.device)[None, :] <= rows  # [t, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=not cached_len
+    )  # [h, t, d]
+    return out.transpose(0, 1)
+
+
+def key_mask(lengths: Tensor, max_len: int) -> Tensor:
+    """lengths [B] -> Bool [B, max_len], True for the keys that exist (index < length)."""
+    return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
+    """One new token per sequence attending to its whole padded cache, in one SDPA call.
+
+    q [B, h, d]; k, v [B, L, kvh, d] padded per sequence, already holding the new tokens' k/v;
+    valid Bool [B, L] from `key_mask` (True for real keys; padding is ignored whatever it holds).
+    Returns [B, h, d].
+    """
+    b, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.view(b, kvh, h // kvh, d)  # [B, kvh, g, d]
+    mask = valid[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+    )  # [B, kvh, g, d]
+    return out.reshape(b, h, d)
+
+
+def split_by_sequence(x: Tensor, new_lens: Sequence[int]) -> tuple[Tensor, ...]:
+    """x [T, ...] -> one view per sequence, [new_lens[i], ...] each."""
+    return torch.split(x, list(new_lens), dim=0)

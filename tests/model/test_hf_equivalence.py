@@ -1,0 +1,160 @@
+"""Our decoder against transformers' on tiny random checkpoints saved with `save_pretrained`.
+
+Every parameter (biases and norm weights included) is re-drawn from a seeded generator with
+scales that give peaked logits, so a wrong bias, rope frequency or head grouping moves the
+argmax instead of hiding under near-uniform logits.
+"""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvctl.agent.model import ContiguousKVCache, load_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+VARIANTS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3-rope-tied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"rope_scaling": LLAMA3_ROPE, "tie_word_embeddings": True},
+    ),
+    "qwen2-qkv-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1000.0}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+}
+PROMPT_LENS = (5, 17, 1, 30)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.5 * noise)
+            elif name.endswith("embed_tokens.weight"):
+                param.copy_(noise)
+            else:
+                scale = 3.0 if name == "lm_head.weight" else 1.0
+                param.copy_(noise * scale / math.sqrt(param.shape[1]))
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def checkpoint(request, tmp_path_factory) -> tuple:
+    """(reference transformers model, checkpoint dir, sharded checkpoint dir)."""
+    config_cls, model_cls, extra = VARIANTS[request.param]
+    config = getattr(transformers, config_cls)(**SHAPE, **extra)
+    reference = getattr(transformers, model_cls)(config).eval()
+    _randomize(reference, seed=len(request.param))
+    root = tmp_path_factory.mktemp(request.param)
+    reference.save_pretrained(root / "single")
+    reference.save_pretrained(root / "sharded", max_shard_size="40KB")
+    return reference, root / "single", root / "sharded"
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def test_prefill_logits_match_transformers(checkpoint, prompts):
+    reference, path, _ = checkpoint
+    config, model, _ = load_checkpoint(path, "cpu", torch.float32)
+    cache = ContiguousKVCache(config, max_seqs=len(prompts), max_len=64)
+    layout = cache.begin_step(list(range(len(prompts))), [len(p) for p in prompts])
+    tokens = torch.tensor([t for p in prompts for t in p])
+    ours = model.logits(model(tokens, layout.positions(), cache))  # [T, vocab]
+    with torch.no_grad():
+        expected = torch.cat([reference(torch.tensor([p])).logits[0] for p in prompts])
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_matches_one_shot_prefill(checkpoint, prompts):
+    """Prompts fed in two chunks (the second attends to the cached first) give the same logits."""
+    reference, path, _ = checkpoint
+    config, model, _ = load_checkpoint(path, "cpu", torch.float32)
+    long_prompts = [p for p in prompts if len(p) > 2]
+    cache = ContiguousKVCache(config, max_seqs=len(long_prompts), max_len=64)
+    seqs = list(range(len(long_prompts)))
+    halves = [(p[: len(p) // 2], p[len(p) // 2 :]) for p in long_prompts]
+    logits = []
+    for part in (0, 1):
+        chunks = [h[part] for h in halves]
+        layout = cache.begin_step(seqs, [len(c) for c in chunks])
+        hidden = model(torch.tensor([t for c in chunks for t in c]), layout.positions(), cache)
+        logits.append(model.logits(hidden).split([len(c) for c in chunks]))
+    with torch.no_grad():
+        for i, p in enumerate(long_prompts):
+            expected = reference(torch.tensor([p])).logits[0]
+            torch.testing.assert_close(
+                torch.cat([logits[0][i], logits[1][i]]), expected, atol=1e-4, rtol=1e-4
+            )
+
+
+def test_greedy_generation_matches_transformers(checkpoint, prompts, generate):
+    reference, path, _ = checkpoint
+    _, model, _ = load_checkpoint(path, "cpu", torch.float32)
+    ours = generate(model, prompts, 12)
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        expected = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert len(expected) == 12
+        assert tokens == expected
+    assert len({tuple(t) for t in ours}) > 1, "continuations should depend on the prompt"
+
+
+def test_sharded_checkpoint_loads_identically(checkpoint):
+    _, single, sharded = checkpoint
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    assert (sharded / "model.safetensors.index.json").is_file()
+    config_a, model_a, _ = load_checkpoint(single, "cpu")
+    config_b, model_b, _ = load_checkpoint(sharded, "cpu")
+    assert replace(config_b, name=config_a.name) == config_a
+    state_a, state_b = model_a.state_dict(), model_b.state_dict()
+    assert state_a.keys() == state_b.keys()
+    for name in state_a:
+        assert torch.equal(state_a[name], state_b[name]), name
+
+
+def test_loaded_config_reads_the_checkpoint(checkpoint):
+    reference, path, _ = checkpoint
+    config, model, tokenizer = load_checkpoint(path, "cpu")
+    hf = reference.config
+    assert (config.num_layers, config.num_heads, config.num_kv_heads) == (2, 4, 2)
+    assert config.head_dim == 16 and config.vocab_size == 128
+    assert config.eos_token_ids == (2,)
+    assert config.tie_word_embeddings == hf.tie_word_embeddings
+    assert (model.lm_head is None) == hf.tie_word_embeddings
+    assert config.attention_bias == (hf.model_type == "qwen2")
+    assert tokenizer is None
+    assert next(model.parameters()).dtype == torch.float32
