@@ -1,0 +1,128 @@
+"""Decode step time of the demo model on the paged pool vs a contiguous per-sequence KV cache.
+
+Both sides run the same model on the same batch (8 sequences, 512 tokens of context each):
+prefill once, then time decode steps, each adding one token to every sequence. The contiguous
+side is `ContiguousKVCache` (one preallocated region per sequence, written in place); the paged
+side is what the engine does per step: reserve the token's slot in the pool, build the page
+index, write K/V into pages and gather them back by page table. Sampling is left out of both
+(it is the same code); `--engine` also reports full `Engine.step()` time for reference.
+
+    python benchmarks/decode_step.py [--device cpu] [--batch 8] [--context 512] [--steps 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from kvctl.agent.model import BatchLayout, ContiguousKVCache, LlamaModel, build_demo_model
+from kvctl.agent.pool import PagePool
+from kvctl.agent.pool.storage import KVStorage
+from kvctl.agent.runtime.paged_cache import PagedKVCache
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def contiguous_steps(model: LlamaModel, prompts: torch.Tensor, steps: int) -> list[float]:
+    batch, context = prompts.shape
+    device = prompts.device
+    cache = ContiguousKVCache(
+        model.config, batch, context + steps + 1, device=device, dtype=prompts_dtype(model)
+    )
+    seqs = list(range(batch))
+    layout = cache.begin_step(seqs, [context] * batch)
+    hidden = model(prompts.reshape(-1), layout.positions(device), cache)
+    last = model.logits(hidden[layout.last_token_indices(device)]).argmax(-1)
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        layout = cache.begin_step(seqs, [1] * batch)
+        last = model.logits(model(last, layout.positions(device), cache)).argmax(-1)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def paged_steps(
+    model: LlamaModel, prompts: torch.Tensor, steps: int, page_size: int
+) -> list[float]:
+    batch, context = prompts.shape
+    device = prompts.device
+    config = model.config
+    pages = batch * (-(-(context + steps + 1) // page_size)) + 64
+    storage = KVStorage(
+        1,
+        pages,
+        page_size,
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+        prompts_dtype(model),
+        device,
+    )
+    pool = PagePool(pages, page_size, bytes_per_page=storage.bytes_per_page)
+    cache = PagedKVCache(pool, storage)
+    seqs = list(range(batch))
+    for s in seqs:
+        pool.allocate(s, context)
+    layout = BatchLayout(tuple(seqs), (0,) * batch, (context,) * batch)
+    cache.begin_step(layout)
+    hidden = model(prompts.reshape(-1), layout.positions(device), cache)
+    last = model.logits(hidden[layout.last_token_indices(device)]).argmax(-1)
+    length = context
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        for s in seqs:
+            pool.append(s, 1)
+        layout = BatchLayout(tuple(seqs), (length,) * batch, (1,) * batch)
+        cache.begin_step(layout)
+        last = model.logits(model(last, layout.positions(device), cache)).argmax(-1)
+        sync(device)
+        times.append(time.perf_counter() - start)
+        length += 1
+    return times
+
+
+def prompts_dtype(model: LlamaModel) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    print("command: python benchmarks/decode_step.py " + " ".join(sys.argv[1:]))
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    _, model, _ = build_demo_model(device)
+    prompts = torch.randint(0, 256, (args.batch, args.context), device=device)
+    contiguous, paged = [], []
+    for _ in range(args.rounds):  # alternate so both sides see the same machine state
+        contiguous += contiguous_steps(model, prompts, args.steps)[2:]
+        paged += paged_steps(model, prompts, args.steps, args.page_size)[2:]
+    c_ms, p_ms = statistics.median(contiguous) * 1e3, statistics.median(paged) * 1e3
+    tokens = args.batch
+    print(f"device {device}, demo model, batch {args.batch}, context {args.context}")
+    print(f"contiguous KV cache: {c_ms:7.2f} ms/step  {tokens / c_ms * 1e3:8.0f} tokens/s")
+    print(f"paged KV pool:       {p_ms:7.2f} ms/step  {tokens / p_ms * 1e3:8.0f} tokens/s")
+    print(f"ratio paged/contiguous: {p_ms / c_ms:.2f}x (target <= 1.3x on CPU)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

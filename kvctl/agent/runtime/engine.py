@@ -1,0 +1,317 @@
+"""The engine: a model decoding on the paged pool, one `step()` at a time.
+
+A step reads as the story of DESIGN.md: schedule (admit or decode, preempting when pages run
+out) → apply copy-on-write copies → run the model on the flattened batch → sample → append the
+tokens and finish requests (EOS, stop string, max_tokens, context length) → give the
+defragmenter its budget → publish a stats snapshot. Requests join and leave between steps.
+
+The engine is single-threaded on purpose: the pool, the storage and the page tables are touched
+only from `step()` and the calls the agent makes between steps (defrag, resize), so no lock is
+needed around them; readers use the immutable `EngineStats` snapshot.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvctl.agent.model.attention import BatchLayout
+from kvctl.agent.model.llama import LlamaModel
+from kvctl.agent.model.sampling import Sampler, SamplingParams
+from kvctl.agent.model.tokenizer import Tokenizer
+from kvctl.agent.pool import (
+    AutoDefrag,
+    Defragmenter,
+    DefragPolicy,
+    PagePool,
+    PoolResizer,
+    PoolStats,
+)
+from kvctl.agent.pool.storage import KVStorage
+from kvctl.agent.runtime.paged_cache import PagedKVCache
+from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
+from kvctl.agent.runtime.scheduler import ScheduledBatch, Scheduler
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Pool shape and batching limits of one engine."""
+
+    device: str = "cpu"
+    dtype: torch.dtype | None = None  # default: the model's parameters' dtype
+    page_size: int = 16
+    pool_pages: int = 512
+    segment_pages: int = 128
+    max_pool_pages: int | None = None
+    min_pool_pages: int | None = None
+    max_batch_seqs: int = 64
+    max_batch_tokens: int = 4096
+    defrag: DefragPolicy = field(default_factory=DefragPolicy)
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "pool_pages", "segment_pages", "max_batch_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of one request, with the text it adds (possibly empty)."""
+
+    request_id: str
+    token_id: int | None  # None when a request ends without a new token
+    text: str
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine looks like after a step: the pool and the scheduler, read together."""
+
+    pool: PoolStats
+    requests_running: int
+    requests_waiting: int
+    preemptions: int
+    steps: int
+    generated_tokens: int
+    prompt_tokens: int
+
+
+class Engine:
+    """Runs requests to completion on a model whose KV cache lives in a `PagePool`."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer | None,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_config = mc = model.config
+        # EOS comes from the checkpoint's config; a tokenizer is only needed for text
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer else mc.eos_token_ids)
+        self.device = torch.device(config.device)
+        dtype = config.dtype or next(model.parameters()).dtype
+        segments = -(-config.pool_pages // config.segment_pages)
+        self.storage = KVStorage(
+            segments,
+            config.segment_pages,
+            config.page_size,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype,
+            self.device,
+        )
+        self.pool = PagePool(
+            segments * config.segment_pages,
+            config.page_size,
+            config.segment_pages,
+            self.storage.bytes_per_page,
+        )
+        self.defragmenter = Defragmenter(self.pool, self.storage)
+        self.auto_defrag = AutoDefrag(self.defragmenter, config.defrag, clock=clock)
+        self.resizer = PoolResizer(
+            self.pool,
+            self.defragmenter,
+            self.storage,
+            min_pages=config.min_pool_pages,
+            max_pages=config.max_pool_pages,
+        )
+        self.cache = PagedKVCache(self.pool, self.storage)
+        self.scheduler = Scheduler(self.pool, config.max_batch_seqs, config.max_batch_tokens)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._steps = 0
+        self._generated = 0
+        self._prompt_tokens = 0
+        self.stats = self._snapshot()
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Queue a request; raises ValueError for an empty prompt, unknown token ids, or a
+        prompt that leaves no room for `max_tokens` in the model's context."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: send the prompt as token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        self._check_prompt(ids, params)
+        arrival = next(self._arrivals)
+        request_id = request_id or f"req-{arrival}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id,
+            ids,
+            params,
+            arrival,
+            generator=params.make_generator(self.device),
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self._prompt_tokens += len(ids)
+        return request
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        limit = self.model_config.max_context_len
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens plus max_tokens {params.max_tokens} exceeds the "
+                f"model's context of {limit} tokens; shorten the prompt or lower max_tokens"
+            )
+
+    def abort(self, request_id: str) -> Request:
+        """Stop a request now; its pages are freed before the next step."""
+        request = self.requests[request_id]
+        if not request.finished:
+            request.finish_reason = FinishReason.ABORT
+            self.scheduler.finish(request)
+            self.requests.pop(request_id)
+        return request
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """Run one scheduling step; return the tokens it produced and the requests it ended."""
+        batch = self.scheduler.schedule()
+        events = [self._end(r) for r in batch.ended] if batch is not None else []
+        if batch is not None and batch.requests:
+            if batch.copies:
+                self.storage.copy_pages(
+                    [c.src for c in batch.copies], [c.dst for c in batch.copies]
+                )
+            next_tokens = self._run_model(batch)
+            events.extend(self._postprocess(batch, next_tokens))
+        self.auto_defrag.tick()
+        self._steps += 1
+        self.stats = self._snapshot()
+        return events
+
+    def _run_model(self, batch: ScheduledBatch) -> list[int]:
+        requests = batch.requests
+        layout = BatchLayout(
+            tuple(r.seq_id for r in requests),
+            tuple(r.num_tokens - n for r, n in zip(requests, batch.new_tokens, strict=True)),
+            tuple(batch.new_tokens),
+        )
+        token_ids = [
+            t for r, n in zip(requests, batch.new_tokens, strict=True) for t in r.token_ids[-n:]
+        ]
+        self.cache.begin_step(layout)
+        hidden = self.model(
+            torch.tensor(token_ids, dtype=torch.long, device=self.device),
+            layout.positions(self.device),
+            self.cache,
+        )
+        logits = self.model.logits(hidden.index_select(0, layout.last_token_indices(self.device)))
+        chosen = self.sampler(logits, [r.params for r in requests], [r.generator for r in requests])
+        return chosen.tolist()
+
+    def _postprocess(self, batch: ScheduledBatch, next_tokens: list[int]) -> list[TokenEvent]:
+        events = []
+        for request, token in zip(batch.requests, next_tokens, strict=True):
+            request.num_computed = request.num_tokens
+            request.output_ids.append(token)
+            self._generated += 1
+            text = self._decode_output(request)
+            reason, text = self._check_finish(request, token, text)
+            if reason is None:
+                text = self._streamable(request, text)
+            else:
+                request.finish_reason = reason
+                self.scheduler.finish(request)
+                self.requests.pop(request.request_id, None)
+            events.append(
+                TokenEvent(request.request_id, token, self._advance(request, text), reason)
+            )
+        return events
+
+    def _end(self, request: Request) -> TokenEvent:
+        self.requests.pop(request.request_id, None)
+        text = self._advance(request, self._decode_output(request))
+        return TokenEvent(request.request_id, None, text, request.finish_reason)
+
+    def _check_finish(
+        self, request: Request, token: int, text: str
+    ) -> tuple[FinishReason | None, str]:
+        """Why the request ends after `token`, if it does, and its final text (cut before a
+        stop string, which is not part of the output, as in OpenAI's API)."""
+        params = request.params
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP, text
+        cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+        if cuts:
+            return FinishReason.STOP, text[: min(cuts)]
+        if len(request.output_ids) >= params.max_tokens:
+            return FinishReason.LENGTH, text
+        if request.num_tokens >= self.model_config.max_context_len:
+            return FinishReason.LENGTH, text
+        return None, text
+
+    @staticmethod
+    def _streamable(request: Request, text: str) -> str:
+        """The part of a running request's text that is safe to send: no trailing partial
+        character, and nothing that may turn out to be the start of a stop string."""
+        text = text.removesuffix("\ufffd")
+        holdback = max((len(s) - 1 for s in request.params.stop), default=0)
+        return text[: max(request.sent_text, len(text) - holdback)]
+
+    @staticmethod
+    def _advance(request: Request, text: str) -> str:
+        """Record `text` as the request's output so far and return what is new in it."""
+        request.text = text
+        delta = text[request.sent_text :]
+        request.sent_text = max(request.sent_text, len(text))
+        return delta
+
+    def _decode_output(self, request: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([t for t in request.output_ids if t not in self.eos_token_ids])
+
+    # ---- reading ------------------------------------------------------------------------
+
+    def _snapshot(self) -> EngineStats:
+        return EngineStats(
+            pool=self.pool.stats(),
+            requests_running=len(self.scheduler.running),
+            requests_waiting=len(self.scheduler.waiting),
+            preemptions=self.scheduler.preemptions,
+            steps=self._steps,
+            generated_tokens=self._generated,
+            prompt_tokens=self._prompt_tokens,
+        )
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
+    ) -> list[Request]:
+        """Run `prompts` to completion (for tests, benchmarks and scripts)."""
+        requests = [self.add_request(p, params) for p in prompts]
+        while any(r.status is not RequestStatus.FINISHED for r in requests):
+            self.step()
+        return requests
