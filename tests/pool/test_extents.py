@@ -1,6 +1,8 @@
 """FreeExtents: exact runs after each operation on tiny free spaces."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvctl.agent.pool.extents import FreeExtents, size_class
 
@@ -63,3 +65,45 @@ def test_take_range_splits_a_run() -> None:
     with pytest.raises(AssertionError):
         ext.take_range(2, 2)  # page 3 is no longer free
     assert ext.last_run() == (5, 5)
+
+
+def test_take_run_at_the_boundary_of_the_exact_classes() -> None:
+    ext = FreeExtents()
+    ext.give(0, 100)  # class 64 holds runs of 64..127 pages
+    assert ext.take_run(64) == 0
+    assert runs(ext) == [(64, 36)]
+    ext.give(200, 64)
+    assert ext.take_run(64) == 200
+    assert ext.take_run(63) is None
+    assert ext.take_run(36) == 64
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 150)), max_size=60))
+def test_random_takes_and_gives_keep_runs_exact(ops: list[tuple[bool, int]]) -> None:
+    """Against a set of free pages: every take_run returns free pages, runs stay maximal."""
+    ext = FreeExtents()
+    ext.give(0, 1000)
+    free = set(range(1000))
+    taken: list[tuple[int, int]] = []
+    for is_take, n in ops:
+        if is_take or not taken:
+            start = ext.take_run(n)
+            has_run = any(all(p in free for p in range(s, s + n)) for s in free)
+            assert (start is not None) == has_run
+            if start is not None:
+                assert all(p in free for p in range(start, start + n))
+                free -= set(range(start, start + n))
+                taken.append((start, n))
+        else:
+            start, length = taken.pop(n % len(taken))
+            ext.give(start, length)
+            free |= set(range(start, start + length))
+        assert ext.free_pages == len(free)
+        expected_runs = []
+        for p in sorted(free):
+            if expected_runs and expected_runs[-1][0] + expected_runs[-1][1] == p:
+                expected_runs[-1][1] += 1
+            else:
+                expected_runs.append([p, 1])
+        assert runs(ext) == [tuple(r) for r in expected_runs]
+        assert ext.largest() == max((r[1] for r in expected_runs), default=0)

@@ -103,7 +103,7 @@ class FreeExtents:
         """
         c = length if length < _EXACT_CLASSES else _BIAS + length.bit_length()
         pending = self._mask >> c
-        if pending & 1 and c == length:  # a run of exactly this size: no remainder to file
+        if pending & 1 and c == length < _EXACT_CLASSES:  # an exact fit: no remainder to file
             runs = self._classes[c]
             start = runs.popitem()[0]
             if not runs:
