@@ -1,0 +1,140 @@
+"""`kvctl simulate`: replay a synthetic workload against contiguous and paged KV allocation.
+
+The simulator is imported inside the command, never at module level, so `kvctl --help` stays
+fast and loads none of the pool code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+
+class Scenario(StrEnum):
+    """The three benchmark scenarios of the vLLM fragmentation write-up."""
+
+    HIGH_CONCURRENCY = "high-concurrency"
+    RANDOM_LENGTHS = "random-lengths"
+    MULTI_MODEL = "multi-model"
+
+
+def _percent(value: float) -> str:
+    return f"{100 * value:.1f} %"
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.2f}"
+
+
+def _count(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:,.1f} GiB"
+
+
+def _field(key: str, fmt: Callable[[float], str]) -> Callable[[dict[str, Any]], str]:
+    return lambda side: fmt(side[key])
+
+
+ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
+    ("requests", _field("requests", _count)),
+    ("completed", _field("completed", _count)),
+    ("OOM failure rate (admitted, then no memory)", _field("failure_rate", _percent)),
+    ("preemptions (recomputed later)", _field("preemptions", _count)),
+    ("utilisation: budget holding real tokens", _field("utilization_mean", _percent)),
+    ("reserved: budget held by ranges or pages", _field("reserved_mean", _percent)),
+    ("fragmentation of free space, mean", _field("fragmentation_mean", _ratio)),
+    ("fragmentation of free space, peak", _field("fragmentation_peak", _ratio)),
+    ("free extents, mean", _field("free_extents_mean", _count)),
+    ("allocation attempts", _field("alloc_attempts", _count)),
+    ("allocation failures", _field("alloc_failures", _count)),
+    ("defragmentation runs", _field("defrag_runs", _count)),
+    ("pages moved (defrag + shrink)", _field("defrag_pages_moved", _count)),
+    ("pool grows / shrinks", lambda s: f"{s['pool_grows']:,} / {s['pool_shrinks']:,}"),
+    ("steps (measured)", lambda s: f"{s['steps']:,} ({s['measured_steps']:,})"),
+    ("KV budget", _field("budget_bytes", _gib)),
+)
+"""Table rows: label and how to read it from one side's result. Means are over loaded steps."""
+
+
+def render_table(result: dict[str, Any]) -> Table:
+    """The comparison as a rich table: one row per metric, one column per allocator."""
+    from rich.table import Table
+
+    sides = result["results"]
+    table = Table(title=f"kvctl simulate: {result['scenario']}, seed {result['seed']}")
+    table.add_column("metric")
+    for name in sides:
+        table.add_column(name, justify="right")
+    for label, read in ROWS:
+        table.add_row(label, *(read(side) for side in sides.values()))
+    return table
+
+
+@contextmanager
+def _progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress bar on stderr while requests settle; nothing when disabled or not a terminal."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not enabled or not console.is_terminal:
+        yield None
+        return
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("simulating", total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update
+
+
+def simulate(
+    scenario: Annotated[
+        Scenario, typer.Option(help="Workload to replay (the write-up's three scenarios).")
+    ] = Scenario.RANDOM_LENGTHS,
+    seed: Annotated[int, typer.Option(help="Seed of the workload; a seed names one run.")] = 0,
+    requests: Annotated[
+        int | None, typer.Option(min=1, help="Number of requests (default: the scenario's).")
+    ] = None,
+    budget_fraction: Annotated[
+        float | None,
+        typer.Option(
+            min=0.01, max=1.0, help="KV budget as a share of peak demand (default: the scenario's)."
+        ),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Replay a workload against contiguous and paged KV allocation under one memory budget."""
+    from kvctl.simulate import run_scenario
+
+    with _progress_bar(not json_output) as progress:
+        try:
+            result = run_scenario(
+                scenario.value,
+                seed,
+                progress,
+                requests=requests,
+                budget_fraction=budget_fraction,
+            )
+        except ValueError as error:
+            typer.echo(f"kvctl: error: {error}", err=True)
+            raise typer.Exit(2) from None
+    if json_output:
+        typer.echo(json.dumps(result))
+    else:
+        from rich.console import Console
+
+        Console().print(render_table(result))

@@ -1,0 +1,23 @@
+"""`kvctl simulate`: replay a synthetic workload against contiguous and paged KV allocation.
+
+Plain Python on top of the pool's bookkeeping (no torch), so a run needs no GPU.
+"""
+
+from kvctl.simulate.contiguous import ArenaStats, ContiguousAllocator, OutOfMemory
+from kvctl.simulate.runner import RESULT_KEYS, SimulationConfig, SimulationResult, run_scenario
+from kvctl.simulate.workloads import SCENARIOS, Model, Request, Workload, build_workload
+
+__all__ = [
+    "RESULT_KEYS",
+    "SCENARIOS",
+    "ArenaStats",
+    "ContiguousAllocator",
+    "Model",
+    "OutOfMemory",
+    "Request",
+    "SimulationConfig",
+    "SimulationResult",
+    "Workload",
+    "build_workload",
+    "run_scenario",
+]
