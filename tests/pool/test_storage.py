@@ -66,9 +66,15 @@ def test_new_pages_are_zero() -> None:
 
 # ---- copy_pages ---------------------------------------------------------------------------
 
+# Every run of destinations copied straight from its sources, or everything through staging.
+PATHS = pytest.mark.parametrize("direct_run_bytes", [1, 1 << 30], ids=["direct", "staged"])
 
-def test_copy_within_one_segment_with_interleaved_sources_and_destinations() -> None:
-    storage = make_storage(1, 8)
+
+@PATHS
+def test_copy_within_one_segment_with_interleaved_sources_and_destinations(
+    direct_run_bytes: int,
+) -> None:
+    storage = make_storage(1, 8, direct_run_bytes=direct_run_bytes)
     fill_distinct(storage)
     src, dst = [7, 3, 5, 1], [0, 2, 4, 6]  # 0 1 2 3 4 5 6 7: dst, src alternate
     storage.copy_pages(src, dst)
@@ -76,13 +82,35 @@ def test_copy_within_one_segment_with_interleaved_sources_and_destinations() -> 
     assert torch.equal(storage.read_pages(range(8)), expected_after(8, src, dst))
 
 
-def test_copy_across_segments_in_every_direction() -> None:
-    storage = make_storage(3, 4)  # pages 0-3 | 4-7 | 8-11
+@PATHS
+def test_copy_across_segments_in_every_direction(direct_run_bytes: int) -> None:
+    storage = make_storage(3, 4, direct_run_bytes=direct_run_bytes)  # pages 0-3 | 4-7 | 8-11
     fill_distinct(storage)
-    src = [11, 9, 6, 1, 10, 2]
-    dst = [0, 3, 5, 8, 4, 7]  # 2->0, 2->0, 1->1, 0->2, 2->1, 0->1
+    src = [11, 10, 6, 1, 2, 2, 11]
+    dst = [0, 3, 5, 8, 9, 7, 4]  # by segment: 2->0 2->0 1->1 0->2 0->2 (8-9 a run) 0->1 2->1
     storage.copy_pages(src, dst)
     assert torch.equal(storage.read_pages(range(12)), expected_after(12, src, dst))
+
+
+@PATHS
+def test_copy_like_a_defragmentation_highest_sources_into_lowest_holes(
+    direct_run_bytes: int,
+) -> None:
+    storage = make_storage(2, 8, direct_run_bytes=direct_run_bytes)
+    fill_distinct(storage)
+    src = [15, 14, 13, 9, 8, 7, 6]  # descending sources, one run across the segment boundary
+    dst = [0, 1, 2, 3, 4, 10, 11]  # ascending holes: run 0-4 in segment 0, 10-11 in segment 1
+    storage.copy_pages(src, dst)
+    assert torch.equal(storage.read_pages(range(16)), expected_after(16, src, dst))
+
+
+@PATHS
+def test_copy_into_a_run_that_lies_between_its_own_sources(direct_run_bytes: int) -> None:
+    storage = make_storage(1, 8, direct_run_bytes=direct_run_bytes)
+    fill_distinct(storage)
+    src, dst = [1, 6, 4], [2, 3, 5]  # destinations 2-3 sit inside the source span 1-6
+    storage.copy_pages(src, dst)
+    assert torch.equal(storage.read_pages(range(8)), expected_after(8, src, dst))
 
 
 @pytest.mark.parametrize("num_segments", [1, 3])
@@ -94,11 +122,12 @@ def test_copy_through_a_staging_buffer_smaller_than_the_batch(num_segments: int)
     assert torch.equal(storage.read_pages(range(12)), expected_after(12, src, dst))
 
 
-def test_one_source_can_be_copied_to_several_destinations() -> None:
-    storage = make_storage(2, 4)
+@PATHS
+def test_one_source_can_be_copied_to_several_destinations(direct_run_bytes: int) -> None:
+    storage = make_storage(2, 4, direct_run_bytes=direct_run_bytes)
     fill_distinct(storage)
-    storage.copy_pages([5, 5], [0, 7])
-    assert torch.equal(storage.read_pages(range(8)), expected_after(8, [5, 5], [0, 7]))
+    storage.copy_pages([5, 5, 6], [0, 1, 7])
+    assert torch.equal(storage.read_pages(range(8)), expected_after(8, [5, 5, 6], [0, 1, 7]))
 
 
 def test_empty_copy_changes_nothing() -> None:
@@ -231,11 +260,14 @@ def test_release_refuses_to_leave_no_segment(count: int) -> None:
     assert storage.num_segments == 2
 
 
-def test_pages_beyond_a_released_segment_are_out_of_range() -> None:
-    storage = make_storage(2, 4)
+@pytest.mark.parametrize("num_segments", [2, 3])
+def test_pages_beyond_a_released_segment_are_out_of_range(num_segments: int) -> None:
+    storage = make_storage(num_segments, 4)
     storage.release_segments(1)
     with pytest.raises(IndexError):
-        storage.copy_pages([5], [0])
+        storage.copy_pages([4 * num_segments - 3], [0])
+    with pytest.raises(IndexError):
+        storage.gather(0, torch.tensor([[0, 4 * num_segments - 3]]))
 
 
 # ---- the whole stack: pool + defragmenter + resizer over real storage ---------------------
@@ -263,9 +295,10 @@ def check_tags(storage: KVStorage, table: PageTable, tag: int) -> None:
         assert torch.equal(v[0, : table.num_tokens], -expected), (table.seq_id, layer)
 
 
-def test_defrag_grow_and_shrink_keep_every_sequence_readable() -> None:
+@PATHS
+def test_defrag_grow_and_shrink_keep_every_sequence_readable(direct_run_bytes: int) -> None:
     rng = random.Random(7)
-    storage = KVStorage(4, 16, PAGE_SIZE, LAYERS, 2, 3)
+    storage = KVStorage(4, 16, PAGE_SIZE, LAYERS, 2, 3, direct_run_bytes=direct_run_bytes)
     pool = PagePool(64, PAGE_SIZE, segment_pages=16, bytes_per_page=storage.bytes_per_page)
     defrag = Defragmenter(pool, storage, batch_pages=5)
     resizer = PoolResizer(pool, defrag, storage)

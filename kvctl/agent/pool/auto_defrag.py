@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 
 from kvctl.agent.pool.defrag import Defragmenter, DefragReport, DefragTrigger
 
+SessionListener = Callable[[DefragReport], None]
+
 
 @dataclass(frozen=True)
 class DefragPolicy:
@@ -61,8 +63,25 @@ class AutoDefrag:
         self.completed: deque[DefragReport] = deque(maxlen=history)
         self.runs_total: Counter[DefragTrigger] = Counter()
         self.pages_moved_total = 0
+        self._listeners: list[SessionListener] = []
         self._next_check = clock()
         self._misses_seen = defragmenter.pool.contiguous_misses
+
+    def add_listener(self, listener: SessionListener) -> None:
+        """Be told of every finished session (automatic, manual or a shrink's evacuation)."""
+        self._listeners.append(listener)
+
+    def run_now(self, trigger: DefragTrigger, max_pages: int | None = None) -> DefragReport:
+        """Defragment at once, to completion or `max_pages`, and count it as a session."""
+        report = self.defragmenter.run(trigger, max_pages=max_pages)
+        self.record(report)
+        return report
+
+    def record(self, report: DefragReport) -> None:
+        """Count a defragmentation that ran outside the automatic sessions."""
+        self.runs_total[report.trigger] += 1
+        self.pages_moved_total += report.pages_moved
+        self._finish(report)
 
     def request(self, trigger: DefragTrigger = DefragTrigger.MANUAL) -> None:
         """Start a session at the next tick, whatever the thresholds say."""
@@ -140,7 +159,12 @@ class AutoDefrag:
             and report.free_extents_after <= self.policy.max_free_extents
         )
         if report.complete or compact_enough:
-            self.completed.append(session)
             self.active = None
+            self._finish(session)
         else:
             self.active = session
+
+    def _finish(self, session: DefragReport) -> None:
+        self.completed.append(session)
+        for listener in self._listeners:
+            listener(session)

@@ -104,7 +104,7 @@ class Defragmenter:
         self,
         pool: PagePool,
         copier: PageCopier | None = None,
-        batch_pages: int = 64,
+        batch_pages: int = 1024,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.pool = pool

@@ -379,8 +379,8 @@ class PagePool:
                 raise PoolError(f"relocate: source page {src} is free")
             if ref[dst] or cached[dst] or dst in mapping:
                 raise PoolError(f"relocate: destination page {dst} is not free")
-        for _, dst in moves:
-            self._free.take_range(dst, 1)
+        for start, length in _runs_of(sorted(mapping.values())):
+            self._free.take_range(start, length)
         for src, dst in moves:
             ref[dst], ref[src] = ref[src], 0
             cached[dst], cached[src] = cached[src], 0
