@@ -1,0 +1,186 @@
+"""Cost of one `/metrics` render at 100,000 and 1,000,000 pages.
+
+Prometheus scrapes every agent every few seconds, and the scrape runs in the agent's process next
+to the engine, so its cost must not grow with the pool. The agent's exporter reads a snapshot
+whose pool statistics (free extents, largest free run, fragmentation) the pool keeps
+incrementally, so a render costs the same at any size. The baseline, measured in the same run on
+the same layout, is a naive exporter that recomputes them each scrape by scanning a per-page
+state array with numpy (the array is kept up to date for free here, which flatters it).
+
+Both renders go through the same registry code (`build_registry` + `render`, process metrics
+included); only the `snapshot_fn` differs. The layout: random allocate/free of 1..64-page
+requests from a seed until a quarter of the pool is free, then half the sequences freed.
+
+    python benchmarks/metrics_scrape.py [--pages 100000 1000000] [--seed 0] [--repeat 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvctl.agent.metrics import DurationHistogram, build_registry, render
+from kvctl.agent.pool import PagePool, PoolStats
+from kvctl.api import GpuMemory, PoolSnapshot
+
+BYTES_PER_PAGE = 2 * 32 * 16 * 8 * 128 * 2  # K and V, 32 layers, 16 tokens, 8 heads × 128, bf16
+FREE, USED, CACHED = 0, 1, 2
+
+
+def fragmented_pool(pages: int, seed: int) -> PagePool:
+    rng = random.Random(seed)
+    pool = PagePool(pages, 1, bytes_per_page=BYTES_PER_PAGE)
+    live: list[int] = []
+    while pool.free_pages > pages // 4:
+        n = rng.randint(1, 64)
+        if pool.free_pages < n:
+            break
+        pool.allocate(len(live), n)
+        live.append(len(live))
+    rng.shuffle(live)
+    for seq in live[: len(live) // 2]:
+        pool.free(seq)
+    return pool
+
+
+def snapshot_of(stats: PoolStats) -> PoolSnapshot:
+    """What the agent publishes: pool statistics plus counters the engine keeps."""
+    return PoolSnapshot(
+        pool="llama-3-8b",
+        timestamp=time.time(),
+        device="cuda",
+        page_size=16,
+        bytes_per_page=stats.bytes_per_page,
+        segment_pages=stats.segment_pages,
+        segments=stats.segments,
+        capacity_pages=stats.capacity_pages,
+        used_pages=stats.used_pages,
+        cached_pages=stats.cached_pages,
+        free_pages=stats.free_pages,
+        capacity_bytes=stats.capacity_bytes,
+        used_bytes=stats.used_bytes,
+        utilization_ratio=stats.utilization_ratio,
+        fragmentation_ratio=stats.fragmentation_ratio,
+        free_extents=stats.free_extents,
+        largest_free_run=stats.largest_free_run,
+        max_pool_pages=None,
+        alloc_attempts_total=stats.alloc_attempts,
+        alloc_failures_total=stats.alloc_failures,
+        alloc_success_ratio=1.0,
+        window_seconds=300.0,
+        prefix_cache_enabled=True,
+        prefix_queries_tokens_total=1_000_000,
+        prefix_hits_tokens_total=400_000,
+        prefix_hit_ratio=0.4,
+        prefix_evictions_total=0,
+        defrag_runs_total={"threshold": 3},
+        defrag_pages_moved_total=12_345,
+        defrag_active=False,
+        last_defrag=None,
+        last_defrag_age_seconds=None,
+        auto_defrag_enabled=True,
+        resizes_total={},
+        requests_running=64,
+        requests_waiting=3,
+        preemptions_total=0,
+        gpus=[GpuMemory(index=0, name="GPU", used_bytes=70 * 2**30, total_bytes=80 * 2**30)],
+    )
+
+
+def scanned_stats(pool: PagePool, states: np.ndarray) -> PoolStats:
+    """The naive exporter's statistics: every free run found by scanning the state array."""
+    free = states == FREE
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], free.view(np.int8), [0]))))
+    lengths = edges[1::2] - edges[::2]
+    cached = int(np.count_nonzero(states == CACHED))
+    free_pages = int(lengths.sum())
+    return PoolStats(
+        page_size=pool.page_size,
+        bytes_per_page=pool.bytes_per_page,
+        segment_pages=pool.segment_pages,
+        segments=pool.segments,
+        capacity_pages=len(states),
+        used_pages=len(states) - free_pages - cached,
+        cached_pages=cached,
+        free_pages=free_pages,
+        free_extents=len(lengths),
+        largest_free_run=int(lengths.max()) if len(lengths) else 0,
+        sequences=0,
+        alloc_attempts=pool.alloc_attempts,
+        alloc_failures=pool.alloc_failures,
+        contiguous_misses=pool.contiguous_misses,
+    )
+
+
+def state_array(pool: PagePool) -> np.ndarray:
+    states = np.full(pool.capacity, USED, dtype=np.uint8)
+    for start, length in pool.free_runs():
+        states[start : start + length] = FREE
+    return states
+
+
+def median_ms(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def measure(pages: int, seed: int, repeat: int) -> None:
+    pool = fragmented_pool(pages, seed)
+    states = state_array(pool)
+
+    def kvctl_fn() -> PoolSnapshot:
+        return snapshot_of(pool.stats())
+
+    def naive_fn() -> PoolSnapshot:
+        return snapshot_of(scanned_stats(pool, states))
+
+    assert kvctl_fn().model_dump(exclude={"timestamp"}) == naive_fn().model_dump(
+        exclude={"timestamp"}
+    )
+    durations = DurationHistogram()
+    kvctl_registry = build_registry(kvctl_fn, durations)
+    naive_registry = build_registry(naive_fn, durations)
+    assert len(render(kvctl_registry)[0]) > 0
+    ours = median_ms(lambda: render(kvctl_registry), repeat)
+    ours_snapshot = median_ms(kvctl_fn, repeat)
+    naive = median_ms(lambda: render(naive_registry), repeat)
+    naive_snapshot = median_ms(naive_fn, repeat)
+    stats = pool.stats()
+    print(
+        f"{pages:>9,}{stats.free_extents:>9,}{stats.fragmentation_ratio:>7.3f}"
+        f"{ours:>10.3f}{ours_snapshot:>10.3f}{naive:>10.3f}{naive_snapshot:>10.3f}"
+        f"{naive / ours:>8.1f}x"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pages", type=int, nargs="+", default=[100_000, 1_000_000])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=200)
+    args = parser.parse_args(argv)
+    print("command: python benchmarks/metrics_scrape.py " + " ".join(sys.argv[1:]))
+    print("median ms per call; 'render' is the whole /metrics body, 'snap' the snapshot_fn in it")
+    print(
+        f"{'pages':>9}{'extents':>9}{'frag':>7}{'kvctl':>10}{'snap':>10}"
+        f"{'naive':>10}{'snap':>10}{'ratio':>9}"
+    )
+    for pages in args.pages:
+        measure(pages, args.seed, args.repeat)
+    print("target: kvctl render under 10 ms at 1,000,000 pages")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,457 @@
+"""The agent's Prometheus metrics: one table of definitions, read at scrape time.
+
+Every `kvctl_*` series is declared once, in `METRICS` (name, type, help, labels, getter), and
+nothing else names a metric: the collector builds its families from the table, docs/metrics.md
+is generated from it (`python -m kvctl.agent.metrics_docs`), and the alert rules use its names.
+
+Nothing is updated on the hot path. A scrape takes one immutable `PoolSnapshot` (whose pool
+statistics the pool keeps incrementally, so reading them is O(1) at any pool size) plus a copy of
+the defrag-duration histogram, and turns them into families. Hence the rules of DESIGN.md hold by
+construction: every series carries `pool`; a getter that returns None (a window with nothing in
+it, no GPU, no limit set) leaves its series out instead of exporting a sentinel; counters are
+built without a creation time, so no `_created` series appear.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from operator import attrgetter
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from kvctl import __version__
+from kvctl.agent.pool.defrag import DefragTrigger
+from kvctl.api import PoolSnapshot
+
+MetricType = Literal["gauge", "counter", "histogram"]
+
+# Upper bounds (seconds) of `kvctl_defrag_duration_seconds`: from a single-batch run inside one
+# decode step's budget (~1 ms) to a full compaction of a large pool spread over many steps.
+# fmt: off
+DEFRAG_DURATION_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+# fmt: on
+
+RESIZE_DIRECTIONS: tuple[str, ...] = ("grow", "shrink")
+
+
+# ---- the defrag-duration accumulator ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HistogramReading:
+    """A consistent copy of a histogram: `cumulative[i]` counts observations <= `bounds[i]`, and
+    the last entry (one more than `bounds`) counts all of them (`+Inf`)."""
+
+    bounds: tuple[float, ...]
+    cumulative: tuple[int, ...]
+    sum: float
+
+    @property
+    def count(self) -> int:
+        return self.cumulative[-1]
+
+
+class DurationHistogram:
+    """Durations observed by the engine thread and read by scrapes on the HTTP thread.
+
+    A plain accumulator rather than a `prometheus_client.Histogram`, so the value lives with the
+    service that owns it (no global registry, no labels fixed at import) and a scrape reads it
+    together with the snapshot. `observe` is O(log buckets) under a lock held for two additions.
+    """
+
+    def __init__(self, buckets: Sequence[float] = DEFRAG_DURATION_BUCKETS) -> None:
+        bounds = tuple(float(b) for b in buckets)
+        if not bounds or any(not math.isfinite(b) or b <= 0 for b in bounds):
+            raise ValueError(f"buckets must be positive and finite, got {buckets!r}")
+        if any(lo >= hi for lo, hi in pairwise(bounds)):
+            raise ValueError(f"buckets must be strictly increasing, got {buckets!r}")
+        self.bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; last is +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        """Count one duration; a negative or NaN duration is a caller's bug and is refused."""
+        if not seconds >= 0.0:
+            raise ValueError(f"a duration must be >= 0 seconds, got {seconds!r}")
+        index = bisect_left(self.bounds, seconds)  # first bound >= seconds: Prometheus' `le`
+        with self._lock:
+            self._counts[index] += 1
+            self._sum += seconds
+
+    def read(self) -> HistogramReading:
+        with self._lock:
+            counts = list(self._counts)
+            total = self._sum
+        running = 0
+        cumulative = []
+        for n in counts:
+            running += n
+            cumulative.append(running)
+        return HistogramReading(self.bounds, tuple(cumulative), total)
+
+
+# ---- the table --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What one scrape reads; every getter takes it."""
+
+    snapshot: PoolSnapshot
+    defrag_durations: HistogramReading
+
+
+LabelledValues = Mapping[tuple[str, ...], float]
+Value = float | LabelledValues | HistogramReading | None
+"""A getter's answer: a number (no extra labels), a number per extra-label tuple, a histogram,
+or None when the value does not exist on this host or in this window (the series is left out)."""
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One metric family. `labels` are the labels beyond `pool`, which every series carries;
+    `presence` tells the reader of docs/metrics.md when the series exists."""
+
+    name: str
+    type: MetricType
+    help: str
+    value: Callable[[Reading], Value]
+    labels: tuple[str, ...] = ()
+    presence: str = "always"
+
+
+def _field(name: str) -> Callable[[Reading], Value]:
+    return attrgetter(f"snapshot.{name}")
+
+
+def _defrag_runs(reading: Reading) -> LabelledValues:
+    """Every trigger, even at 0, so `rate()` has a starting point before the first run."""
+    runs = {trigger.value: 0 for trigger in DefragTrigger}
+    runs.update(reading.snapshot.defrag_runs_total)
+    return {(trigger,): n for trigger, n in runs.items()}
+
+
+def _resizes(reading: Reading) -> LabelledValues:
+    resizes = dict.fromkeys(RESIZE_DIRECTIONS, 0)
+    resizes.update(reading.snapshot.resizes_total)
+    return {(direction,): n for direction, n in resizes.items()}
+
+
+def _gpu_used(reading: Reading) -> LabelledValues:
+    return {(str(gpu.index),): gpu.used_bytes for gpu in reading.snapshot.gpus}
+
+
+def _gpu_total(reading: Reading) -> LabelledValues:
+    return {(str(gpu.index),): gpu.total_bytes for gpu in reading.snapshot.gpus}
+
+
+_IN_WINDOW = "over the last `window_seconds` (default 300 s)"
+_TRIGGERS = ", ".join(trigger.value for trigger in DefragTrigger)
+
+METRICS: tuple[MetricDef, ...] = (
+    MetricDef(
+        "kvctl_build_info",
+        "gauge",
+        "Always 1; the `version` label is the running kvctl version.",
+        lambda r: {(__version__,): 1},
+        labels=("version",),
+    ),
+    # ---- occupancy
+    MetricDef(
+        "kvctl_pool_capacity_pages",
+        "gauge",
+        "Pages in the pool (free + used + cached).",
+        _field("capacity_pages"),
+    ),
+    MetricDef(
+        "kvctl_pool_used_pages",
+        "gauge",
+        "Pages held by at least one running sequence.",
+        _field("used_pages"),
+    ),
+    MetricDef(
+        "kvctl_pool_cached_pages",
+        "gauge",
+        "Pages held only by the prefix cache (evictable).",
+        _field("cached_pages"),
+    ),
+    MetricDef(
+        "kvctl_pool_free_pages",
+        "gauge",
+        "Pages held by nobody.",
+        _field("free_pages"),
+    ),
+    MetricDef(
+        "kvctl_pool_capacity_bytes",
+        "gauge",
+        "Bytes of K/V storage the pool holds.",
+        _field("capacity_bytes"),
+    ),
+    MetricDef(
+        "kvctl_pool_used_bytes",
+        "gauge",
+        "Bytes of the pages held by running sequences.",
+        _field("used_bytes"),
+    ),
+    MetricDef(
+        "kvctl_pool_utilization_ratio",
+        "gauge",
+        "(used + cached pages) / capacity pages, 0..1.",
+        _field("utilization_ratio"),
+    ),
+    MetricDef(
+        "kvctl_pool_segments",
+        "gauge",
+        "Segments (separately allocated chunks of pages) the pool is made of.",
+        _field("segments"),
+    ),
+    MetricDef(
+        "kvctl_pool_max_pages",
+        "gauge",
+        "Upper limit on the pool's capacity in pages (--max-pool-pages).",
+        _field("max_pool_pages"),
+        presence="when a limit is set",
+    ),
+    # ---- fragmentation
+    MetricDef(
+        "kvctl_pool_fragmentation_ratio",
+        "gauge",
+        "1 - largest run of consecutive free pages / free pages; 0 when nothing is free.",
+        _field("fragmentation_ratio"),
+    ),
+    MetricDef(
+        "kvctl_pool_free_extents",
+        "gauge",
+        "Runs of consecutive free pages.",
+        _field("free_extents"),
+    ),
+    MetricDef(
+        "kvctl_pool_largest_free_run_pages",
+        "gauge",
+        "Length of the longest run of consecutive free pages.",
+        _field("largest_free_run"),
+    ),
+    # ---- allocation
+    MetricDef(
+        "kvctl_alloc_attempts_total",
+        "counter",
+        "Page allocations attempted.",
+        _field("alloc_attempts_total"),
+    ),
+    MetricDef(
+        "kvctl_alloc_failures_total",
+        "counter",
+        "Page allocations that failed even after evicting cached pages and allowed growth.",
+        _field("alloc_failures_total"),
+    ),
+    MetricDef(
+        "kvctl_alloc_success_ratio",
+        "gauge",
+        f"Successful / attempted page allocations {_IN_WINDOW}.",
+        _field("alloc_success_ratio"),
+        presence="when an allocation was attempted in the window",
+    ),
+    # ---- prefix cache
+    MetricDef(
+        "kvctl_prefix_cache_queries_tokens_total",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+        _field("prefix_queries_tokens_total"),
+    ),
+    MetricDef(
+        "kvctl_prefix_cache_hits_tokens_total",
+        "counter",
+        "Prompt tokens found in the prefix cache (their K/V was reused, not recomputed).",
+        _field("prefix_hits_tokens_total"),
+    ),
+    MetricDef(
+        "kvctl_prefix_cache_hit_ratio",
+        "gauge",
+        f"Prompt tokens found / looked up in the prefix cache {_IN_WINDOW}.",
+        _field("prefix_hit_ratio"),
+        presence="when a prompt was looked up in the window",
+    ),
+    # ---- defragmentation and resize
+    MetricDef(
+        "kvctl_defrag_runs_total",
+        "counter",
+        f"Defragmentation runs, by trigger ({_TRIGGERS}).",
+        _defrag_runs,
+        labels=("trigger",),
+    ),
+    MetricDef(
+        "kvctl_defrag_pages_moved_total",
+        "counter",
+        "Pages copied to a lower id by defragmentation (including shrink evacuations).",
+        _field("defrag_pages_moved_total"),
+    ),
+    MetricDef(
+        "kvctl_defrag_duration_seconds",
+        "histogram",
+        "Wall time of one defragmentation run, from its first batch to its last.",
+        attrgetter("defrag_durations"),
+    ),
+    MetricDef(
+        "kvctl_pool_resizes_total",
+        "counter",
+        "Pool resizes, by direction (grow, shrink).",
+        _resizes,
+        labels=("direction",),
+    ),
+    # ---- scheduler
+    MetricDef(
+        "kvctl_requests_running",
+        "gauge",
+        "Requests in the running batch.",
+        _field("requests_running"),
+    ),
+    MetricDef(
+        "kvctl_requests_waiting",
+        "gauge",
+        "Requests queued for admission (including preempted ones).",
+        _field("requests_waiting"),
+    ),
+    MetricDef(
+        "kvctl_preemptions_total",
+        "counter",
+        "Requests preempted (pages released, recomputed later) because pages ran out.",
+        _field("preemptions_total"),
+    ),
+    # ---- GPUs
+    MetricDef(
+        "kvctl_gpu_memory_used_bytes",
+        "gauge",
+        "Device memory in use on the GPU, as NVML reports it (all processes).",
+        _gpu_used,
+        labels=("gpu",),
+        presence="when NVML sees GPUs",
+    ),
+    MetricDef(
+        "kvctl_gpu_memory_total_bytes",
+        "gauge",
+        "Device memory of the GPU, as NVML reports it.",
+        _gpu_total,
+        labels=("gpu",),
+        presence="when NVML sees GPUs",
+    ),
+)
+
+
+# ---- families ---------------------------------------------------------------------------------
+
+_FAMILY_TYPES = {
+    "gauge": GaugeMetricFamily,
+    "counter": CounterMetricFamily,
+    "histogram": HistogramMetricFamily,
+}
+
+
+def _empty_family(metric: MetricDef) -> Metric:
+    return _FAMILY_TYPES[metric.type](metric.name, metric.help, labels=("pool", *metric.labels))
+
+
+def _family(metric: MetricDef, reading: Reading) -> Metric | None:
+    """The family of `metric` for this reading, or None when it has no series to show."""
+    value = metric.value(reading)
+    if value is None:
+        return None
+    pool = reading.snapshot.pool
+    family = _empty_family(metric)
+    if isinstance(value, HistogramReading):
+        buckets = [
+            (floatToGoString(bound), n)
+            for bound, n in zip((*value.bounds, math.inf), value.cumulative, strict=True)
+        ]
+        family.add_metric([pool], buckets, value.sum)
+    elif isinstance(value, Mapping):
+        for extra, number in value.items():
+            family.add_metric([pool, *extra], number)
+    else:
+        family.add_metric([pool], value)
+    return family if family.samples else None
+
+
+def _with_pool(family: Metric, pool: str) -> Metric:
+    """A copy of a prometheus-client family whose samples also carry `pool`."""
+    labelled = Metric(family.name, family.documentation, family.type, family.unit)
+    labelled.samples = [s._replace(labels={"pool": pool, **s.labels}) for s in family.samples]
+    return labelled
+
+
+class PoolCollector(Collector):
+    """Builds every family of `METRICS` from one snapshot per scrape.
+
+    `runtime` collectors (prometheus-client's process and platform collectors) are read in
+    the same scrape and their series get the same `pool` label, so every series the agent serves
+    can be joined on `pool`.
+    """
+
+    def __init__(
+        self,
+        snapshot_fn: Callable[[], PoolSnapshot],
+        defrag_durations: DurationHistogram,
+        runtime: Iterable[Collector] = (),
+    ) -> None:
+        self._snapshot_fn = snapshot_fn
+        self._defrag_durations = defrag_durations
+        self._runtime = tuple(runtime)
+
+    def describe(self) -> Iterator[Metric]:
+        """The families' names, without reading a snapshot (the registry checks clashes)."""
+        for metric in METRICS:
+            yield _empty_family(metric)
+        for collector in self._runtime:
+            yield from collector.collect()
+
+    def collect(self) -> Iterator[Metric]:
+        reading = Reading(self._snapshot_fn(), self._defrag_durations.read())
+        for metric in METRICS:
+            family = _family(metric, reading)
+            if family is not None:
+                yield family
+        for collector in self._runtime:
+            for family in collector.collect():
+                yield _with_pool(family, reading.snapshot.pool)
+
+
+def build_registry(
+    snapshot_fn: Callable[[], PoolSnapshot], defrag_durations: DurationHistogram
+) -> CollectorRegistry:
+    """A fresh registry (never the process-global one, so two agents in one test process and
+    repeated builds do not clash) serving the kvctl families and the process metrics."""
+    registry = CollectorRegistry()
+    runtime = (
+        ProcessCollector(registry=None),
+        PlatformCollector(registry=None),
+    )
+    registry.register(PoolCollector(snapshot_fn, defrag_durations, runtime))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The `/metrics` body and its content type.
+
+    The text format version 0.0.4, which every Prometheus-compatible scraper reads; all names
+    here are legacy-valid, so the newer format would add nothing.
+    """
+    return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4

@@ -1,0 +1,379 @@
+"""The /metrics exposition: every series of the table, exactly, read back with Prometheus' parser.
+
+Each test renders a registry built from a hand-made snapshot (every field a different number, so
+a getter reading the wrong field shows up) and compares the parsed samples with the values
+written out here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvctl import __version__
+from kvctl.agent.metrics import (
+    DEFRAG_DURATION_BUCKETS,
+    METRICS,
+    DurationHistogram,
+    build_registry,
+    render,
+)
+from kvctl.agent.metrics_docs import metrics_markdown
+from kvctl.api import GpuMemory, PoolSnapshot
+
+ROOT = Path(__file__).resolve().parents[2]
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def make_snapshot(**overrides: Any) -> PoolSnapshot:
+    fields: dict[str, Any] = dict(
+        pool="llama-3-8b",
+        timestamp=1_700_000_000.0,
+        device="cpu",
+        page_size=16,
+        bytes_per_page=4096,
+        segment_pages=256,
+        segments=4,
+        capacity_pages=1024,
+        used_pages=600,
+        cached_pages=100,
+        free_pages=324,
+        capacity_bytes=1024 * 4096,
+        used_bytes=600 * 4096,
+        utilization_ratio=700 / 1024,
+        fragmentation_ratio=0.25,
+        free_extents=7,
+        largest_free_run=243,
+        max_pool_pages=2048,
+        alloc_attempts_total=1000,
+        alloc_failures_total=3,
+        alloc_success_ratio=0.99,
+        window_seconds=300.0,
+        prefix_cache_enabled=True,
+        prefix_queries_tokens_total=50_000,
+        prefix_hits_tokens_total=12_000,
+        prefix_hit_ratio=0.2,
+        prefix_evictions_total=11,
+        defrag_runs_total={"manual": 2, "threshold": 5},
+        defrag_pages_moved_total=321,
+        defrag_active=False,
+        last_defrag=None,
+        last_defrag_age_seconds=None,
+        auto_defrag_enabled=True,
+        resizes_total={"grow": 1},
+        requests_running=9,
+        requests_waiting=13,
+        preemptions_total=17,
+        gpus=[
+            GpuMemory(index=0, name="H200", used_bytes=70 * 2**30, total_bytes=141 * 2**30),
+            GpuMemory(index=1, name="H200", used_bytes=5 * 2**30, total_bytes=141 * 2**30),
+        ],
+    )
+    fields.update(overrides)
+    return PoolSnapshot(**fields)
+
+
+def scrape(snapshot: PoolSnapshot, durations: DurationHistogram | None = None) -> str:
+    registry = build_registry(lambda: snapshot, durations or DurationHistogram())
+    body, content_type = render(registry)
+    assert content_type.startswith("text/plain; version=0.0.4")
+    return body.decode()
+
+
+def kvctl_samples(text: str) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("kvctl_"):
+                key = (s.name, frozenset(s.labels.items()))
+                assert key not in samples, f"duplicate series {key}"
+                samples[key] = s.value
+    return samples
+
+
+def series(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
+    return name, frozenset({"pool": "llama-3-8b", **labels}.items())
+
+
+GIB = 2**30
+
+
+def expected_for_full_snapshot() -> Samples:
+    expected = {
+        series("kvctl_build_info", version=__version__): 1,
+        series("kvctl_pool_capacity_pages"): 1024,
+        series("kvctl_pool_used_pages"): 600,
+        series("kvctl_pool_cached_pages"): 100,
+        series("kvctl_pool_free_pages"): 324,
+        series("kvctl_pool_capacity_bytes"): 1024 * 4096,
+        series("kvctl_pool_used_bytes"): 600 * 4096,
+        series("kvctl_pool_utilization_ratio"): 700 / 1024,
+        series("kvctl_pool_segments"): 4,
+        series("kvctl_pool_max_pages"): 2048,
+        series("kvctl_pool_fragmentation_ratio"): 0.25,
+        series("kvctl_pool_free_extents"): 7,
+        series("kvctl_pool_largest_free_run_pages"): 243,
+        series("kvctl_alloc_attempts_total"): 1000,
+        series("kvctl_alloc_failures_total"): 3,
+        series("kvctl_alloc_success_ratio"): 0.99,
+        series("kvctl_prefix_cache_queries_tokens_total"): 50_000,
+        series("kvctl_prefix_cache_hits_tokens_total"): 12_000,
+        series("kvctl_prefix_cache_hit_ratio"): 0.2,
+        series("kvctl_defrag_runs_total", trigger="manual"): 2,
+        series("kvctl_defrag_runs_total", trigger="threshold"): 5,
+        series("kvctl_defrag_runs_total", trigger="extents"): 0,
+        series("kvctl_defrag_runs_total", trigger="alloc_failure"): 0,
+        series("kvctl_defrag_runs_total", trigger="shrink"): 0,
+        series("kvctl_defrag_pages_moved_total"): 321,
+        series("kvctl_pool_resizes_total", direction="grow"): 1,
+        series("kvctl_pool_resizes_total", direction="shrink"): 0,
+        series("kvctl_requests_running"): 9,
+        series("kvctl_requests_waiting"): 13,
+        series("kvctl_preemptions_total"): 17,
+        series("kvctl_gpu_memory_used_bytes", gpu="0"): 70 * GIB,
+        series("kvctl_gpu_memory_used_bytes", gpu="1"): 5 * GIB,
+        series("kvctl_gpu_memory_total_bytes", gpu="0"): 141 * GIB,
+        series("kvctl_gpu_memory_total_bytes", gpu="1"): 141 * GIB,
+        series("kvctl_defrag_duration_seconds_count"): 0,
+        series("kvctl_defrag_duration_seconds_sum"): 0,
+    }
+    for bound in [*DEFRAG_DURATION_BUCKETS, math.inf]:
+        le = "+Inf" if bound == math.inf else repr(bound)
+        expected[series("kvctl_defrag_duration_seconds_bucket", le=le)] = 0
+    return expected
+
+
+# ---- the exposition -------------------------------------------------------------------------
+
+
+def test_every_series_has_its_exact_value_and_labels() -> None:
+    assert kvctl_samples(scrape(make_snapshot())) == expected_for_full_snapshot()
+
+
+def test_families_have_the_declared_types() -> None:
+    declared = {m.name.removesuffix("_total"): m.type for m in METRICS}
+    parsed = {
+        f.name: f.type
+        for f in text_string_to_metric_families(scrape(make_snapshot()))
+        if f.name.startswith("kvctl_")
+    }
+    assert parsed == declared
+
+
+def test_no_created_series_and_every_series_carries_pool() -> None:
+    text = scrape(make_snapshot())
+    assert "_created" not in text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:  # process_* and python_info included
+            assert s.labels.get("pool") == "llama-3-8b", s
+
+
+def test_no_host_label() -> None:
+    for family in text_string_to_metric_families(scrape(make_snapshot())):
+        for s in family.samples:
+            assert not {"host", "hostname", "instance", "node"} & set(s.labels), s
+
+
+def test_process_metrics_are_served() -> None:
+    names = {f.name for f in text_string_to_metric_families(scrape(make_snapshot()))}
+    assert "python_info" in names
+    if Path("/proc/self/stat").exists():
+        assert {"process_resident_memory_bytes", "process_cpu_seconds"} <= names
+
+
+def test_cpu_host_has_no_gpu_series() -> None:
+    text = scrape(make_snapshot(gpus=[]))
+    assert "kvctl_gpu_" not in text  # not even HELP/TYPE lines of an empty family
+    expected = {
+        key: value
+        for key, value in expected_for_full_snapshot().items()
+        if not key[0].startswith("kvctl_gpu_")
+    }
+    assert kvctl_samples(text) == expected
+
+
+def test_empty_windows_and_unset_limit_are_left_out() -> None:
+    snapshot = make_snapshot(alloc_success_ratio=None, prefix_hit_ratio=None, max_pool_pages=None)
+    samples = kvctl_samples(scrape(snapshot))
+    names = {name for name, _ in samples}
+    assert not {"kvctl_alloc_success_ratio", "kvctl_prefix_cache_hit_ratio"} & names
+    assert "kvctl_pool_max_pages" not in names
+    assert "kvctl_alloc_attempts_total" in names  # the counters stay
+
+
+def test_zero_ratio_is_a_value_not_an_absence() -> None:
+    samples = kvctl_samples(scrape(make_snapshot(alloc_success_ratio=0.0, prefix_hit_ratio=0.0)))
+    assert samples[series("kvctl_alloc_success_ratio")] == 0.0
+    assert samples[series("kvctl_prefix_cache_hit_ratio")] == 0.0
+
+
+def test_every_label_value_appears_from_the_start() -> None:
+    samples = kvctl_samples(scrape(make_snapshot(defrag_runs_total={}, resizes_total={})))
+    triggers = {
+        dict(labels)["trigger"]
+        for name, labels in samples
+        if name == "kvctl_defrag_runs_total" and samples[name, labels] == 0
+    }
+    assert triggers == {"manual", "threshold", "extents", "alloc_failure", "shrink"}
+    directions = {dict(labels)["direction"] for name, labels in samples if "resizes" in name}
+    assert directions == {"grow", "shrink"}
+
+
+def test_snapshot_is_read_once_per_scrape() -> None:
+    calls = []
+
+    def snapshot_fn() -> PoolSnapshot:
+        calls.append(1)
+        return make_snapshot()
+
+    registry = build_registry(snapshot_fn, DurationHistogram())
+    calls.clear()
+    render(registry)
+    assert len(calls) == 1
+
+
+def test_registries_are_independent() -> None:
+    first = build_registry(lambda: make_snapshot(pool="a"), DurationHistogram())
+    second = build_registry(lambda: make_snapshot(pool="b"), DurationHistogram())
+    assert b'pool="a"' in render(first)[0]
+    assert b'pool="b"' not in render(first)[0]
+    assert b'pool="b"' in render(second)[0]
+
+
+# ---- the defrag-duration histogram ----------------------------------------------------------
+
+
+def test_histogram_buckets_are_cumulative_with_count_and_sum() -> None:
+    durations = DurationHistogram(buckets=(0.001, 0.01, 0.1))
+    for seconds in (0.0005, 0.001, 0.002, 0.05, 0.05, 3.0):
+        durations.observe(seconds)
+    samples = kvctl_samples(scrape(make_snapshot(), durations))
+    buckets = {
+        dict(labels)["le"]: value
+        for (name, labels), value in samples.items()
+        if name == "kvctl_defrag_duration_seconds_bucket"
+    }
+    # le=0.001 holds 0.0005 and 0.001 (a bound is inclusive); +Inf holds all six
+    assert buckets == {"0.001": 2, "0.01": 3, "0.1": 5, "+Inf": 6}
+    assert samples[series("kvctl_defrag_duration_seconds_count")] == 6
+    assert samples[series("kvctl_defrag_duration_seconds_sum")] == pytest.approx(3.1035)
+
+
+def test_histogram_read_is_a_copy() -> None:
+    durations = DurationHistogram(buckets=(1.0,))
+    durations.observe(0.5)
+    reading = durations.read()
+    durations.observe(2.0)
+    assert (reading.cumulative, reading.count, reading.sum) == ((1, 1), 1, 0.5)
+    assert durations.read().cumulative == (1, 2)
+
+
+def test_histogram_counts_every_observation_from_many_threads() -> None:
+    durations = DurationHistogram(buckets=(0.5,))
+
+    def observe() -> None:
+        for _ in range(20_000):
+            durations.observe(0.25)
+
+    threads = [threading.Thread(target=observe) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    reading = durations.read()
+    assert reading.cumulative == (80_000, 80_000)
+    assert reading.sum == 80_000 * 0.25
+
+
+@pytest.mark.parametrize("seconds", [-0.001, math.nan])
+def test_histogram_refuses_impossible_durations(seconds: float) -> None:
+    durations = DurationHistogram()
+    with pytest.raises(ValueError, match="duration"):
+        durations.observe(seconds)
+    assert durations.read().count == 0
+
+
+@pytest.mark.parametrize("buckets", [(), (0.1, 0.1), (0.2, 0.1), (0.0, 1.0), (1.0, math.inf)])
+def test_histogram_refuses_bad_buckets(buckets: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError, match="buckets"):
+        DurationHistogram(buckets)
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+DESIGN_NAMES = {
+    "kvctl_pool_capacity_pages",
+    "kvctl_pool_used_pages",
+    "kvctl_pool_cached_pages",
+    "kvctl_pool_free_pages",
+    "kvctl_pool_capacity_bytes",
+    "kvctl_pool_used_bytes",
+    "kvctl_pool_utilization_ratio",
+    "kvctl_pool_fragmentation_ratio",
+    "kvctl_pool_free_extents",
+    "kvctl_alloc_attempts_total",
+    "kvctl_alloc_failures_total",
+    "kvctl_alloc_success_ratio",
+    "kvctl_prefix_cache_queries_tokens_total",
+    "kvctl_prefix_cache_hits_tokens_total",
+    "kvctl_prefix_cache_hit_ratio",
+    "kvctl_defrag_runs_total",
+    "kvctl_defrag_pages_moved_total",
+    "kvctl_defrag_duration_seconds",
+    "kvctl_pool_resizes_total",
+    "kvctl_requests_running",
+    "kvctl_requests_waiting",
+    "kvctl_preemptions_total",
+    "kvctl_gpu_memory_used_bytes",
+    "kvctl_gpu_memory_total_bytes",
+}
+
+
+def test_table_covers_design_and_has_no_duplicates() -> None:
+    names = [m.name for m in METRICS]
+    assert len(names) == len(set(names))
+    assert not DESIGN_NAMES - set(names), DESIGN_NAMES - set(names)
+
+
+def test_names_follow_prometheus_conventions() -> None:
+    non_base_units = re.compile(
+        r"_(milli|micro|nano|kilo|mega|giga|k|m|g|ki|mi|gi)?(seconds|bytes|b)_|"
+        r"_(ms|us|ns|kb|mb|gb|kib|mib|gib|minutes|hours|days|percent|perc|pct)(_|$)"
+    )
+    for metric in METRICS:
+        assert re.fullmatch(r"kvctl_[a-z][a-z0-9_]*[a-z0-9]", metric.name), metric.name
+        assert metric.name.endswith("_total") == (metric.type == "counter"), metric.name
+        assert not non_base_units.search(metric.name.removesuffix("_total")), metric.name
+        assert "pool" not in metric.labels and "le" not in metric.labels
+        assert metric.help.endswith("."), metric.name
+
+
+def test_ratios_are_fractions_in_the_exposition() -> None:
+    for (name, _), value in kvctl_samples(scrape(make_snapshot())).items():
+        if name.endswith("_ratio"):
+            assert 0.0 <= value <= 1.0, name
+
+
+# ---- docs -----------------------------------------------------------------------------------
+
+
+def test_docs_are_generated_from_the_table() -> None:
+    committed = (ROOT / "docs" / "metrics.md").read_text()
+    assert committed == metrics_markdown(), (
+        "docs/metrics.md is stale: python -m kvctl.agent.metrics_docs > docs/metrics.md"
+    )
+
+
+def test_docs_name_every_metric_and_the_recording_rules() -> None:
+    text = metrics_markdown()
+    for metric in METRICS:
+        assert f"| `{metric.name}` | {metric.type} |" in text
+    assert "kvctl:alloc_success:ratio_rate5m" in text
+    assert "kvctl:prefix_hit:ratio_rate5m" in text
