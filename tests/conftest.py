@@ -1,12 +1,42 @@
-"""Shared pytest setup: a hypothesis profile sized for a 2-core CI machine.
+"""Shared pytest setup: a hypothesis profile sized for a 2-core CI machine, and real agent
+processes for the integration tests.
 
 Set HYPOTHESIS_PROFILE to pick another registered profile (hypothesis has `default`).
 """
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 
+import pytest
+from agent_process import SMALL_POOL, RunningAgent, launch_agent
 from hypothesis import settings
 
 # No deadline: timing on shared CI machines is noisy, and pytest-timeout bounds each test anyway.
 settings.register_profile("ci", deadline=None, max_examples=100)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def start_agent(tmp_path) -> Iterator[Callable[..., RunningAgent]]:
+    """Factory: `start_agent(*flags, token=None)`; every agent is stopped at teardown."""
+    started: list[RunningAgent] = []
+
+    def start(*args: str, token: str | None = None) -> RunningAgent:
+        agent = launch_agent(*args, token=token, tmp=tmp_path)
+        started.append(agent)
+        return agent
+
+    yield start
+    for agent in started:
+        with contextlib.suppress(Exception):
+            agent.stop()
+
+
+@pytest.fixture(scope="session")
+def agent() -> Iterator[RunningAgent]:
+    """One agent on the demo model with a small pool, shared by the tests that only read or
+    make changes they undo."""
+    running = launch_agent(*SMALL_POOL)
+    yield running
+    running.stop()

@@ -1,0 +1,254 @@
+"""`kvctl-agent`: load the model, size the pool, serve the API until SIGTERM.
+
+Start-up refuses bad configuration with one line on stderr and exit code 2 before anything is
+allocated; once the socket listens it logs `listening on http://HOST:PORT` (tests and scripts
+wait for that line), and SIGTERM lets running requests finish for `shutdown_grace` seconds,
+aborts the rest and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvctl import __version__
+from kvctl.agent.config import AgentConfig, ConfigError, load_config
+from kvctl.api import DEFAULT_PORT, RuntimeSettings
+
+log = logging.getLogger("kvctl.agent")
+DEFAULT_POOL_PAGES = 1024
+DEFAULT_SEGMENTS = 8
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+def pool_pages(config: AgentConfig, bytes_per_page: int, free_device_bytes: int | None) -> int:
+    """Initial pool size in pages from --pool-pages, --pool-memory or --gpu-memory-fraction."""
+    if config.pool_pages:
+        return config.pool_pages
+    if config.pool_memory:
+        pages = config.pool_memory // bytes_per_page
+        if pages < 1:
+            raise ConfigError(
+                f"--pool-memory {config.pool_memory} bytes is less than one page "
+                f"({bytes_per_page} bytes); give a larger size"
+            )
+        return pages
+    if config.gpu_memory_fraction:
+        if free_device_bytes is None:
+            raise ConfigError(
+                "--gpu-memory-fraction: no GPU memory reading (NVML); use --pool-memory"
+            )
+        return max(1, int(free_device_bytes * config.gpu_memory_fraction) // bytes_per_page)
+    return DEFAULT_POOL_PAGES
+
+
+def build_service(config: AgentConfig) -> Any:
+    """Model, pool, engine and service, as the configuration says (imports torch)."""
+    import torch
+
+    from kvctl.agent.gpu import GpuProbe
+    from kvctl.agent.model import CheckpointError, build_demo_model, load_checkpoint
+    from kvctl.agent.pool import DefragPolicy
+    from kvctl.agent.runtime import Engine, EngineConfig
+    from kvctl.agent.service import AgentService
+
+    torch.manual_seed(config.seed)
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device {config.device}: torch sees no CUDA device here; use --device cpu"
+        )
+    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    try:
+        if config.model == "demo":
+            model_config, model, tokenizer = build_demo_model(config.device, dtype or torch.float32)
+        else:
+            model_config, model, tokenizer = load_checkpoint(
+                Path(config.model), config.device, dtype
+            )
+    except CheckpointError as error:
+        raise ConfigError(f"--model {config.model}: {error}") from None
+    gpu = GpuProbe()
+    element = next(model.parameters()).element_size()
+    mc = model_config
+    bytes_per_page = mc.num_layers * 2 * config.page_size * mc.num_kv_heads * mc.head_dim * element
+    device_index = torch.device(config.device).index or 0
+    free = gpu.free_bytes(device_index) if config.device.startswith("cuda") else None
+    pages = pool_pages(config, bytes_per_page, free)
+    segment = config.segment_pages or max(1, -(-pages // DEFAULT_SEGMENTS))
+    settings = RuntimeSettings()
+    engine = Engine(
+        model,
+        tokenizer,
+        EngineConfig(
+            device=config.device,
+            page_size=config.page_size,
+            pool_pages=pages,
+            segment_pages=segment,
+            max_pool_pages=config.max_pool_pages or 4 * pages,
+            max_batch_seqs=config.max_batch_seqs,
+            max_batch_tokens=config.max_batch_tokens,
+            defrag=DefragPolicy(**settings.defrag.model_dump()),
+            prefix_cache=config.prefix_cache,
+            eviction_policy=config.eviction_policy,
+            prefix_isolation=config.prefix_isolation,
+        ),
+    )
+    pool_name = mc.name or Path(config.model).name
+    settings = settings.model_copy(
+        update={
+            "prefix_cache": settings.prefix_cache.model_copy(
+                update={"eviction_policy": config.eviction_policy}
+            )
+        }
+    )
+    return AgentService(engine, pool_name, settings, gpu=gpu)
+
+
+def _uvicorn_server() -> type:
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        """uvicorn's server without its signal capture, which re-raises SIGTERM after the
+        graceful shutdown (the process would then die of the signal instead of exiting 0)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return QuietServer
+
+
+def serve(config: AgentConfig) -> int:
+    """Bind, build, serve; return the exit code."""
+    import uvicorn
+
+    from kvctl.agent.server import create_app
+
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as error:
+        raise ConfigError(
+            f"cannot listen on {config.host}:{config.port}: {error.strerror}; use --port to pick "
+            "another port"
+        ) from None
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    service = build_service(config)
+    host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
+    api = create_app(
+        service, config, on_ready=lambda: log.info("listening on http://%s:%d", host, port)
+    )
+    server = _uvicorn_server()(
+        uvicorn.Config(
+            api,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=int(config.shutdown_grace) + 1,
+        )
+    )
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: setattr(server, "should_exit", True))
+    asyncio.run(server.serve(sockets=[sock]))
+    log.info("stopped")
+    return 0
+
+
+@app.command()
+def main_command(
+    host: Annotated[str | None, typer.Option(help="Address to bind [default: 127.0.0.1].")] = None,
+    port: Annotated[int | None, typer.Option(help=f"Port [default: {DEFAULT_PORT}].")] = None,
+    model: Annotated[str | None, typer.Option(help="`demo` or a checkpoint directory.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N [default: cpu].")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto, float32, float16, bfloat16.")] = None,
+    page_size: Annotated[int | None, typer.Option(help="Tokens per page [default: 16].")] = None,
+    pool_pages: Annotated[
+        int | None, typer.Option(help="Pool size in pages [default: 1024].")
+    ] = None,
+    pool_memory: Annotated[str | None, typer.Option(help="Pool size in bytes, e.g. 2GiB.")] = None,
+    gpu_memory_fraction: Annotated[
+        float | None, typer.Option(help="Pool size as a share of free GPU memory.")
+    ] = None,
+    segment_pages: Annotated[
+        int | None, typer.Option(help="Pages per segment [default: pool/8].")
+    ] = None,
+    max_pool_pages: Annotated[
+        int | None, typer.Option(help="Largest pool [default: 4x the initial size].")
+    ] = None,
+    prefix_cache: Annotated[
+        bool | None,
+        typer.Option(
+            "--prefix-cache/--no-prefix-cache",
+            help="Reuse KV of shared prompt prefixes [default: on].",
+        ),
+    ] = None,
+    prefix_isolation: Annotated[
+        str | None,
+        typer.Option(help="salt, or sampling (also key the cache by sampling settings)."),
+    ] = None,
+    eviction_policy: Annotated[
+        str | None, typer.Option(help="lru, lfu or fifo [default: lru].")
+    ] = None,
+    max_batch_seqs: Annotated[
+        int | None, typer.Option(help="Most requests running at once [default: 64].")
+    ] = None,
+    token_file: Annotated[
+        Path | None, typer.Option(help="File holding the bearer token (or set KVCTL_TOKEN).")
+    ] = None,
+    alertmanager_url: Annotated[
+        str | None, typer.Option(help="Push alerts to this Alertmanager.")
+    ] = None,
+    alert_interval: Annotated[
+        str | None, typer.Option(help="How often alerts are evaluated [default: 15s].")
+    ] = None,
+    alert_for: Annotated[
+        str | None, typer.Option(help="How long a condition holds before firing [default: 1m].")
+    ] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug, info, warning, error.")] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="TOML file with any of these settings.")
+    ] = None,
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+) -> None:
+    """Run the kvctl agent: a model on a paged KV pool, with its API, metrics and alerts."""
+    if version:
+        typer.echo(f"kvctl-agent {__version__}")
+        raise typer.Exit(0)
+    flags = {k: v for k, v in locals().items() if k not in ("config", "version")}
+    try:
+        settings = load_config(flags, config)
+        logging.basicConfig(
+            level=settings.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s %(message)s",
+            stream=sys.stderr,
+        )
+        code = serve(settings)
+    except ConfigError as error:
+        typer.echo(f"kvctl-agent: error: {error}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `kvctl-agent` and `python -m kvctl.agent.main`."""
+    try:
+        app(args=argv, prog_name="kvctl-agent", standalone_mode=True)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""The agent's core: one engine thread that owns the pool, and a thread-safe face for the server.
+
+Only the engine thread touches the engine, the pool and the storage. Everything else talks to it
+in two ways: `call(fn)` queues a function to run on the engine thread between two steps (defrag,
+resize, settings, new requests) and returns a future; `snapshot` is the latest immutable
+`PoolSnapshot`, replaced whole after each step. So an HTTP handler never waits for more than a
+queue hand-off, and the engine never waits for a handler.
+
+Between steps the thread also runs what must happen on the pool's time: automatic defrag ticks
+(also when idle, which is the cheapest time to compact), automatic resize, and publishing the
+snapshot with its windowed ratios.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvctl.agent.autoresize import AutoResize
+from kvctl.agent.gpu import GpuProbe
+from kvctl.agent.metrics import DurationHistogram
+from kvctl.agent.pool import DefragPolicy, DefragReport, DefragTrigger
+from kvctl.agent.runtime import Engine, Request, TokenEvent
+from kvctl.agent.window import CounterRatioWindow
+from kvctl.api import (
+    Alert,
+    DefragResult,
+    GpuMemory,
+    PoolSnapshot,
+    ResizeResult,
+    RuntimeSettings,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+IDLE_TICK_S = 0.05
+WINDOW_S = 300.0
+
+
+@dataclass
+class RequestStream:
+    """Where the engine thread delivers one request's tokens: an asyncio queue on the server's
+    event loop, fed thread-safely. The last event has a finish reason."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+
+    def deliver(self, event: TokenEvent) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+def defrag_policy(settings: RuntimeSettings) -> DefragPolicy:
+    return DefragPolicy(**settings.defrag.model_dump())
+
+
+def defrag_result(report: DefragReport) -> DefragResult:
+    return DefragResult(**report.to_dict())
+
+
+class AgentService:
+    """Runs an `Engine` on its own thread and serves snapshots, commands and request streams."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        pool_name: str,
+        settings: RuntimeSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        gpu: GpuProbe | None = None,
+    ) -> None:
+        self.engine = engine
+        self.pool_name = pool_name
+        self.settings = settings or RuntimeSettings()
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.gpu = gpu or GpuProbe()
+        self.started = clock()
+        self.auto_resize = AutoResize(self.settings.resize, clock)
+        self.resizes_total: Counter[str] = Counter({"grow": 0, "shrink": 0})
+        self.alerts: list[Alert] = []  # the latest evaluation, pending and firing
+        self.defrag_durations = DurationHistogram()
+        self._alloc_window = CounterRatioWindow(WINDOW_S, clock)
+        self._prefix_window = CounterRatioWindow(WINDOW_S, clock)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._accepting = True
+        self._thread: threading.Thread | None = None
+        self._last_defrag: DefragReport | None = None
+        self._last_defrag_at: float | None = None
+        self._gpu_reading: tuple[float, list[GpuMemory]] = (float("-inf"), [])
+        engine.auto_defrag.add_listener(self._note_defrag)
+        self._apply_settings(self.settings)
+        self.snapshot = self._build_snapshot()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvctl-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop accepting requests, let running ones finish for up to `grace` seconds, abort the
+        rest, and end the engine thread."""
+        self._accepting = False
+        deadline = self.clock() + grace
+        while self._streams and self.clock() < deadline:
+            time.sleep(0.05)
+        if self._streams:
+            self.call(self._abort_all).result(timeout=5)
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    # ---- the engine thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_publish = 0.0
+        while not self._stopping.is_set():
+            self._run_commands()
+            if self.engine.has_work():
+                self._dispatch(self.engine.step())
+            else:
+                self._wake.wait(IDLE_TICK_S)
+                self._wake.clear()
+                self.engine.auto_defrag.tick()
+            self._maybe_auto_resize()
+            now = self.clock()
+            if self.engine.has_work() or now >= next_publish:
+                self.snapshot = self._build_snapshot()
+                next_publish = now + 0.5
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the engine thread between two steps; the future holds its result."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as error:
+                future.set_exception(error)
+            self.snapshot = self._build_snapshot()
+
+        self._commands.put(run)
+        self._wake.set()
+        return future
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if stream is None:
+                continue
+            stream.deliver(event)
+            if event.finish_reason is not None:
+                del self._streams[event.request_id]
+
+    def _abort_all(self) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort(request_id)
+            stream.deliver(TokenEvent(request_id, None, "", stream.request.finish_reason))
+            del self._streams[request_id]
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def open_stream(
+        self, add: Callable[[Engine], Request], loop: asyncio.AbstractEventLoop
+    ) -> Future[RequestStream]:
+        """Queue a request (built by `add` on the engine thread, which may raise ValueError)."""
+
+        def register() -> RequestStream:
+            request = add(self.engine)
+            stream = RequestStream(request, loop)
+            self._streams[request.request_id] = stream
+            return stream
+
+        return self.call(register)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request whose client went away (no-op if it already finished)."""
+
+        def run() -> None:
+            if self._streams.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+
+        self.call(run)
+
+    # ---- commands -----------------------------------------------------------------------
+
+    def defrag_now(self, max_pages: int | None) -> DefragResult:
+        """Run on the engine thread: a manual defragmentation, to completion or `max_pages`."""
+        report = self.engine.auto_defrag.run_now(DefragTrigger.MANUAL, max_pages)
+        return defrag_result(report)
+
+    def resize(self, pages: int) -> ResizeResult:
+        """Run on the engine thread: resize to `pages`; `ResizeRefused` changes nothing."""
+        engine = self.engine
+        bytes_per_page = engine.pool.bytes_per_page
+        result = engine.resizer.resize(pages)
+        if result.direction != "none":
+            self.resizes_total[result.direction] += 1
+            log.info(
+                "pool resized %s: %d -> %d pages",
+                result.direction,
+                result.old_pages,
+                result.new_pages,
+            )
+        evacuation = engine.resizer.last_evacuation
+        if result.direction == "shrink" and evacuation is not None and evacuation.pages_moved:
+            engine.auto_defrag.record(evacuation)
+        return ResizeResult(
+            old_pages=result.old_pages,
+            new_pages=result.new_pages,
+            old_bytes=result.old_pages * bytes_per_page,
+            new_bytes=result.new_pages * bytes_per_page,
+            direction=result.direction,
+            pages_moved=result.pages_moved,
+            pages_evicted=result.pages_evicted,
+        )
+
+    def update_settings(self, settings: RuntimeSettings) -> RuntimeSettings:
+        """Run on the engine thread: apply new runtime settings (already validated)."""
+        self._apply_settings(settings)
+        return settings
+
+    def _apply_settings(self, settings: RuntimeSettings) -> None:
+        self.settings = settings
+        self.engine.auto_defrag.policy = defrag_policy(settings)
+        self.auto_resize.update_settings(settings.resize)
+        resizer = self.engine.resizer
+        if settings.resize.max_pages is not None:
+            resizer.max_pages = settings.resize.max_pages
+        if settings.resize.min_pages is not None:
+            resizer.min_pages = settings.resize.min_pages
+        self.engine.set_eviction_policy(settings.prefix_cache.eviction_policy)
+
+    def _maybe_auto_resize(self) -> None:
+        stats = self.engine.pool.stats()
+        target = self.auto_resize.decide(stats, self._spare_device_bytes())
+        if target is None or target == stats.capacity_pages:
+            return
+        try:
+            self.resize(target)
+        except Exception as error:  # a refused automatic resize is logged, never fatal
+            log.warning("automatic resize to %d pages refused: %s", target, error)
+
+    def _spare_device_bytes(self) -> int | None:
+        device = self.engine.device
+        if device.type != "cuda":
+            return None
+        return self.gpu.free_bytes(device.index or 0)
+
+    def _note_defrag(self, report: DefragReport) -> None:
+        self.defrag_durations.observe(report.seconds)
+        self._last_defrag, self._last_defrag_at = report, self.clock()
+
+    # ---- the snapshot -------------------------------------------------------------------
+
+    def _build_snapshot(self) -> PoolSnapshot:
+        engine = self.engine
+        stats = engine.stats
+        pool = engine.pool.stats()
+        self._alloc_window.record(pool.alloc_attempts - pool.alloc_failures, pool.alloc_attempts)
+        self._prefix_window.record(stats.prefix_hits_tokens, stats.prefix_queries_tokens)
+        auto = engine.auto_defrag
+        last_age = None if self._last_defrag_at is None else self.clock() - self._last_defrag_at
+        runs = {trigger.value: auto.runs_total[trigger] for trigger in DefragTrigger}
+        return PoolSnapshot(
+            pool=self.pool_name,
+            timestamp=self.wall_clock(),
+            device=str(engine.device),
+            page_size=pool.page_size,
+            bytes_per_page=pool.bytes_per_page,
+            segment_pages=pool.segment_pages,
+            segments=pool.segments,
+            capacity_pages=pool.capacity_pages,
+            used_pages=pool.used_pages,
+            cached_pages=pool.cached_pages,
+            free_pages=pool.free_pages,
+            capacity_bytes=pool.capacity_bytes,
+            used_bytes=pool.used_bytes,
+            utilization_ratio=pool.utilization_ratio,
+            fragmentation_ratio=pool.fragmentation_ratio,
+            free_extents=pool.free_extents,
+            largest_free_run=pool.largest_free_run,
+            max_pool_pages=engine.resizer.max_pages,
+            alloc_attempts_total=pool.alloc_attempts,
+            alloc_failures_total=pool.alloc_failures,
+            alloc_success_ratio=self._alloc_window.ratio(),
+            window_seconds=WINDOW_S,
+            prefix_cache_enabled=engine.config.prefix_cache,
+            prefix_queries_tokens_total=stats.prefix_queries_tokens,
+            prefix_hits_tokens_total=stats.prefix_hits_tokens,
+            prefix_hit_ratio=self._prefix_window.ratio(),
+            prefix_evictions_total=sum(stats.prefix_evictions.values()),
+            defrag_runs_total=runs,
+            defrag_pages_moved_total=auto.pages_moved_total,
+            defrag_active=auto.active is not None,
+            last_defrag=None if self._last_defrag is None else defrag_result(self._last_defrag),
+            last_defrag_age_seconds=last_age,
+            auto_defrag_enabled=auto.policy.enabled,
+            resizes_total=dict(self.resizes_total),
+            requests_running=stats.requests_running,
+            requests_waiting=stats.requests_waiting,
+            preemptions_total=stats.preemptions,
+            gpus=self._gpus(),
+        )
+
+    def _gpus(self) -> list[GpuMemory]:
+        """NVML readings, at most one per second (snapshots are built after every step)."""
+        if not self.gpu.available:
+            return []
+        taken, gpus = self._gpu_reading
+        now = self.clock()
+        if now - taken >= 1.0:
+            gpus = self.gpu.read()
+            self._gpu_reading = (now, gpus)
+        return gpus
+
+    def uptime(self) -> float:
+        return self.clock() - self.started

@@ -1,0 +1,266 @@
+"""The real `kvctl-agent` process over real HTTP: completions, streaming, pool stats, defrag,
+resize, config, metrics, bad input, auth, the public-bind refusal and SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvctl.api import CompletionResponse, DefragResult, PoolMap, PoolSnapshot, ResizeResult
+
+pytestmark = pytest.mark.integration
+
+GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+def client(agent, token: str | None = None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=agent.url, headers=headers, timeout=60)
+
+
+def pool_state(http: httpx.Client) -> tuple:
+    """What must not change when a request is refused: capacity, page map and counters."""
+    snapshot = PoolSnapshot.model_validate(http.get("/v1/pool").json())
+    page_map = PoolMap.model_validate(http.get("/v1/pool/map").json())
+    return (
+        snapshot.capacity_pages,
+        snapshot.alloc_attempts_total,
+        snapshot.defrag_pages_moved_total,
+        snapshot.resizes_total,
+        page_map.runs,
+        http.get("/v1/config").json(),
+    )
+
+
+def test_health_and_models(agent) -> None:
+    with client(agent) as http:
+        assert http.get("/healthz").json()["status"] == "ok"
+        models = http.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["demo"]
+
+
+def test_completion_text_and_token_ids(agent) -> None:
+    with client(agent) as http:
+        body = {"prompt": "The pool is cut into pages", **GREEDY, "return_token_ids": True}
+        first = CompletionResponse.model_validate(http.post("/v1/completions", json=body).json())
+        choice = first.choices[0]
+        assert choice.finish_reason == "length" and len(choice.token_ids) == 12
+        assert first.usage.completion_tokens == 12 and first.usage.prompt_tokens == 27
+        # the same prompt as token ids gives the same tokens
+        ids = [256, *b"The pool is cut into pages"]
+        again = http.post("/v1/completions", json={**body, "prompt": ids}).json()
+        assert again["choices"][0]["token_ids"] == choice.token_ids
+        assert again["choices"][0]["text"] == choice.text
+
+
+def test_streaming_adds_up_to_the_plain_completion(agent) -> None:
+    body = {"prompt": "Stream me", **GREEDY}
+    with client(agent) as http:
+        plain = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        chunks = []
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line[6:])
+    assert chunks[-1] == "[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    assert "".join(e["choices"][0]["text"] for e in events) == plain
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_pool_stats_move_and_defrag_and_resize_work(start_agent) -> None:
+    agent = start_agent("--pool-pages", "64", "--segment-pages", "16", "--page-size", "4")
+    with client(agent) as http:
+        before = PoolSnapshot.model_validate(http.get("/v1/pool").json())
+        assert before.capacity_pages == 64 and before.alloc_attempts_total == 0
+        for i in range(3):
+            http.post("/v1/completions", json={"prompt": "x" * (10 + 7 * i), **GREEDY})
+        after = PoolSnapshot.model_validate(http.get("/v1/pool").json())
+        assert after.alloc_attempts_total > 0 and after.alloc_success_ratio == 1.0
+        report = DefragResult.model_validate(http.post("/v1/defrag", json={}).json())
+        assert report.fragmentation_after == 0.0 and report.complete
+        grown = ResizeResult.model_validate(http.post("/v1/pool/resize", json={"pages": 80}).json())
+        assert (grown.old_pages, grown.new_pages, grown.direction) == (64, 80, "grow")
+        by_bytes = http.post("/v1/pool/resize", json={"bytes": 32 * after.bytes_per_page}).json()
+        assert (by_bytes["new_pages"], by_bytes["direction"]) == (32, "shrink")
+        snapshot = PoolSnapshot.model_validate(http.get("/v1/pool").json())
+        assert snapshot.capacity_pages == 32
+        assert snapshot.resizes_total == {"grow": 1, "shrink": 1}
+        assert snapshot.defrag_runs_total["manual"] == 1
+
+
+def test_refused_resize_is_409_and_changes_nothing(start_agent) -> None:
+    agent = start_agent("--pool-pages", "32", "--segment-pages", "8", "--page-size", "4")
+    long_request = {
+        "prompt": "y" * 60,
+        "max_tokens": 60,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    # a long request holds pages while we try to shrink below them
+    with (
+        client(agent) as http,
+        httpx.Client(base_url=agent.url, timeout=60) as other,
+        other.stream("POST", "/v1/completions", json=long_request) as response,
+    ):
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        state = pool_state(http)
+        refused = http.post("/v1/pool/resize", json={"pages": 8})
+        assert refused.status_code == 409
+        assert "pages in use above the new size 8" in refused.json()["error"]["message"]
+        assert pool_state(http)[0] == state[0]
+        for _ in lines:
+            pass
+
+
+def test_metrics_parse_and_follow_the_pool(agent) -> None:
+    with client(agent) as http:
+        http.post("/v1/completions", json={"prompt": "metrics", **GREEDY})
+        text = http.get("/metrics").text
+        snapshot = PoolSnapshot.model_validate(http.get("/v1/pool").json())
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    pool = (("pool", "demo"),)
+    assert samples[("kvctl_pool_capacity_pages", pool)] == snapshot.capacity_pages
+    assert samples[("kvctl_alloc_attempts_total", pool)] >= 1
+    assert not any(name.endswith("_created") for name, _ in samples)
+    assert not any(name.startswith("kvctl_gpu_") for name, _ in samples)  # no NVML here
+
+
+def test_runtime_config_patch(agent) -> None:
+    with client(agent) as http:
+        original = http.get("/v1/config").json()
+        changed = http.patch("/v1/config", json={"defrag": {"fragmentation_threshold": 0.7}})
+        assert changed.status_code == 200
+        assert changed.json()["defrag"]["fragmentation_threshold"] == 0.7
+        assert http.get("/v1/config").json()["defrag"]["fragmentation_threshold"] == 0.7
+        restored = http.patch("/v1/config", json={"defrag": original["defrag"]})
+        assert restored.json() == original
+
+
+BAD_BODIES = [
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": -1}),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**9}),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": "hot"}),
+    ("POST", "/v1/completions", {"prompt": "x", "bogus": 1}),
+    ("POST", "/v1/completions", {"prompt": [1, -5]}),
+    ("POST", "/v1/completions", {"prompt": [1, 99999]}),
+    ("POST", "/v1/completions", {"prompt": []}),
+    ("POST", "/v1/completions", {"prompt": "x" * 9000}),
+    ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-9"}),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 2}),
+    ("POST", "/v1/completions", {}),
+    ("POST", "/v1/defrag", {"max_pages": 0}),
+    ("POST", "/v1/defrag", {"max_pages": "all"}),
+    ("POST", "/v1/defrag", {"pages": 3}),
+    ("POST", "/v1/pool/resize", {}),
+    ("POST", "/v1/pool/resize", {"pages": 16, "bytes": 1024}),
+    ("POST", "/v1/pool/resize", {"pages": -16}),
+    ("POST", "/v1/pool/resize", {"pages": 10**15}),
+    ("POST", "/v1/pool/resize", {"pages": 1.5}),
+    ("POST", "/v1/pool/resize", {"pages": 100000}),
+    ("PATCH", "/v1/config", {"defrag": {"fragmentation_threshold": 2}}),
+    ("PATCH", "/v1/config", {"defrag": {"nonsense": True}}),
+    ("PATCH", "/v1/config", {"resize": {"low_water": 0.9, "high_water": 0.5}}),
+    ("PATCH", "/v1/config", {"tuning": {}}),
+    ("PATCH", "/v1/config", {"prefix_cache": {"eviction_policy": "random"}}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), BAD_BODIES)
+def test_bad_input_is_a_4xx_json_error_and_changes_nothing(agent, method, path, body) -> None:
+    with client(agent) as http:
+        before = pool_state(http)
+        response = http.request(method, path, json=body)
+        assert 400 <= response.status_code < 500, response.text
+        error = response.json()["error"]
+        assert error["code"] == response.status_code and error["message"]
+        assert "\n" not in error["message"]
+        assert pool_state(http) == before
+
+
+def test_malformed_json_and_oversized_bodies(agent) -> None:
+    with client(agent) as http:
+        response = http.post(
+            "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert (
+            response.status_code == 422 and "not valid JSON" in response.json()["error"]["message"]
+        )
+        huge = http.post("/v1/completions", json={"prompt": "x" * (2 << 20)})
+        assert huge.status_code == 413
+
+
+def test_auth_on_mutating_endpoints(start_agent) -> None:
+    agent = start_agent(*("--pool-pages", "64", "--segment-pages", "16"), token="s3cret")
+    with (
+        client(agent) as anonymous,
+        client(agent, "wrong") as wrong,
+        client(agent, "s3cret") as right,
+    ):
+        assert anonymous.get("/v1/pool").status_code == 200
+        assert anonymous.get("/metrics").status_code == 200
+        for http in (anonymous, wrong):
+            response = http.post("/v1/defrag", json={})
+            assert response.status_code == 401
+            assert "token" in response.json()["error"]["message"]
+            assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+            assert http.patch("/v1/config", json={}).status_code == 401
+        assert right.post("/v1/defrag", json={}).status_code == 200
+        assert (
+            right.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        )
+
+
+def test_public_bind_without_token_is_refused() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvctl.agent.main", "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 2
+    assert "refusing to listen on 0.0.0.0 without a token" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--pool-pages", "8", "--pool-memory", "1GiB"], "give one of"),
+        (["--pool-memory", "lots"], "cannot read 'lots' as a size"),
+        (["--model", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
+        (["--alert-interval", "soon"], "as a duration"),
+        (["--device", "tpu"], "cpu, cuda or cuda:N"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(flags, message) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvctl.agent.main", "--port", "0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_sigterm_exits_cleanly(start_agent) -> None:
+    agent = start_agent("--pool-pages", "64", "--segment-pages", "16")
+    with client(agent) as http:
+        assert http.get("/healthz").status_code == 200
+    assert agent.stop() == 0
