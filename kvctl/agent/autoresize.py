@@ -36,8 +36,8 @@ class AutoResize:
             return None
         now = self.clock()
         utilization = stats.utilization_ratio
-        self._above_since = (self._above_since or now) if utilization > s.high_water else None
-        self._below_since = (self._below_since or now) if utilization < s.low_water else None
+        self._above_since = _since(self._above_since, now, utilization > s.high_water)
+        self._below_since = _since(self._below_since, now, utilization < s.low_water)
         segment = stats.segment_pages
         if self._above_since is not None and now - self._above_since >= s.window_s:
             target = stats.capacity_pages + segment
@@ -52,3 +52,10 @@ class AutoResize:
                 self._below_since = None
                 return target
         return None
+
+
+def _since(started: float | None, now: float, holds: bool) -> float | None:
+    """When the condition began to hold without a break (None while it does not hold)."""
+    if not holds:
+        return None
+    return now if started is None else started
