@@ -258,7 +258,8 @@ class AgentService:
             resizer.max_pages = settings.resize.max_pages
         if settings.resize.min_pages is not None:
             resizer.min_pages = settings.resize.min_pages
-        self.engine.set_eviction_policy(settings.prefix_cache.eviction_policy)
+        if self.engine.config.prefix_cache:
+            self.engine.set_eviction_policy(settings.prefix_cache.eviction_policy)
 
     def _maybe_auto_resize(self) -> None:
         stats = self.engine.pool.stats()

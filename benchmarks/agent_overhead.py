@@ -1,0 +1,146 @@
+"""Decode-step time of the engine alone vs inside the running agent (HTTP, metrics, snapshots).
+
+Same model, same pool, same eight greedy requests. Alone: a loop calls `Engine.step()`. In the
+agent: the requests arrive over HTTP, the engine runs on the service's thread, the service
+publishes a `PoolSnapshot` after every step, and a scraper reads `/metrics` and `/v1/pool` every
+`--scrape-interval` seconds (far more often than Prometheus would). Both sides time the
+period from one `Engine.step()` to the next while requests decode, which includes whatever the
+agent does between steps; the ratio of medians is the machinery's overhead per decode step.
+
+    python benchmarks/agent_overhead.py [--prompt-tokens 256] [--max-tokens 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import uvicorn
+
+from kvctl.agent.config import AgentConfig
+from kvctl.agent.model import SamplingParams, build_demo_model
+from kvctl.agent.runtime import Engine, EngineConfig
+from kvctl.agent.server import create_app
+from kvctl.agent.service import AgentService
+
+BATCH = 8
+
+
+def timed_steps(engine: Engine) -> list[float]:
+    """Wrap `engine.step` so that the time from one step's start to the next is recorded: the
+    step itself plus whatever runs between steps (snapshots, commands, other threads)."""
+    times: list[float] = []
+    step = engine.step
+    last = [0.0]
+
+    def timed() -> list:
+        start = time.perf_counter()
+        if last[0] and engine.scheduler.running:
+            times.append(start - last[0])
+        last[0] = start
+        return step()
+
+    engine.step = timed  # type: ignore[method-assign]
+    return times
+
+
+def make_engine(model, tokenizer) -> Engine:
+    config = EngineConfig(pool_pages=1024, segment_pages=128, prefix_cache=False)
+    return Engine(model, tokenizer, config)
+
+
+def prompts(args: argparse.Namespace) -> list[list[int]]:
+    return [
+        [256] + [65 + (i + j) % 26 for j in range(args.prompt_tokens - 1)] for i in range(BATCH)
+    ]
+
+
+def alone(model, tokenizer, args: argparse.Namespace) -> list[float]:
+    engine = make_engine(model, tokenizer)
+    times = timed_steps(engine)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for prompt in prompts(args):
+        engine.add_request(prompt, params)
+    while engine.has_work():
+        engine.step()
+    return times[1:-1]  # neither the prefill nor the last step
+
+
+def in_agent(model, tokenizer, args: argparse.Namespace) -> list[float]:
+    engine = make_engine(model, tokenizer)
+    times = timed_steps(engine)
+    service = AgentService(engine, "demo")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(service, AgentConfig()), log_level="warning", access_log=False)
+    )
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    stop = threading.Event()
+    scraper = threading.Thread(target=scrape, args=(url, args.scrape_interval, stop), daemon=True)
+    scraper.start()
+    body = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+    workers = [
+        threading.Thread(target=post, args=(url, {**body, "prompt": p})) for p in prompts(args)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    stop.set()
+    scraper.join()
+    server.should_exit = True
+    return times[1:-1]
+
+
+def post(url: str, body: dict) -> None:
+    with httpx.Client(base_url=url, timeout=300) as http:
+        http.post("/v1/completions", json=body).raise_for_status()
+
+
+def scrape(url: str, interval: float, stop: threading.Event) -> None:
+    with httpx.Client(base_url=url, timeout=30) as http:
+        while not stop.wait(interval):
+            http.get("/metrics").raise_for_status()
+            http.get("/v1/pool").raise_for_status()
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--scrape-interval", type=float, default=0.1)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    print("command: python benchmarks/agent_overhead.py " + " ".join(sys.argv[1:]))
+    _, model, tokenizer = build_demo_model()
+    runs: dict[str, list[float]] = {"alone": [], "agent": []}
+    sides: dict[str, Callable] = {"alone": alone, "agent": in_agent}
+    for _ in range(args.rounds):  # alternate so both see the same machine state
+        for name, side in sides.items():
+            runs[name] += side(model, tokenizer, args)
+    a, b = median_ms(runs["alone"]), median_ms(runs["agent"])
+    print(f"batch {BATCH}, prompt {args.prompt_tokens}, {args.max_tokens} new tokens each")
+    print(f"engine alone:    {a:6.2f} ms/step (median of {len(runs['alone'])})")
+    print(f"inside agent:    {b:6.2f} ms/step (median of {len(runs['agent'])})")
+    print(f"overhead:        {100 * (b / a - 1):+5.1f} % (target under 2 %)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
