@@ -1,0 +1,24 @@
+"""Alerts on the KV pool: definitions, the agent's evaluation, Alertmanager delivery and the
+Prometheus rule file. Nothing here imports torch or `kvctl.agent`, so the CLI can use it."""
+
+from kvctl.alerts.alertmanager import (
+    AlertmanagerError,
+    AlertmanagerNotifier,
+    fetch_alerts,
+    post_test_alert,
+)
+from kvctl.alerts.catalog import ALL_ALERT_NAMES, DEFAULT_RUNBOOK_BASE, DEFINITIONS
+from kvctl.alerts.evaluator import AlertEvaluator
+from kvctl.alerts.rules import render_rule_file
+
+__all__ = [
+    "ALL_ALERT_NAMES",
+    "DEFAULT_RUNBOOK_BASE",
+    "DEFINITIONS",
+    "AlertEvaluator",
+    "AlertmanagerError",
+    "AlertmanagerNotifier",
+    "fetch_alerts",
+    "post_test_alert",
+    "render_rule_file",
+]

@@ -1,0 +1,174 @@
+"""The agent's own alert evaluation: snapshots in, pending and firing alerts out.
+
+It follows Prometheus' semantics so the agent and the rule file agree: an alert is pending from
+the first evaluation its condition holds, firing once it has held for the alert's `for`
+duration, and gone at the first evaluation it does not. Hysteresis is added on top: a firing
+alert resolves only when its value is back past the clear level. Time comes from an injected
+clock, so a test steps through minutes of alert history without sleeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvctl import api
+from kvctl.alerts.catalog import DEFAULT_RUNBOOK_BASE, DEFINITIONS, FACTS, FORMATS, runbook_url
+from kvctl.alerts.definition import (
+    SEVERITY_RANK,
+    AlertDefinition,
+    Observation,
+    Reading,
+    Situation,
+)
+
+PREEMPTION_WINDOW_S = 300.0
+"""Preemptions per minute are averaged over 5 minutes, like the rule file's `rate(...[5m])`."""
+
+
+class CounterRate:
+    """Per-minute rate of a counter over a sliding window of (time, value) samples.
+
+    One sample at or before the window's start is kept as the baseline, so the rate covers the
+    whole window once there is that much history, and whatever history there is before that.
+    """
+
+    def __init__(self, window_s: float = PREEMPTION_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def update(self, now: float, total: int) -> float | None:
+        """Record `total` at `now`; the rate per minute, or None with under two samples."""
+        if self._samples and total < self._samples[-1][1]:
+            self._samples.clear()  # the counter restarted
+        self._samples.append((now, total))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
+            self._samples.popleft()
+        (t0, v0), (t1, v1) = self._samples[0], self._samples[-1]
+        return None if t1 <= t0 else (v1 - v0) * 60.0 / (t1 - t0)
+
+
+@dataclass
+class _State:
+    active_since: float
+    firing: bool = False
+
+
+class _Values(dict):
+    """The fields of an alert's text templates; facts are read from the snapshot on demand."""
+
+    def __init__(self, snapshot: api.PoolSnapshot, **known: str) -> None:
+        super().__init__(known)
+        self.snapshot = snapshot
+
+    def __missing__(self, key: str) -> str:
+        fact = FACTS[key]
+        return FORMATS[fact.format][0](fact.get(self.snapshot))
+
+
+class AlertEvaluator:
+    """Evaluates every alert of `definitions` on each snapshot of one pool.
+
+    `evaluate` is called once per alert interval; the alerts it returns are the pending and
+    firing ones, most severe first. `settings` may be replaced between calls (PATCH /v1/config);
+    active alerts keep their state.
+    """
+
+    def __init__(
+        self,
+        settings: api.AlertSettings,
+        pool: str,
+        instance: str,
+        clock: Callable[[], float] = time.time,
+        *,
+        agent_url: str | None = None,
+        runbook_base: str = DEFAULT_RUNBOOK_BASE,
+        definitions: Sequence[AlertDefinition] = DEFINITIONS,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.instance = instance
+        self.clock = clock
+        self.agent_url = agent_url or f"http://{instance}"
+        self.runbook_base = runbook_base
+        self.definitions = tuple(definitions)
+        self._states: dict[tuple[str, tuple[tuple[str, str], ...]], _State] = {}
+        self._preemptions = CounterRate()
+        self.alerts: list[api.Alert] = []
+
+    def evaluate(self, snapshot: api.PoolSnapshot) -> list[api.Alert]:
+        """The alerts active after this snapshot (also kept in `self.alerts`)."""
+        now = self.clock()
+        rate = self._preemptions.update(now, snapshot.preemptions_total)
+        observation = Observation(snapshot, preemptions_per_minute=rate)
+        alerts, seen = [], set()
+        for definition in self.definitions:
+            for reading in definition.measure(observation):
+                key = (definition.name, reading.labels)
+                seen.add(key)
+                state = self._advance(definition, key, reading.value, now)
+                if state is not None:
+                    alerts.append(self._alert(definition, reading, state, snapshot))
+        for key in self._states.keys() - seen:
+            del self._states[key]
+        alerts.sort(key=lambda a: (SEVERITY_RANK[a.severity], a.name, sorted(a.labels.items())))
+        self.alerts = alerts
+        return alerts
+
+    def _advance(
+        self, definition: AlertDefinition, key: tuple, value: float, now: float
+    ) -> _State | None:
+        """Move one alert's state machine by one evaluation; None when it is not active."""
+        state, threshold = self._states.get(key), definition.threshold
+        if state is not None and state.firing:
+            keep = threshold.holds(value, self.settings)
+        else:
+            keep = threshold.breached(value, self.settings)
+        if not keep:
+            self._states.pop(key, None)
+            return None
+        if state is None:
+            state = self._states[key] = _State(active_since=now)
+        if now - state.active_since >= definition.for_seconds(self.settings):
+            state.firing = True
+        return state
+
+    def _alert(
+        self,
+        definition: AlertDefinition,
+        reading: Reading,
+        state: _State,
+        snapshot: api.PoolSnapshot,
+    ) -> api.Alert:
+        situation = Situation(snapshot, reading, self.settings, self.agent_url)
+        cause = definition.cause(situation)
+        values = _Values(
+            snapshot,
+            value=FORMATS[definition.value_format][0](reading.value),
+            pool=self.pool,
+            instance=self.instance,
+            agent=self.agent_url,
+            **dict(reading.labels),
+        )
+        headline = definition.headline.format_map(values)
+        labels = {
+            "alertname": definition.name,
+            "severity": definition.severity,
+            "pool": self.pool,
+            "instance": self.instance,
+            **dict(reading.labels),
+        }
+        return api.Alert(
+            name=definition.name,
+            severity=definition.severity,
+            state="firing" if state.firing else "pending",
+            value=reading.value,
+            summary=definition.summary.format_map(values),
+            description=f"{headline}; {cause.explain(situation)}",
+            remediation=cause.remedy(situation),
+            runbook_url=runbook_url(self.runbook_base, definition.anchor),
+            active_since=state.active_since,
+            labels=labels,
+        )

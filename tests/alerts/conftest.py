@@ -1,0 +1,272 @@
+"""Fixtures of the alert tests: snapshots, the Prometheus tools, and a real Prometheus +
+Alertmanager pair on loopback ports.
+
+The tools come from the Debian packages `prometheus` and `prometheus-alertmanager` (.ci/run
+installs them). A missing tool fails the test when CI is set and skips it elsewhere, so a
+laptop without them can still run the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import httpx
+import pytest
+import yaml
+
+from kvctl import api
+
+BINARIES: dict[str, tuple[str, ...]] = {
+    "promtool": ("promtool",),
+    "prometheus": ("prometheus",),
+    "alertmanager": ("alertmanager", "prometheus-alertmanager"),  # Debian names it the latter
+    "amtool": ("amtool",),
+}
+
+QUIET_SNAPSHOT = dict(
+    pool="demo",
+    timestamp=1_700_000_000.0,
+    device="cpu",
+    page_size=16,
+    bytes_per_page=65536,
+    segment_pages=64,
+    segments=8,
+    capacity_pages=512,
+    used_pages=200,
+    cached_pages=56,
+    free_pages=256,
+    capacity_bytes=512 * 65536,
+    used_bytes=200 * 65536,
+    utilization_ratio=0.5,
+    fragmentation_ratio=0.05,
+    free_extents=2,
+    largest_free_run=243,
+    max_pool_pages=None,
+    alloc_attempts_total=1000,
+    alloc_failures_total=0,
+    alloc_success_ratio=1.0,
+    window_seconds=300.0,
+    prefix_cache_enabled=True,
+    prefix_queries_tokens_total=10_000,
+    prefix_hits_tokens_total=6_000,
+    prefix_hit_ratio=0.6,
+    prefix_evictions_total=0,
+    defrag_runs_total={"manual": 0, "threshold": 0},
+    defrag_pages_moved_total=0,
+    defrag_active=False,
+    last_defrag=None,
+    last_defrag_age_seconds=None,
+    auto_defrag_enabled=True,
+    resizes_total={"grow": 0, "shrink": 0},
+    requests_running=4,
+    requests_waiting=0,
+    preemptions_total=0,
+    gpus=[],
+)
+"""A healthy pool: half used, barely fragmented, every allocation served. No alert applies."""
+
+
+@pytest.fixture
+def make_snapshot() -> Callable[..., api.PoolSnapshot]:
+    """A snapshot of a healthy pool with the given fields changed."""
+
+    def make(**changes: object) -> api.PoolSnapshot:
+        return api.PoolSnapshot(**{**QUIET_SNAPSHOT, **changes})
+
+    return make
+
+
+def find_binary(name: str) -> str:
+    """The path of a Prometheus tool; fails under CI and skips elsewhere when it is missing."""
+    for candidate in BINARIES[name]:
+        path = shutil.which(candidate)
+        if path:
+            return path
+    message = (
+        f"{name} is not installed: `apt-get install prometheus prometheus-alertmanager` "
+        "(.ci/run does it)"
+    )
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+# ---- a real Prometheus and Alertmanager -----------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+ALERTMANAGER_CONFIG = {
+    "route": {
+        "receiver": "blackhole",
+        "group_by": ["alertname", "pool", "instance"],
+        "group_wait": "1s",
+        "group_interval": "1s",
+        "repeat_interval": "1h",
+    },
+    "receivers": [{"name": "blackhole"}],
+}
+
+
+@dataclass
+class PromStack:
+    """Prometheus (optional) and Alertmanager processes started in `workdir`, stopped by pid."""
+
+    workdir: Path
+    alertmanager_url: str = ""
+    prometheus_url: str = ""
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    _logs: list[BinaryIO] = field(default_factory=list)
+
+    def am_alerts(self, **params: str) -> list[dict]:
+        """GET /api/v2/alerts of Alertmanager."""
+        response = httpx.get(f"{self.alertmanager_url}/api/v2/alerts", params=params, timeout=5)
+        response.raise_for_status()
+        return response.json()
+
+    def query(self, expr: str) -> list[dict]:
+        """An instant PromQL query's result vector."""
+        response = httpx.get(f"{self.prometheus_url}/api/v1/query", params={"query": expr})
+        response.raise_for_status()
+        return response.json()["data"]["result"]
+
+    def rule_groups(self) -> list[dict]:
+        response = httpx.get(f"{self.prometheus_url}/api/v1/rules", timeout=5)
+        response.raise_for_status()
+        return response.json()["data"]["groups"]
+
+    def wait_for(self, probe: Callable[[], object], what: str, timeout: float = 60.0) -> object:
+        """Poll `probe` until it returns something truthy; fail with `what` after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = probe()
+            if result:
+                return result
+            time.sleep(0.25)
+        pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {log.name}\n{log.read_text()[-3000:]}"
+            for log in sorted(self.workdir.glob("*.log"))
+        )
+
+    def start(self, name: str, args: list[str], port: int) -> str:
+        """Start one process and wait until it answers /-/ready; its base URL."""
+        log = (self.workdir / f"{name}.log").open("wb")
+        self._logs.append(log)
+        process = subprocess.Popen(
+            args, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.processes.append(process)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(f"{name} exited with {process.returncode}\n{self.logs()}")
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        pytest.fail(f"{name} not ready after 30 s\n{self.logs()}")
+
+    def start_alertmanager(self, config: dict | None = None) -> str:
+        """Start Alertmanager (a lone instance, no gossip); its base URL."""
+        directory = self.workdir / "alertmanager"
+        directory.mkdir()
+        config_file = directory / "alertmanager.yml"
+        config_file.write_text(yaml.safe_dump(config or ALERTMANAGER_CONFIG))
+        port = free_port()
+        args = [
+            find_binary("alertmanager"),
+            f"--config.file={config_file}",
+            f"--storage.path={directory / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",  # no gossip port: a lone instance
+            "--log.level=warn",
+        ]
+        self.alertmanager_url = self.start("alertmanager", args, port)
+        return self.alertmanager_url
+
+    def start_prometheus(
+        self,
+        targets: list[str],
+        rules: str,
+        *,
+        job: str = "kvctl-agent",
+        interval: str = "1s",
+    ) -> str:
+        """Prometheus scraping `targets` as `job`, evaluating `rules`, alerting the stack's
+        Alertmanager (start that first)."""
+        directory = self.workdir / "prometheus"
+        directory.mkdir()
+        (directory / "rules.yml").write_text(rules)
+        am = self.alertmanager_url.removeprefix("http://")
+        config = {
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "rule_files": ["rules.yml"],
+            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [am]}]}]},
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}],
+        }
+        (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = free_port()
+        args = [
+            find_binary("prometheus"),
+            f"--config.file={directory / 'prometheus.yml'}",
+            f"--storage.tsdb.path={directory / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ]
+        self.prometheus_url = self.start("prometheus", args, port)
+        return self.prometheus_url
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=10)
+        self.processes.clear()
+        for log in self._logs:
+            log.close()
+
+
+@pytest.fixture
+def prom_stack(tmp_path: Path) -> Iterator[PromStack]:
+    """An empty stack: start its parts with `start_alertmanager()`, then
+    `start_prometheus(targets, rules)`. Every process is stopped by pid afterwards."""
+    stack = PromStack(workdir=tmp_path)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def alertmanager(prom_stack: PromStack) -> PromStack:
+    """A running Alertmanager (no Prometheus) in the stack."""
+    prom_stack.start_alertmanager()
+    return prom_stack
+
+
+@pytest.fixture
+def tool() -> Callable[[str], str]:
+    """`tool("promtool")`: the path of a Prometheus tool (fails under CI, skips elsewhere)."""
+    return find_binary

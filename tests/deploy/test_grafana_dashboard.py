@@ -1,0 +1,195 @@
+"""The Grafana dashboard (agent/grafana-dashboard.json) and the rule file query only series that
+exist: the agent's metrics (DESIGN's list and docs/metrics.md), the recording rules of the
+generated rule file, and Prometheus' own ALERTS and up."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvctl.alerts import render_rule_file
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "agent" / "grafana-dashboard.json"
+
+DESIGN_METRICS = {
+    "kvctl_pool_capacity_pages",
+    "kvctl_pool_used_pages",
+    "kvctl_pool_cached_pages",
+    "kvctl_pool_free_pages",
+    "kvctl_pool_capacity_bytes",
+    "kvctl_pool_used_bytes",
+    "kvctl_pool_utilization_ratio",
+    "kvctl_pool_fragmentation_ratio",
+    "kvctl_pool_free_extents",
+    "kvctl_alloc_attempts_total",
+    "kvctl_alloc_failures_total",
+    "kvctl_alloc_success_ratio",
+    "kvctl_prefix_cache_queries_tokens_total",
+    "kvctl_prefix_cache_hits_tokens_total",
+    "kvctl_prefix_cache_hit_ratio",
+    "kvctl_defrag_runs_total",
+    "kvctl_defrag_pages_moved_total",
+    "kvctl_defrag_duration_seconds_bucket",
+    "kvctl_defrag_duration_seconds_sum",
+    "kvctl_defrag_duration_seconds_count",
+    "kvctl_pool_resizes_total",
+    "kvctl_requests_running",
+    "kvctl_requests_waiting",
+    "kvctl_preemptions_total",
+    "kvctl_gpu_memory_used_bytes",
+    "kvctl_gpu_memory_total_bytes",
+    "kvctl_build_info",
+}
+PROMETHEUS_SERIES = {"ALERTS", "up"}
+KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless"}
+KEYWORDS |= {"bool", "offset", "inf", "nan"}
+KEYWORDS |= {"sum", "min", "max", "avg", "count", "group", "stddev", "stdvar", "topk", "bottomk"}
+KEYWORDS |= {"quantile", "count_values"}  # aggregations: `sum by (x) (...)` has no `(` after sum
+
+
+def documented_metrics() -> set[str]:
+    """Series names in docs/metrics.md's table (generated from the agent's metric table)."""
+    path = ROOT / "docs" / "metrics.md"
+    names = set(re.findall(r"^\| `(kvctl_\w+)` \|", path.read_text(), re.MULTILINE))
+    histograms = {n for n in names if n.endswith("_seconds")}
+    return names | {f"{h}_{suffix}" for h in histograms for suffix in ("bucket", "sum", "count")}
+
+
+def recorded() -> set[str]:
+    [group] = yaml.safe_load(render_rule_file())["groups"]
+    return {r["record"] for r in group["rules"] if "record" in r}
+
+
+def known_series() -> set[str]:
+    return DESIGN_METRICS | documented_metrics() | recorded() | PROMETHEUS_SERIES
+
+
+def metric_names(expr: str) -> set[str]:
+    """The series names a PromQL expression selects (functions, keywords, labels left out)."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", r"\1", expr)
+    names = set()
+    for match in re.finditer(r"(?<![\w$.])[A-Za-z_:][\w:]*", expr):
+        word, rest = match.group(0), expr[match.end() :].lstrip()
+        if not rest.startswith("(") and word.lower() not in KEYWORDS:
+            names.add(word)
+    return names
+
+
+def panels(dashboard: dict) -> list[dict]:
+    found = []
+    for panel in dashboard["panels"]:
+        found.append(panel)
+        found.extend(panel.get("panels", []))
+    return found
+
+
+def dashboard_queries(dashboard: dict) -> list[str]:
+    """Every PromQL expression: panel targets, and the series of `label_values(...)` variables."""
+    exprs = [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
+    for variable in dashboard["templating"]["list"]:
+        query = variable.get("query")
+        text = query.get("query", "") if isinstance(query, dict) else ""
+        match = re.fullmatch(r"label_values\((.+),\s*\w+\)", text)
+        if match:
+            exprs.append(match.group(1))
+    return exprs
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def test_metric_names_are_found_in_expressions() -> None:
+    expr = (
+        "histogram_quantile(0.95, sum by (le, pool) "
+        '(rate(kvctl_defrag_duration_seconds_bucket{pool=~"$pool"}[$__rate_interval])))'
+    )
+    assert metric_names(expr) == {"kvctl_defrag_duration_seconds_bucket"}
+    assert metric_names("a:b:c * 60 > 30 or (x and ignoring(alertname) ALERTS{a='b'})") == {
+        "a:b:c",
+        "x",
+        "ALERTS",
+    }
+
+
+def test_every_dashboard_query_names_existing_series(dashboard) -> None:
+    known = known_series()
+    for expr in dashboard_queries(dashboard):
+        names = metric_names(expr)
+        assert names, f"no series in {expr!r}"
+        assert names <= known, f"unknown series {names - known} in {expr!r}"
+
+
+def test_the_dashboard_has_the_panels_an_operator_needs(dashboard) -> None:
+    stats = " ".join(
+        t["expr"] for p in panels(dashboard) if p["type"] == "stat" for t in p["targets"]
+    )
+    for headline in (
+        "kvctl:alloc_success:ratio_rate5m",
+        "kvctl_pool_fragmentation_ratio",
+        "kvctl_pool_utilization_ratio",
+        "kvctl:prefix_hit:ratio_rate5m",
+    ):
+        assert headline in stats
+    [pool_map] = [p for p in panels(dashboard) if p["title"] == "Pages: used / cached / free"]
+    assert pool_map["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    series = [metric_names(t["expr"]) for t in pool_map["targets"]]
+    assert series == [
+        {"kvctl_pool_used_pages"},
+        {"kvctl_pool_cached_pages"},
+        {"kvctl_pool_free_pages"},
+    ]
+    queries = " ".join(dashboard_queries(dashboard))
+    assert "kvctl_defrag_runs_total" in queries and "kvctl:defrag_pages_moved:rate5m" in queries
+    assert 'ALERTS{alertname=~"Kvctl.+"' in queries
+
+
+def test_panel_layout_is_consistent(dashboard) -> None:
+    ids = [p["id"] for p in panels(dashboard)]
+    assert len(ids) == len(set(ids))
+    for panel in panels(dashboard):
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
+
+
+def test_the_rule_file_names_existing_series() -> None:
+    known = known_series()
+    [group] = yaml.safe_load(render_rule_file())["groups"]
+    for rule in group["rules"]:
+        queries = [rule["expr"]]
+        for annotation in rule.get("annotations", {}).values():
+            queries += [q.replace("%q", '"x"') for q in re.findall(r'printf "([^"]+)"', annotation)]
+        for query in (q for q in queries if not q.startswith("%")):
+            names = metric_names(query)
+            assert names <= known, f"{rule.get('alert') or rule['record']}: {names - known}"
+
+
+def test_every_dashboard_query_parses_as_promql(dashboard, tmp_path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        message = "promtool is not installed (apt-get install prometheus)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    rules = [
+        {"record": f"dashboard:query_{i}", "expr": re.sub(r"\$\w+", "1m", expr)}
+        for i, expr in enumerate(dashboard_queries(dashboard))
+    ]
+    for rule in rules:  # label values: any string is a valid regex for `=~`
+        rule["expr"] = rule["expr"].replace('"1m"', '".*"')
+    path = tmp_path / "dashboard-queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
