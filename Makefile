@@ -23,7 +23,7 @@ test: setup
 	$(BIN)/pytest -q
 
 demo: setup
-	$(BIN)/kvctl simulate --scenario random-lengths
+	scripts/demo.sh
 
 lint: setup
 	$(BIN)/ruff check .

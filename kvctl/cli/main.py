@@ -13,7 +13,22 @@ from typing import Annotated
 import typer
 
 from kvctl import __version__
+from kvctl.cli.agent import agent_app
+from kvctl.cli.alerts import alerts_app
+from kvctl.cli.config import config_app
+from kvctl.cli.defrag import defrag
+from kvctl.cli.load import load
+from kvctl.cli.options import (
+    DEFAULT_TIMEOUT,
+    AgentOption,
+    GlobalOptions,
+    JsonOption,
+    TokenOption,
+)
+from kvctl.cli.pool import pool_app
 from kvctl.cli.simulate import simulate
+from kvctl.cli.status import status
+from kvctl.cli.top import top
 
 app = typer.Typer(
     name="kvctl",
@@ -36,6 +51,14 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
+    agent: AgentOption = None,
+    token: TokenOption = None,
+    json_out: JsonOption = False,
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", min=0.1, metavar="SECONDS", help="Wait this long per answer."),
+    ] = DEFAULT_TIMEOUT,
     version: Annotated[
         bool,
         typer.Option(
@@ -47,22 +70,42 @@ def _root(
     ] = False,
 ) -> None:
     """Options that apply before any command."""
+    ctx.obj = GlobalOptions(tuple(agent or ()), token, json_out, timeout)
 
 
 # Commands, one registration per line.
+app.command("status")(status)
+app.command("top")(top)
+app.command("defrag")(defrag)
+app.add_typer(pool_app, name="pool")
+app.add_typer(alerts_app, name="alerts")
+app.add_typer(config_app, name="config")
+app.command("load")(load)
 app.command("simulate")(simulate)
+app.add_typer(agent_app, name="agent")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code; errors become one line on stderr, never a traceback."""
     try:
-        app(args=argv, prog_name="kvctl")
+        # Not standalone: usage errors come back here to be printed as one line, and an
+        # `Exit(code)` comes back as the return value.
+        code = app(args=argv, prog_name="kvctl", standalone_mode=False)
+    except typer.Abort:
+        typer.echo("kvctl: aborted", err=True)
+        return 5
+    except typer.TyperException as error:  # bad usage: typer's own copy of click's exceptions
+        message = error.format_message() if hasattr(error, "format_message") else str(error)
+        if not message:  # `kvctl` alone: the help was the answer
+            return 0
+        typer.echo(f"kvctl: error: {message}; see kvctl --help", err=True)
+        return getattr(error, "exit_code", 2)
     except SystemExit as stop:
         return _exit_code(stop.code)
     except Exception as error:
         typer.echo(f"kvctl: error: {error or type(error).__name__}", err=True)
         return 1
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 def _exit_code(code: object) -> int:

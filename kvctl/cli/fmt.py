@@ -1,0 +1,119 @@
+"""Numbers as operators read them, with the colour of how worried to be.
+
+The thresholds are the agent's alert defaults (`kvctl.api.AlertSettings`), so a number turns red
+on the screen where the matching alert would fire. The CLI tables and the TUI both use these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING
+
+from kvctl.units import format_bytes
+
+if TYPE_CHECKING:
+    from kvctl.api import AlertSettings, PoolSnapshot
+SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+OK, WARN, BAD, DIM = "green", "yellow", "bold red", "dim"
+
+
+def percent(ratio: float | None, digits: int = 1) -> str:
+    """A 0..1 ratio as a percentage, or "–" when nothing happened to measure."""
+    return "–" if ratio is None else f"{100 * ratio:.{digits}f} %"
+
+
+def seconds(value: float | None) -> str:
+    """A duration short enough for a table cell: "850 ms", "12.5 s", "3m20s", "2h05m"."""
+    if value is None:
+        return "–"
+    if value < 1:
+        return f"{1000 * value:.0f} ms"
+    if value < 60:
+        return f"{value:.1f} s"
+    minutes, secs = divmod(round(value), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def pages(count: int, bytes_per_page: int) -> str:
+    """A page count with its size: "512 pages (8 MiB)"."""
+    return f"{count:,} pages ({format_bytes(count * bytes_per_page)})"
+
+
+@cache
+def limits() -> AlertSettings:
+    """The agent's default alert thresholds (read once; pydantic loads only when needed)."""
+    from kvctl.api import AlertSettings
+
+    return AlertSettings()
+
+
+def severity_style(severity: str) -> str:
+    return SEVERITY_STYLE.get(severity, "")
+
+
+def success_style(ratio: float | None) -> str:
+    if ratio is None:
+        return DIM
+    return OK if ratio >= limits().alloc_success_min else BAD if ratio < 0.99 else WARN
+
+
+def fragmentation_style(ratio: float) -> str:
+    limit = limits().fragmentation_max
+    return BAD if ratio > limit else WARN if ratio > 0.6 * limit else OK
+
+
+def utilization_style(ratio: float) -> str:
+    if ratio >= limits().utilization_high:
+        return BAD
+    return WARN if ratio >= 0.85 * limits().utilization_high else OK
+
+
+def prefix_style(ratio: float | None, enabled: bool = True) -> str:
+    if ratio is None or not enabled:
+        return DIM
+    return WARN if ratio < limits().prefix_hit_min else OK
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One of the four numbers an operator watches: label, value text, style, raw ratio."""
+
+    label: str
+    text: str
+    style: str
+    ratio: float | None
+
+
+def headlines(pool: PoolSnapshot) -> tuple[Headline, ...]:
+    """Allocation success, fragmentation, utilisation, prefix hit rate, in that order."""
+    prefix_text = percent(pool.prefix_hit_ratio) if pool.prefix_cache_enabled else "off"
+    return (
+        Headline(
+            "alloc success",
+            percent(pool.alloc_success_ratio, 2),
+            success_style(pool.alloc_success_ratio),
+            pool.alloc_success_ratio,
+        ),
+        Headline(
+            "fragmentation",
+            f"{pool.fragmentation_ratio:.2f}",
+            fragmentation_style(pool.fragmentation_ratio),
+            pool.fragmentation_ratio,
+        ),
+        Headline(
+            "utilisation",
+            percent(pool.utilization_ratio),
+            utilization_style(pool.utilization_ratio),
+            pool.utilization_ratio,
+        ),
+        Headline(
+            "prefix hits",
+            prefix_text,
+            prefix_style(pool.prefix_hit_ratio, pool.prefix_cache_enabled),
+            pool.prefix_hit_ratio,
+        ),
+    )

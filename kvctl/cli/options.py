@@ -1,0 +1,141 @@
+"""The options every command shares (`--agent`, `--token`, `--json`) and the exit codes.
+
+Each of them can be given before the command (`kvctl --agent URL status`) or after it
+(`kvctl status --agent URL`), as kubectl users expect; the one after the command wins, then the
+one before, then the environment (`KVCTL_AGENT`, comma-separated; `KVCTL_TOKEN`), then the
+default agent on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Annotated, NoReturn
+
+import typer
+
+if TYPE_CHECKING:
+    from kvctl.client import AgentClient
+
+DEFAULT_AGENT = "http://127.0.0.1:8477"
+DEFAULT_TIMEOUT = 10.0
+"""Also in kvctl.client (a test keeps them equal); here so `kvctl --help` does not load httpx."""
+
+
+class ExitCode(IntEnum):
+    """What `kvctl` returns; scripts may rely on these (documented in the README)."""
+
+    OK = 0
+    ERROR = 1
+    """An agent refused or failed (a refused resize, a rejected value, an internal error), or
+    another step failed."""
+    USAGE = 2
+    """Bad arguments; nothing was sent."""
+    UNREACHABLE = 3
+    """An agent did not answer (not running, wrong URL, timed out, connection dropped)."""
+    UNAUTHORIZED = 4
+    """An agent wants a token: `--token` or `KVCTL_TOKEN` is missing or wrong."""
+    CANCELLED = 5
+    """The answer to a confirmation was no; nothing changed."""
+
+
+AgentOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--agent",
+        "-a",
+        metavar="URL",
+        help="Agent to talk to; repeat for a fleet. \\[env: KVCTL_AGENT, comma-separated; "
+        f"default: {DEFAULT_AGENT}]",
+        show_default=False,
+    ),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        metavar="TOKEN",
+        help="Bearer token of agents started with --token-file. \\[env: KVCTL_TOKEN]",
+        show_default=False,
+    ),
+]
+JsonOption = Annotated[
+    bool,
+    typer.Option("--json", help="Print JSON (the API's models) instead of tables."),
+]
+YesOption = Annotated[
+    bool,
+    typer.Option("--yes", "-y", help="Do not ask for confirmation."),
+]
+
+
+@dataclass(frozen=True)
+class GlobalOptions:
+    """What was given before the command name."""
+
+    agents: tuple[str, ...] = ()
+    token: str | None = None
+    json: bool = False
+    timeout: float = DEFAULT_TIMEOUT
+
+
+@dataclass(frozen=True)
+class Target:
+    """The agents a command acts on and how to talk to them."""
+
+    agents: tuple[str, ...]
+    token: str | None
+    json: bool
+    timeout: float
+
+    def client(self, agent: str) -> AgentClient:
+        from kvctl.client import AgentClient
+
+        return AgentClient(agent, self.token, self.timeout)
+
+    @property
+    def fleet(self) -> bool:
+        return len(self.agents) > 1
+
+
+def fail(message: str, code: ExitCode) -> NoReturn:
+    """Stop with one line on stderr; the message says what to do."""
+    typer.echo(f"kvctl: {message}", err=True)
+    raise typer.Exit(int(code))
+
+
+def _env_agents() -> list[str]:
+    return [part for part in os.environ.get("KVCTL_AGENT", "").split(",") if part.strip()]
+
+
+def _agent_urls(given: list[str]) -> tuple[str, ...]:
+    from kvctl.client import normalize_url
+
+    urls: list[str] = []
+    for text in given:
+        try:
+            url = normalize_url(text)
+        except ValueError as error:
+            fail(f"--agent: {error}", ExitCode.USAGE)
+        if url not in urls:
+            urls.append(url)
+    return tuple(urls)
+
+
+def resolve(
+    ctx: typer.Context,
+    agent: list[str] | None = None,
+    token: str | None = None,
+    json_out: bool = False,
+) -> Target:
+    """Merge the command's options with the ones before it, the environment and defaults."""
+    root = ctx.find_root().obj
+    before = root if isinstance(root, GlobalOptions) else GlobalOptions()
+    given = agent or list(before.agents) or _env_agents() or [DEFAULT_AGENT]
+    return Target(
+        agents=_agent_urls(given),
+        token=token or before.token or os.environ.get("KVCTL_TOKEN") or None,
+        json=json_out or before.json,
+        timeout=before.timeout,
+    )

@@ -1,0 +1,250 @@
+"""Rich renderables of the API models: what `status`, `pool`, `defrag` and `alerts` print.
+
+Pure functions from models to tables, so `kvctl top --once`, `--headless` and the commands
+print the same thing and tests can render them without an agent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kvctl.cli import fmt
+from kvctl.units import format_bytes
+
+if TYPE_CHECKING:
+    from kvctl.api import Alert, DefragResult, PoolSnapshot, ResizeResult
+    from kvctl.fleet import Reading
+    from kvctl.sizing import ResizePlan
+
+
+def _pairs(title: str | None = None) -> Table:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    if title:
+        table.title = title
+        table.title_justify = "left"
+        table.title_style = "bold"
+    return table
+
+
+def headline_table(pool: PoolSnapshot) -> Table:
+    """The four numbers, each in its colour, plus what they are made of."""
+    table = _pairs()
+    details = (
+        f"{pool.alloc_attempts_total:,} attempts, {pool.alloc_failures_total:,} failed "
+        f"(window {fmt.seconds(pool.window_seconds)})",
+        f"{pool.free_extents:,} free extents, largest free run {pool.largest_free_run:,} pages",
+        f"{pool.used_pages:,} used + {pool.cached_pages:,} cached of "
+        f"{fmt.pages(pool.capacity_pages, pool.bytes_per_page)}",
+        f"{pool.prefix_hits_tokens_total:,} of {pool.prefix_queries_tokens_total:,} prompt "
+        f"tokens found, {pool.prefix_evictions_total:,} evictions",
+    )
+    for headline, detail in zip(fmt.headlines(pool), details, strict=True):
+        table.add_row(
+            headline.label, Text.assemble((headline.text, headline.style), "  ", (detail, "dim"))
+        )
+    return table
+
+
+def pool_table(pool: PoolSnapshot) -> Table:
+    """Geometry, requests and defragmentation of one pool."""
+    table = _pairs()
+    table.add_row("pool", f"{pool.pool} on {pool.device}")
+    table.add_row(
+        "capacity",
+        f"{fmt.pages(pool.capacity_pages, pool.bytes_per_page)} in {pool.segments} segments "
+        f"of {pool.segment_pages} pages; max "
+        + ("unbounded" if pool.max_pool_pages is None else f"{pool.max_pool_pages:,} pages"),
+    )
+    table.add_row(
+        "page",
+        f"{pool.page_size} tokens, {format_bytes(pool.bytes_per_page)}; "
+        f"{pool.free_pages:,} free ({format_bytes(pool.free_pages * pool.bytes_per_page)})",
+    )
+    table.add_row(
+        "requests",
+        f"{pool.requests_running} running, {pool.requests_waiting} waiting, "
+        f"{pool.preemptions_total:,} preemptions",
+    )
+    table.add_row("defrag", defrag_summary(pool))
+    grows, shrinks = pool.resizes_total.get("grow", 0), pool.resizes_total.get("shrink", 0)
+    table.add_row("resizes", f"{grows} grows, {shrinks} shrinks")
+    for gpu in pool.gpus:
+        table.add_row(f"gpu{gpu.index}", gpu_text(gpu.name, gpu.used_bytes, gpu.total_bytes))
+    return table
+
+
+def defrag_summary(pool: PoolSnapshot) -> str:
+    state = "auto" if pool.auto_defrag_enabled else "manual only"
+    runs = sum(pool.defrag_runs_total.values())
+    plural = "" if runs == 1 else "s"
+    text = f"{state}; {runs} run{plural}, {pool.defrag_pages_moved_total:,} pages moved"
+    if pool.defrag_active:
+        text += "; running now"
+    if pool.last_defrag is not None:
+        last = pool.last_defrag
+        text += (
+            f"; last ({last.trigger}, {fmt.seconds(pool.last_defrag_age_seconds)} ago) "
+            f"{last.fragmentation_before:.2f} → {last.fragmentation_after:.2f}"
+        )
+    return text
+
+
+def gpu_text(name: str, used: int, total: int) -> Text:
+    ratio = used / total if total else 0.0
+    style = fmt.BAD if ratio >= fmt.limits().gpu_memory_max else fmt.OK
+    return Text.assemble(
+        f"{name}: {format_bytes(used)} of {format_bytes(total)} ", (fmt.percent(ratio), style)
+    )
+
+
+def alerts_table(alerts: Sequence[Alert], now: float | None = None) -> RenderableType:
+    """Firing and pending alerts, worst first, each with what to do about it."""
+    if not alerts:
+        return Text("no alerts", style=fmt.OK)
+    now = time.time() if now is None else now
+    order = {"critical": 0, "warning": 1, "info": 2}
+    table = Table(show_edge=False, expand=False, pad_edge=False)
+    for column in ("severity", "state", "alert", "for", "summary", "remediation"):
+        table.add_column(column, overflow="fold")
+    for alert in sorted(alerts, key=lambda a: (a.state != "firing", order[a.severity], a.name)):
+        style = fmt.severity_style(alert.severity) if alert.state == "firing" else "dim"
+        table.add_row(
+            Text(alert.severity, style=style),
+            alert.state,
+            alert.name,
+            fmt.seconds(max(0.0, now - alert.active_since)),
+            alert.summary,
+            Text(alert.remediation, style="bold"),
+        )
+    return table
+
+
+def status_detail(reading: Reading) -> RenderableType:
+    """One agent: identity, the four numbers, the pool, alerts."""
+    assert reading.pool is not None
+    pool = reading.pool
+    title = Text.assemble(("● up  ", fmt.OK), (reading.agent, "bold"))
+    if reading.health is not None:
+        title.append(
+            f"  kvctl {reading.health.version}, up {fmt.seconds(reading.health.uptime_seconds)}",
+            style="dim",
+        )
+    return Group(title, headline_table(pool), pool_table(pool), alerts_table(reading.alerts))
+
+
+def fleet_table(readings: Sequence[Reading]) -> Table:
+    """One row per agent; an agent that did not answer is a red row with the reason."""
+    table = Table(show_edge=False, pad_edge=False)
+    columns = ("agent", "state", "pool", "capacity", "util", "frag", "alloc ok", "prefix")
+    for column in columns:
+        left = column in ("agent", "state", "pool")
+        table.add_column(column, justify="left" if left else "right", no_wrap=left)
+    table.add_column("run/wait", justify="right")
+    table.add_column("alerts", overflow="fold")
+    for reading in readings:
+        table.add_row(*fleet_row(reading))
+    return table
+
+
+def fleet_row(reading: Reading) -> tuple[RenderableType, ...]:
+    if not reading.up or reading.pool is None:
+        reason = reading.error.reason if reading.error else "no answer"
+        blank = ("–",) * 7
+        return (reading.agent, Text("DOWN", style=fmt.BAD), *blank, Text(reason, style=fmt.BAD))
+    pool = reading.pool
+    success, frag, util, prefix = fmt.headlines(pool)
+    return (
+        reading.agent,
+        Text("up", style=fmt.OK),
+        f"{pool.pool} ({pool.device})",
+        format_bytes(pool.capacity_bytes),
+        Text(util.text, style=util.style),
+        Text(frag.text, style=frag.style),
+        Text(success.text, style=success.style),
+        Text(prefix.text, style=prefix.style),
+        f"{pool.requests_running}/{pool.requests_waiting}",
+        alerts_cell(reading.alerts),
+    )
+
+
+def alerts_cell(alerts: Sequence[Alert]) -> Text:
+    firing = [a for a in alerts if a.state == "firing"]
+    if not firing:
+        pending = len(alerts)
+        return Text(f"{pending} pending" if pending else "none", style="dim" if pending else fmt.OK)
+    text = Text()
+    for index, alert in enumerate(firing):
+        if index:
+            text.append(", ")
+        text.append(alert.name, style=fmt.severity_style(alert.severity))
+    return text
+
+
+def status(readings: Sequence[Reading]) -> RenderableType:
+    """One agent in detail, or a fleet as a table."""
+    if len(readings) == 1 and readings[0].up:
+        return status_detail(readings[0])
+    return fleet_table(readings)
+
+
+def defrag_state(pool: PoolSnapshot) -> Table:
+    """Fragmentation now and what the defragmenter has done so far."""
+    table = _pairs()
+    style = fmt.fragmentation_style(pool.fragmentation_ratio)
+    table.add_row(
+        "fragmentation",
+        Text.assemble(
+            (f"{pool.fragmentation_ratio:.2f}", style),
+            f"  {pool.free_extents:,} free extents, largest free run "
+            f"{pool.largest_free_run:,} pages",
+        ),
+    )
+    table.add_row("defrag", defrag_summary(pool))
+    table.add_row("hint", Text("kvctl defrag --now compacts the pool now", style="dim"))
+    return table
+
+
+def defrag_result(result: DefragResult) -> Table:
+    table = _pairs()
+    style = fmt.fragmentation_style(result.fragmentation_after)
+    table.add_row(
+        "fragmentation",
+        Text.assemble(
+            f"{result.fragmentation_before:.2f} → ", (f"{result.fragmentation_after:.2f}", style)
+        ),
+    )
+    table.add_row("free extents", f"{result.free_extents_before:,} → {result.free_extents_after:,}")
+    table.add_row("moved", f"{result.pages_moved:,} pages ({format_bytes(result.bytes_moved)})")
+    table.add_row("took", fmt.seconds(result.seconds))
+    if not result.complete:
+        table.add_row(
+            "note", Text("stopped early (--max-pages); run again to go on", style=fmt.WARN)
+        )
+    return table
+
+
+def resize_plan(agent: str, plan: ResizePlan) -> str:
+    return (
+        f"{agent}: {plan.old_pages:,} pages ({format_bytes(plan.old_bytes)}) → "
+        f"{plan.new_pages:,} pages ({format_bytes(plan.new_bytes)})"
+    )
+
+
+def resize_result(result: ResizeResult) -> Table:
+    table = _pairs()
+    table.add_row(
+        result.direction,
+        f"{result.old_pages:,} pages ({format_bytes(result.old_bytes)}) → "
+        f"{result.new_pages:,} pages ({format_bytes(result.new_bytes)})",
+    )
+    if result.pages_moved or result.pages_evicted:
+        table.add_row("moved", f"{result.pages_moved:,} pages, {result.pages_evicted:,} evicted")
+    return table

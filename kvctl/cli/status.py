@@ -1,0 +1,53 @@
+"""`kvctl status`: one agent in detail, or a fleet as one row per agent.
+
+Exits non-zero when any agent is down, so `kvctl status -a node1 -a node2 || page-someone` works;
+the reason for each down agent is also one line on stderr.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import typer
+
+from kvctl.cli import render
+from kvctl.cli.options import AgentOption, ExitCode, JsonOption, Target, TokenOption, resolve
+from kvctl.cli.output import console, exit_code_of, print_json, report_error
+
+if TYPE_CHECKING:
+    from kvctl.fleet import Reading
+
+
+def status(
+    ctx: typer.Context,
+    agent: AgentOption = None,
+    token: TokenOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Show the pool, the four headline numbers and the alerts of each agent."""
+    from kvctl.fleet import read_fleet_once
+
+    target = resolve(ctx, agent, token, json_out)
+    readings = read_fleet_once(target.agents, target.token, target.timeout)
+    print_status(target, readings)
+    raise typer.Exit(int(status_code(readings)))
+
+
+def print_status(target: Target, readings: Sequence[Reading]) -> None:
+    """The readings as JSON (`{"agents": [...]}`) or rich, and each down agent's reason."""
+    if target.json:
+        print_json({"agents": [reading.to_json() for reading in readings]})
+    else:
+        console().print(render.status(readings))
+    for reading in readings:
+        if reading.error is not None:
+            report_error(reading.error)
+
+
+def status_code(readings: Sequence[Reading]) -> ExitCode:
+    """The first down agent's code (unreachable, unauthorized, ...), else OK."""
+    for reading in readings:
+        if reading.error is not None:
+            return exit_code_of(reading.error)
+    return ExitCode.OK

@@ -1,0 +1,415 @@
+"""Typed HTTP client of the kvctl agent API: the only way the CLI and the TUI reach an agent.
+
+Every answer is parsed into the models of `kvctl.api`, and every failure (no connection, a
+timeout, a 401, a refused resize, an agent that is not a kvctl agent) becomes an `AgentError`
+whose message is one line that names the agent and says what to do, so callers print it as is.
+`AgentClient` is synchronous for the CLI; `AsyncAgentClient` has the same methods as coroutines
+for the TUI and the load generator, which must not block while waiting on an agent. Both take an
+optional httpx transport, so tests can answer without a socket.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, Self, TypeVar
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from kvctl import __version__
+from kvctl.api import (
+    DEFAULT_PORT,
+    AlertList,
+    CompletionRequest,
+    CompletionResponse,
+    DefragRequest,
+    DefragResult,
+    ErrorBody,
+    Health,
+    ModelList,
+    PoolMap,
+    PoolSnapshot,
+    ResizeRequest,
+    ResizeResult,
+    RuntimeSettings,
+    RuntimeSettingsPatch,
+)
+
+DEFAULT_AGENT = f"http://127.0.0.1:{DEFAULT_PORT}"
+DEFAULT_TIMEOUT = 10.0
+"""Seconds to wait for one answer; a pool read takes milliseconds, so this only bounds a hang."""
+
+M = TypeVar("M", bound=BaseModel)
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+class AgentError(Exception):
+    """An agent could not do what was asked; `str()` is one line naming the agent and a fix.
+
+    `reason` is the short cause alone ("connection refused", "401 unauthorized"), for a table
+    cell where the agent is already named.
+    """
+
+    def __init__(self, agent: str, message: str, reason: str | None = None) -> None:
+        super().__init__(" ".join(message.split()))
+        self.agent = agent
+        self.reason = " ".join((reason or message).split())
+
+
+class AgentUnreachable(AgentError):
+    """No answer: connection refused, unknown host, timeout, connection dropped."""
+
+
+class AgentUnauthorized(AgentError):
+    """401/403: the agent has a token and this request did not carry the right one."""
+
+
+class AgentRefused(AgentError):
+    """409: the agent understood and refused (a shrink below what is in use); nothing changed."""
+
+
+class AgentRequestError(AgentError):
+    """Another 4xx: the request was wrong (a bad value); nothing changed."""
+
+
+class AgentServerError(AgentError):
+    """5xx: the agent failed while answering."""
+
+
+class AgentProtocolError(AgentError):
+    """The answer is not what a kvctl agent of this version sends."""
+
+
+# ---- URLs and endpoints ---------------------------------------------------------------------
+
+
+def normalize_url(text: str) -> str:
+    """`node1`, `node1:9000` or `http://node1:9000/` as `http://node1:9000` (no trailing slash).
+
+    A bare host gets the agent's default port, since that is what an operator typing a node
+    name means. Raises ValueError for something that is not a URL.
+    """
+    raw = text.strip()
+    if "://" not in raw:
+        raw = f"http://{raw.rstrip('/')}"
+        if raw.count(":") == 1:
+            raw = f"{raw}:{DEFAULT_PORT}"
+    raw = raw.rstrip("/")
+    try:
+        parts = urlsplit(raw)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as error:
+        raise ValueError(
+            f"{text!r} is not an agent URL ({error}); write e.g. {DEFAULT_AGENT}"
+        ) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{text!r} is not an agent URL; write e.g. {DEFAULT_AGENT}")
+    return raw
+
+
+@dataclass(frozen=True)
+class Endpoint(Generic[M]):
+    """One route of the API: how to call it, what it answers and what to call it in messages."""
+
+    method: str
+    path: str
+    model: type[M]
+    action: str
+
+
+HEALTH = Endpoint("GET", "/healthz", Health, "health check")
+POOL = Endpoint("GET", "/v1/pool", PoolSnapshot, "pool read")
+POOL_MAP = Endpoint("GET", "/v1/pool/map", PoolMap, "pool map read")
+DEFRAG = Endpoint("POST", "/v1/defrag", DefragResult, "defrag")
+RESIZE = Endpoint("POST", "/v1/pool/resize", ResizeResult, "resize")
+ALERTS = Endpoint("GET", "/v1/alerts", AlertList, "alerts read")
+CONFIG = Endpoint("GET", "/v1/config", RuntimeSettings, "config read")
+CONFIG_PATCH = Endpoint("PATCH", "/v1/config", RuntimeSettings, "config change")
+MODELS = Endpoint("GET", "/v1/models", ModelList, "models read")
+COMPLETION = Endpoint("POST", "/v1/completions", CompletionResponse, "completion")
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    headers = {"User-Agent": f"kvctl/{__version__}", "Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+def _body(body: BaseModel | None) -> Any:
+    return None if body is None else body.model_dump(mode="json", exclude_none=True)
+
+
+# ---- turning answers into models or errors --------------------------------------------------
+
+
+def transport_error(agent: str, error: httpx.TransportError, timeout: float) -> AgentError:
+    """The one-line reason an agent could not be reached."""
+    if isinstance(error, httpx.TimeoutException):
+        return AgentUnreachable(
+            agent,
+            f"agent {agent} did not answer within {timeout:g} s; "
+            "is it overloaded or stuck? check its log or raise --timeout",
+            reason=f"no answer within {timeout:g} s",
+        )
+    reason = str(error).split("] ")[-1].strip().lower() or type(error).__name__
+    return AgentUnreachable(
+        agent,
+        f"cannot reach agent at {agent} ({reason}); is kvctl-agent running? use --agent URL",
+        reason=reason,
+    )
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return ErrorBody.model_validate_json(response.content).error.message
+    except (ValidationError, ValueError):
+        text = response.text.strip().splitlines()
+        return text[0][:200] if text else response.reason_phrase
+
+
+def status_error(
+    agent: str, endpoint: Endpoint[Any], response: httpx.Response, token: str | None
+) -> AgentError:
+    """The one-line reason an agent gave for not doing what `endpoint` asks."""
+    code = response.status_code
+    message = _error_message(response)
+    if code in (401, 403):
+        fix = (
+            "the token was refused; check --token or KVCTL_TOKEN against the agent's --token-file"
+            if token
+            else "pass --token or set KVCTL_TOKEN"
+        )
+        return AgentUnauthorized(
+            agent, f"agent {agent}: {code} unauthorized; {fix}", reason=f"{code} unauthorized"
+        )
+    if code == 409:
+        said = message if message.startswith(f"{endpoint.action} refused") else None
+        return AgentRefused(
+            agent, f"agent {agent}: {said or f'{endpoint.action} refused: {message}'}"
+        )
+    if code == 404:
+        return AgentProtocolError(
+            agent,
+            f"agent {agent}: {endpoint.method} {endpoint.path} not found ({message}); "
+            "is this a kvctl agent as new as this kvctl? upgrade the agent",
+        )
+    if code < 500:
+        return AgentRequestError(agent, f"agent {agent}: {endpoint.action} rejected: {message}")
+    return AgentServerError(
+        agent,
+        f"agent {agent}: internal error {code} during {endpoint.action}: {message}; "
+        "see the agent's log",
+    )
+
+
+def parse_answer(agent: str, endpoint: Endpoint[M], content: bytes | str) -> M:
+    """A 2xx body as `endpoint.model`, or an AgentProtocolError saying what was off."""
+    try:
+        return endpoint.model.model_validate_json(content)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise AgentProtocolError(
+            agent,
+            f"agent {agent}: unexpected answer to {endpoint.method} {endpoint.path} "
+            f"({where}: {first['msg']}); is it a kvctl agent of a matching version?",
+        ) from None
+
+
+def parse_event(agent: str, line: str) -> CompletionResponse | None:
+    """One server-sent event line of a streamed completion; None for keep-alives and [DONE]."""
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:") :].strip()
+    if not data or data == "[DONE]":
+        return None
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict) and "error" in payload:
+        message = ErrorBody.model_validate(payload).error.message
+        raise AgentServerError(agent, f"agent {agent}: completion failed mid-stream: {message}")
+    return parse_answer(agent, COMPLETION, data)
+
+
+def _check(
+    agent: str, endpoint: Endpoint[Any], response: httpx.Response, token: str | None
+) -> None:
+    if response.status_code >= 400:
+        raise status_error(agent, endpoint, response, token)
+
+
+# ---- the clients ----------------------------------------------------------------------------
+
+
+class AgentClient:
+    """One agent, synchronously; use as a context manager or call `close()`."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_AGENT,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = normalize_url(url)
+        self.token = token
+        self.timeout = timeout
+        self._http = httpx.Client(
+            base_url=self.url, headers=_headers(token), timeout=timeout, transport=transport
+        )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, endpoint: Endpoint[M], body: BaseModel | None = None) -> M:
+        try:
+            response = self._http.request(endpoint.method, endpoint.path, json=_body(body))
+        except httpx.TransportError as error:
+            raise transport_error(self.url, error, self.timeout) from None
+        _check(self.url, endpoint, response, self.token)
+        return parse_answer(self.url, endpoint, response.content)
+
+    def health(self) -> Health:
+        return self._call(HEALTH)
+
+    def pool(self) -> PoolSnapshot:
+        return self._call(POOL)
+
+    def pool_map(self) -> PoolMap:
+        return self._call(POOL_MAP)
+
+    def defrag(self, max_pages: int | None = None) -> DefragResult:
+        return self._call(DEFRAG, DefragRequest(max_pages=max_pages))
+
+    def resize(self, request: ResizeRequest) -> ResizeResult:
+        return self._call(RESIZE, request)
+
+    def alerts(self) -> AlertList:
+        return self._call(ALERTS)
+
+    def config(self) -> RuntimeSettings:
+        return self._call(CONFIG)
+
+    def patch_config(self, patch: RuntimeSettingsPatch) -> RuntimeSettings:
+        return self._call(CONFIG_PATCH, patch)
+
+    def models(self) -> ModelList:
+        return self._call(MODELS)
+
+    def complete(self, request: CompletionRequest) -> CompletionResponse:
+        return self._call(COMPLETION, request.model_copy(update={"stream": False}))
+
+    def metrics(self) -> str:
+        """The Prometheus exposition text of GET /metrics."""
+        endpoint = Endpoint("GET", "/metrics", BaseModel, "metrics read")
+        try:
+            response = self._http.get(endpoint.path)
+        except httpx.TransportError as error:
+            raise transport_error(self.url, error, self.timeout) from None
+        _check(self.url, endpoint, response, self.token)
+        return response.text
+
+    def stream_completion(self, request: CompletionRequest) -> Iterator[CompletionResponse]:
+        """The chunks of a streamed completion as they arrive, ending at `data: [DONE]`."""
+        body = _body(request.model_copy(update={"stream": True}))
+        try:
+            with self._http.stream("POST", COMPLETION.path, json=body) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise status_error(self.url, COMPLETION, response, self.token)
+                for line in response.iter_lines():
+                    chunk = parse_event(self.url, line)
+                    if chunk is not None:
+                        yield chunk
+        except httpx.TransportError as error:
+            raise transport_error(self.url, error, self.timeout) from None
+
+
+class AsyncAgentClient:
+    """One agent, as coroutines: the TUI polls and the load generator drives without blocking."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_AGENT,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = normalize_url(url)
+        self.token = token
+        self.timeout = timeout
+        self._http = httpx.AsyncClient(
+            base_url=self.url, headers=_headers(token), timeout=timeout, transport=transport
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, endpoint: Endpoint[M], body: BaseModel | None = None) -> M:
+        try:
+            response = await self._http.request(endpoint.method, endpoint.path, json=_body(body))
+        except httpx.TransportError as error:
+            raise transport_error(self.url, error, self.timeout) from None
+        _check(self.url, endpoint, response, self.token)
+        return parse_answer(self.url, endpoint, response.content)
+
+    async def health(self) -> Health:
+        return await self._call(HEALTH)
+
+    async def pool(self) -> PoolSnapshot:
+        return await self._call(POOL)
+
+    async def pool_map(self) -> PoolMap:
+        return await self._call(POOL_MAP)
+
+    async def defrag(self, max_pages: int | None = None) -> DefragResult:
+        return await self._call(DEFRAG, DefragRequest(max_pages=max_pages))
+
+    async def resize(self, request: ResizeRequest) -> ResizeResult:
+        return await self._call(RESIZE, request)
+
+    async def alerts(self) -> AlertList:
+        return await self._call(ALERTS)
+
+    async def config(self) -> RuntimeSettings:
+        return await self._call(CONFIG)
+
+    async def models(self) -> ModelList:
+        return await self._call(MODELS)
+
+    async def stream_completion(
+        self, request: CompletionRequest
+    ) -> AsyncIterator[CompletionResponse]:
+        """The chunks of a streamed completion as they arrive, ending at `data: [DONE]`."""
+        body = _body(request.model_copy(update={"stream": True}))
+        try:
+            async with self._http.stream("POST", COMPLETION.path, json=body) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise status_error(self.url, COMPLETION, response, self.token)
+                async for line in response.aiter_lines():
+                    chunk = parse_event(self.url, line)
+                    if chunk is not None:
+                        yield chunk
+        except httpx.TransportError as error:
+            raise transport_error(self.url, error, self.timeout) from None

@@ -1,0 +1,113 @@
+"""What a load run measured: latency percentiles, throughput, errors, as a stable JSON shape.
+
+Keys of `LoadReport.to_json()` (documented in the README): profile, seed, mode, rate,
+concurrency, duration_s, requests {sent, completed, failed, cancelled}, ttft_s and latency_s
+{p50, p90, p99, max}, tokens {prompt, cached_prompt, output}, output_tokens_per_s,
+requests_per_s, errors {message: count}.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """One request as the load generator saw it; times in seconds."""
+
+    index: int
+    latency: float
+    ttft: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    cancelled: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.cancelled
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def spread(values: Sequence[float]) -> dict[str, float | None]:
+    return {
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "max": max(values) if values else None,
+    }
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """The results of one run and how it was driven."""
+
+    profile: str
+    seed: int
+    mode: str
+    rate: float | None
+    concurrency: int
+    duration_s: float
+    results: tuple[RequestResult, ...]
+
+    @property
+    def completed(self) -> tuple[RequestResult, ...]:
+        return tuple(r for r in self.results if r.ok)
+
+    @property
+    def failed(self) -> int:
+        return sum(r.error is not None for r in self.results)
+
+    @property
+    def cancelled(self) -> int:
+        return sum(r.cancelled for r in self.results)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.completion_tokens for r in self.results)
+
+    def errors(self) -> dict[str, int]:
+        """Error messages and how often each came, most frequent first."""
+        return dict(Counter(r.error for r in self.results if r.error).most_common())
+
+    def to_json(self) -> dict[str, Any]:
+        done = self.completed
+        wall = max(self.duration_s, 1e-9)
+        return {
+            "profile": self.profile,
+            "seed": self.seed,
+            "mode": self.mode,
+            "rate": self.rate,
+            "concurrency": self.concurrency,
+            "duration_s": self.duration_s,
+            "requests": {
+                "sent": len(self.results),
+                "completed": len(done),
+                "failed": self.failed,
+                "cancelled": self.cancelled,
+            },
+            "ttft_s": spread([r.ttft for r in done if r.ttft is not None]),
+            "latency_s": spread([r.latency for r in done]),
+            "tokens": {
+                "prompt": sum(r.prompt_tokens for r in done),
+                "cached_prompt": sum(r.cached_tokens for r in done),
+                "output": self.output_tokens,
+            },
+            "output_tokens_per_s": self.output_tokens / wall,
+            "requests_per_s": len(done) / wall,
+            "errors": self.errors(),
+        }

@@ -1,0 +1,206 @@
+"""Send a profile's requests to an agent, open loop (a rate) or closed loop (a concurrency).
+
+Closed loop keeps `concurrency` requests in flight (default 4), each sent when one finishes:
+the pressure of a fixed number of users. Open loop sends at the profile's arrival times
+whatever the agent does (capped at `concurrency` in flight, default 64): the pressure of real
+traffic, which is what fills a pool. Arrivals are scheduled against the start time, not the
+previous send, so the rate does not drift. Every run is bounded: no request starts after
+`duration` or past `requests`, and requests still running `drain` seconds after that are
+cancelled and counted as such. Each request streams, so the time to the first token is
+measured as the user would see it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+
+from kvctl.api import CompletionRequest
+from kvctl.client import AgentError, AsyncAgentClient
+from kvctl.load.profiles import PROFILES, LoadRequest
+from kvctl.load.report import LoadReport, RequestResult
+
+CLOSED_LOOP_USERS = 4
+OPEN_LOOP_CAP = 64
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """How to drive one run; `rate` None means closed loop unless the profile has a default."""
+
+    profile: str = "chat"
+    seed: int = 0
+    max_tokens: int = 32
+    rate: float | None = None
+    concurrency: int | None = None
+    duration: float = 30.0
+    requests: int | None = None
+    drain: float = 10.0
+    temperature: float = 1.0
+
+    @property
+    def effective_rate(self) -> float | None:
+        return self.rate if self.rate is not None else PROFILES[self.profile].default_rate
+
+    @property
+    def in_flight(self) -> int:
+        """The concurrency given, else 4 users in closed loop or a cap of 64 in open loop."""
+        if self.concurrency is not None:
+            return self.concurrency
+        return OPEN_LOOP_CAP if self.effective_rate else CLOSED_LOOP_USERS
+
+
+OnResult = Callable[[RequestResult], None]
+
+
+async def send(
+    client: AsyncAgentClient,
+    request: LoadRequest,
+    settings: LoadSettings,
+    clock: Callable[[], float] = time.monotonic,
+) -> RequestResult:
+    """Stream one completion; its latency, time to first token and token counts."""
+    body = CompletionRequest(
+        prompt=request.prompt,
+        max_tokens=request.max_tokens,
+        temperature=settings.temperature,
+        seed=settings.seed * 1_000_003 + request.index,
+        ignore_eos=True,
+        return_token_ids=True,
+    )
+    start = clock()
+    ttft: float | None = None
+    counted = 0
+    usage = None
+    try:
+        async for chunk in client.stream_completion(body):
+            for choice in chunk.choices:
+                tokens = len(choice.token_ids) if choice.token_ids else int(bool(choice.text))
+                if tokens and ttft is None:
+                    ttft = clock() - start
+                counted += tokens
+            usage = chunk.usage or usage
+    except AgentError as error:
+        return RequestResult(request.index, clock() - start, ttft, error=str(error))
+    if usage is None:
+        return RequestResult(request.index, clock() - start, ttft, completion_tokens=counted)
+    return RequestResult(
+        request.index,
+        clock() - start,
+        ttft,
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.prompt_tokens_details.cached_tokens,
+        completion_tokens=usage.completion_tokens,
+    )
+
+
+class LoadRun:
+    """One bounded run: the request stream, the in-flight tasks and the results so far."""
+
+    def __init__(
+        self,
+        client: AsyncAgentClient,
+        settings: LoadSettings,
+        on_result: OnResult | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self.on_result = on_result
+        self.clock = clock
+        self.sleep = sleep
+        profile = PROFILES[settings.profile]
+        stream = profile.requests(random.Random(settings.seed), settings.max_tokens)
+        self.pending: Iterator[LoadRequest] = itertools.islice(stream, settings.requests)
+        self.results: list[RequestResult] = []
+        self.started = 0.0
+        self.deadline = 0.0
+
+    async def run(self) -> LoadReport:
+        """Drive the agent until the request count or the duration is reached, then report."""
+        self.started = self.clock()
+        self.deadline = self.started + self.settings.duration
+        rate = self.settings.effective_rate
+        senders = self._open_loop(rate) if rate else self._closed_loop()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(senders, self.settings.duration + self.settings.drain)
+        return self._report(rate)
+
+    def _next(self) -> LoadRequest | None:
+        if self.clock() >= self.deadline:
+            return None
+        return next(self.pending, None)
+
+    async def _one(self, request: LoadRequest) -> None:
+        try:
+            result = await send(self.client, request, self.settings, self.clock)
+        except asyncio.CancelledError:
+            result = RequestResult(request.index, latency=0.0, cancelled=True)
+            self._record(result)
+            raise
+        self._record(result)
+
+    def _record(self, result: RequestResult) -> None:
+        self.results.append(result)
+        if self.on_result is not None:
+            self.on_result(result)
+
+    async def _closed_loop(self) -> None:
+        async def worker() -> None:
+            while (request := self._next()) is not None:
+                await self._one(request)
+
+        await asyncio.gather(*(worker() for _ in range(self.settings.in_flight)))
+
+    async def _open_loop(self, rate: float) -> None:
+        profile = PROFILES[self.settings.profile]
+        gaps = profile.gaps(random.Random(self.settings.seed + 1), rate)
+        slots = asyncio.Semaphore(self.settings.in_flight)
+        tasks: set[asyncio.Task[None]] = set()
+        due = self.started
+        try:
+            while True:
+                due += next(gaps)
+                await self.sleep(max(0.0, due - self.clock()))
+                await slots.acquire()
+                request = self._next()
+                if request is None:
+                    slots.release()
+                    break
+                task = asyncio.create_task(self._one(request))
+                tasks.add(task)
+
+                def release(done: asyncio.Task[None]) -> None:
+                    tasks.discard(done)
+                    slots.release()
+
+                task.add_done_callback(release)
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _report(self, rate: float | None) -> LoadReport:
+        return LoadReport(
+            profile=self.settings.profile,
+            seed=self.settings.seed,
+            mode="open" if rate else "closed",
+            rate=rate,
+            concurrency=self.settings.in_flight,
+            duration_s=self.clock() - self.started,
+            results=tuple(self.results),
+        )
+
+
+async def run_load(
+    client: AsyncAgentClient, settings: LoadSettings, on_result: OnResult | None = None
+) -> LoadReport:
+    """Run `settings` against `client` and return the report."""
+    return await LoadRun(client, settings, on_result).run()

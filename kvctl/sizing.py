@@ -1,0 +1,110 @@
+"""Resize targets as operators say them, turned into the request the agent takes.
+
+`--pages 768`, `--size 8GiB`, `--grow 1GiB`, `--shrink 64` (and the TUI dialog's `768`, `8GiB`,
+`+1GiB`, `-64`) all become one `ResizeRequest` plus the page counts to show in the confirmation.
+A relative change is computed from the capacity the agent just reported, an amount without a
+unit is pages and one with a unit is bytes, and the shown target is rounded up to whole segments
+the way the agent rounds it, so the prompt says what will really happen.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from kvctl.api import PoolSnapshot, ResizeRequest
+from kvctl.units import parse_size
+
+_PAGES = re.compile(r"^\s*\d+\s*(pages?)?\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ResizePlan:
+    """What a resize will ask for and the sizes to show before asking."""
+
+    request: ResizeRequest
+    old_pages: int
+    new_pages: int
+    bytes_per_page: int
+
+    @property
+    def old_bytes(self) -> int:
+        return self.old_pages * self.bytes_per_page
+
+    @property
+    def new_bytes(self) -> int:
+        return self.new_pages * self.bytes_per_page
+
+    @property
+    def direction(self) -> str:
+        if self.new_pages == self.old_pages:
+            return "none"
+        return "grow" if self.new_pages > self.old_pages else "shrink"
+
+
+def amount_in_pages(text: str, bytes_per_page: int) -> int:
+    """Pages in "64" or "64 pages" (a count), or in "1GiB" (bytes, rounded up to pages)."""
+    if _PAGES.match(text):
+        return int(re.sub(r"\D", "", text))
+    return math.ceil(parse_size(text) / bytes_per_page)
+
+
+def _whole_segments(pages: int, pool: PoolSnapshot) -> int:
+    return max(1, math.ceil(pages / pool.segment_pages)) * pool.segment_pages
+
+
+def plan_resize(
+    pool: PoolSnapshot,
+    *,
+    pages: int | None = None,
+    size: str | None = None,
+    grow: str | None = None,
+    shrink: str | None = None,
+) -> ResizePlan:
+    """The request for exactly one of the four ways to name a size; ValueError says what's off."""
+    if sum(value is not None for value in (pages, size, grow, shrink)) != 1:
+        raise ValueError("give exactly one of --pages, --size, --grow or --shrink")
+    if pages is not None:
+        if pages < 1:
+            raise ValueError(f"--pages {pages} is not a pool size; give at least 1 page")
+        return _plan(pool, ResizeRequest(pages=pages), pages)
+    if size is not None:
+        count = parse_size(size)
+        if count < 1:
+            raise ValueError(f"--size {size} is empty; give a size such as 8GiB")
+        return _plan(pool, ResizeRequest(bytes=count), math.ceil(count / pool.bytes_per_page))
+    if grow is not None:
+        target = pool.capacity_pages + amount_in_pages(grow, pool.bytes_per_page)
+        return _plan(pool, ResizeRequest(pages=target), target)
+    assert shrink is not None
+    target = pool.capacity_pages - amount_in_pages(shrink, pool.bytes_per_page)
+    if target < 1:
+        raise ValueError(
+            f"cannot shrink by {shrink}: the pool has only {pool.capacity_pages} pages; "
+            "give a smaller amount or use --pages"
+        )
+    return _plan(pool, ResizeRequest(pages=target), target)
+
+
+def _plan(pool: PoolSnapshot, request: ResizeRequest, target_pages: int) -> ResizePlan:
+    return ResizePlan(
+        request=request,
+        old_pages=pool.capacity_pages,
+        new_pages=_whole_segments(target_pages, pool),
+        bytes_per_page=pool.bytes_per_page,
+    )
+
+
+def plan_from_text(pool: PoolSnapshot, text: str) -> ResizePlan:
+    """The TUI dialog's input: "768" pages, "8GiB" a size, "+X" grow by X, "-X" shrink by X."""
+    value = text.strip()
+    if not value:
+        raise ValueError("type a new size: 768 (pages), 8GiB, +1GiB or -64")
+    if value[0] == "+":
+        return plan_resize(pool, grow=value[1:])
+    if value[0] == "-":
+        return plan_resize(pool, shrink=value[1:])
+    if _PAGES.match(value):
+        return plan_resize(pool, pages=amount_in_pages(value, pool.bytes_per_page))
+    return plan_resize(pool, size=value)

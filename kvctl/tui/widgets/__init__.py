@@ -1,0 +1,1 @@
+"""The dashboard's panels, one per module; each shows part of a `kvctl.fleet.Reading`."""

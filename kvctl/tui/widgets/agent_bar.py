@@ -1,0 +1,55 @@
+"""Which agent is shown, whether it answers, and since when it has not."""
+
+from __future__ import annotations
+
+from rich.console import RenderableType
+from rich.text import Text
+from textual.widget import Widget
+
+from kvctl.cli import fmt
+from kvctl.fleet import Reading
+
+
+class AgentBar(Widget):
+    """One line: agent n/N, its pool and version, or the reason it is not answering."""
+
+    DEFAULT_CSS = """
+    AgentBar { height: auto; background: $boost; }
+    """
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.text = Text("connecting…", style="dim")
+
+    def show(
+        self,
+        position: tuple[int, int],
+        reading: Reading,
+        last_good_age: float | None,
+        interval: float,
+        readonly: bool,
+    ) -> None:
+        index, count = position
+        text = Text.assemble(
+            (f" agent {index + 1}/{count} ", "reverse"), " ", (reading.agent, "bold")
+        )
+        if reading.up and reading.pool is not None:
+            text.append(f"  pool {reading.pool.pool} on {reading.pool.device}", style="dim")
+            if reading.health is not None:
+                text.append(f"  up {fmt.seconds(reading.health.uptime_seconds)}", style="dim")
+        else:
+            seen = (
+                "never answered"
+                if last_good_age is None
+                else f"last answer {fmt.seconds(last_good_age)} ago"
+            )
+            reason = reading.error.reason if reading.error else "no answer"
+            text.append(f"  ✖ connection lost: {reason}", style=fmt.BAD)
+            text.append(f"  ({seen}; retrying every {fmt.seconds(interval)})", style=fmt.WARN)
+        if readonly:
+            text.append("  read-only", style="reverse yellow")
+        self.text = text
+        self.refresh()
+
+    def render(self) -> RenderableType:
+        return self.text

@@ -1,0 +1,48 @@
+"""The four numbers an operator watches, each with its colour and a sparkline of its history."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+from textual.widget import Widget
+
+from kvctl.api import PoolSnapshot
+from kvctl.cli import fmt
+from kvctl.tui.history import SERIES, History
+from kvctl.tui.spark import sparkline
+
+
+class Headlines(Widget):
+    """Allocation success, fragmentation, utilisation, prefix hits: value over sparkline."""
+
+    DEFAULT_CSS = """
+    Headlines { height: 3; }
+    """
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.pool: PoolSnapshot | None = None
+        self.history: History | None = None
+        self.stale = False
+
+    def show(self, pool: PoolSnapshot | None, history: History | None, stale: bool) -> None:
+        self.pool, self.history, self.stale = pool, history, stale
+        self.refresh()
+
+    def render(self) -> RenderableType:
+        if self.pool is None:
+            return Text("no reading yet", style="dim")
+        column = max(8, self.size.width // len(SERIES))
+        headlines = fmt.headlines(self.pool)
+        labels, values, sparks = Text(), Text(), Text()
+        for headline, name in zip(headlines, SERIES, strict=True):
+            labels.append(headline.label.upper().ljust(column), style="dim")
+            style = "dim" if self.stale else f"bold {headline.style}"
+            values.append(headline.text.ljust(column), style=style)
+            sparks.append(
+                self._spark(name, column - 3).ljust(column), style="dim" if self.stale else "blue"
+            )
+        return Group(labels, values, sparks)
+
+    def _spark(self, name: str, width: int) -> str:
+        return sparkline(self.history.values(name) if self.history else [], width)

@@ -1,0 +1,60 @@
+"""Scheduler and memory: requests running and waiting, preemptions, pool geometry, GPU memory."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+from textual.widget import Widget
+
+from kvctl.api import PoolSnapshot
+from kvctl.cli import fmt, render
+from kvctl.units import format_bytes
+
+
+class RequestsPanel(Widget):
+    """What the scheduler is doing with the pool, and the GPU memory around it."""
+
+    DEFAULT_CSS = """
+    RequestsPanel { height: auto; }
+    """
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.pool: PoolSnapshot | None = None
+
+    def show(self, pool: PoolSnapshot | None) -> None:
+        self.pool = pool
+        self.refresh(layout=True)
+
+    def render(self) -> RenderableType:
+        pool = self.pool
+        if pool is None:
+            return Text("")
+        lines = [
+            Text.assemble(
+                ("running ", "dim"),
+                (f"{pool.requests_running}", "bold"),
+                ("   waiting ", "dim"),
+                (f"{pool.requests_waiting}", fmt.WARN if pool.requests_waiting else "bold"),
+                ("   preemptions ", "dim"),
+                (f"{pool.preemptions_total:,}", "bold"),
+            ),
+            Text(
+                f"pool {pool.pool} on {pool.device}: "
+                f"{fmt.pages(pool.capacity_pages, pool.bytes_per_page)}, {pool.segments} × "
+                f"{pool.segment_pages}-page segments, {pool.page_size} tokens/page"
+            ),
+            Text(f"used {format_bytes(pool.used_bytes)}; defrag {render.defrag_summary(pool)}"),
+        ]
+        lines.extend(self._gpus(pool))
+        return Group(*lines)
+
+    def _gpus(self, pool: PoolSnapshot) -> list[Text]:
+        if not pool.gpus:
+            return [Text(f"GPU memory: none measured on this host ({pool.device})", style="dim")]
+        return [
+            Text.assemble(
+                f"gpu{gpu.index} ", render.gpu_text(gpu.name, gpu.used_bytes, gpu.total_bytes)
+            )
+            for gpu in pool.gpus
+        ]

@@ -1,0 +1,155 @@
+"""The client turns every failure into one line that names the agent and says what to do.
+
+Answers come from httpx.MockTransport (no socket), except the refused connection, which is real.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kvctl.api import ResizeRequest
+from kvctl.client import (
+    AgentClient,
+    AgentProtocolError,
+    AgentRefused,
+    AgentRequestError,
+    AgentServerError,
+    AgentUnauthorized,
+    AgentUnreachable,
+    normalize_url,
+    parse_event,
+)
+
+URL = "http://agent.test:8477"
+
+
+def answering(status: int, body: object, seen: list[httpx.Request] | None = None) -> AgentClient:
+    def handle(request: httpx.Request) -> httpx.Response:
+        if seen is not None:
+            seen.append(request)
+        return httpx.Response(status, json=body)
+
+    return AgentClient(URL, token="t0k", transport=httpx.MockTransport(handle))
+
+
+def error(message: str, kind: str, code: int) -> dict:
+    return {"error": {"message": message, "type": kind, "code": code}}
+
+
+@pytest.mark.parametrize(
+    ("text", "url"),
+    [
+        ("node1", "http://node1:8477"),
+        ("node1:9000", "http://node1:9000"),
+        ("http://node1:9000/", "http://node1:9000"),
+        ("https://kv.example/", "https://kv.example"),
+        (" 127.0.0.1:8477 ", "http://127.0.0.1:8477"),
+    ],
+)
+def test_normalize_url(text, url) -> None:
+    assert normalize_url(text) == url
+
+
+@pytest.mark.parametrize("text", ["http://", "ftp://node1", "node1:port"])
+def test_normalize_url_refuses_with_an_example(text) -> None:
+    with pytest.raises(ValueError, match=r"http://127.0.0.1:8477"):
+        normalize_url(text)
+
+
+def test_token_goes_in_the_authorization_header() -> None:
+    seen: list[httpx.Request] = []
+    with pytest.raises(AgentProtocolError):  # the body is not a DefragResult
+        answering(200, {}, seen).defrag(max_pages=3)
+    assert seen[0].headers["Authorization"] == "Bearer t0k"
+    assert json.loads(seen[0].content) == {"max_pages": 3}
+
+
+def test_resize_sends_only_the_given_field() -> None:
+    seen: list[httpx.Request] = []
+    with pytest.raises(AgentProtocolError):
+        answering(200, {}, seen).resize(ResizeRequest(pages=64))
+    assert json.loads(seen[0].content) == {"pages": 64}
+
+
+def test_401_with_a_token_says_to_check_it() -> None:
+    with pytest.raises(AgentUnauthorized) as caught:
+        answering(401, error("missing or wrong token", "unauthorized", 401)).pool()
+    assert str(caught.value) == (
+        f"agent {URL}: 401 unauthorized; the token was refused; check --token or KVCTL_TOKEN "
+        "against the agent's --token-file"
+    )
+
+
+def test_401_without_a_token_says_to_pass_one() -> None:
+    client = AgentClient(URL, transport=httpx.MockTransport(lambda r: httpx.Response(401)))
+    with pytest.raises(AgentUnauthorized, match=r"pass --token or set KVCTL_TOKEN$"):
+        client.health()
+
+
+def test_409_keeps_the_agents_reason() -> None:
+    body = error("12 pages in use above the new size 256; defragment or wait", "conflict", 409)
+    with pytest.raises(AgentRefused) as caught:
+        answering(409, body).resize(ResizeRequest(pages=256))
+    assert str(caught.value) == (
+        f"agent {URL}: resize refused: 12 pages in use above the new size 256; defragment or wait"
+    )
+
+
+def test_409_does_not_repeat_refused() -> None:
+    body = error("resize refused: the pool is at its maximum", "conflict", 409)
+    with pytest.raises(AgentRefused) as caught:
+        answering(409, body).resize(ResizeRequest(pages=9999))
+    assert str(caught.value) == f"agent {URL}: resize refused: the pool is at its maximum"
+
+
+def test_400_and_500_are_one_line() -> None:
+    with pytest.raises(AgentRequestError, match=r"defrag rejected: max_pages: bad$"):
+        answering(400, error("max_pages: bad", "invalid_request_error", 400)).defrag()
+    with pytest.raises(AgentServerError) as caught:
+        answering(500, error("IndexError\nTraceback ...", "internal", 500)).pool()
+    assert "\n" not in str(caught.value)
+    assert str(caught.value).endswith("see the agent's log")
+
+
+def test_something_that_is_not_an_agent() -> None:
+    with pytest.raises(AgentProtocolError, match=r"not found .*upgrade the agent"):
+        answering(404, "nope").pool_map()
+    with pytest.raises(AgentProtocolError, match=r"unexpected answer to GET /healthz"):
+        answering(200, {"hello": "world"}).health()
+
+
+def test_refused_connection_names_the_agent_and_the_fix() -> None:
+    with (
+        AgentClient("http://127.0.0.1:9", timeout=2) as client,
+        pytest.raises(AgentUnreachable) as caught,
+    ):
+        client.pool()
+    message = str(caught.value)
+    assert message.startswith("cannot reach agent at http://127.0.0.1:9 (")
+    assert message.endswith("is kvctl-agent running? use --agent URL")
+
+
+def test_timeout_says_how_long_it_waited() -> None:
+    def hang(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    client = AgentClient(URL, timeout=1.5, transport=httpx.MockTransport(hang))
+    with pytest.raises(AgentUnreachable, match=r"did not answer within 1\.5 s"):
+        client.alerts()
+
+
+def test_stream_events() -> None:
+    chunk = {
+        "id": "c1",
+        "created": 1,
+        "model": "demo",
+        "choices": [{"text": "a", "finish_reason": None}],
+    }
+    assert parse_event(URL, "data: " + json.dumps(chunk)).choices[0].text == "a"
+    assert parse_event(URL, "data: [DONE]") is None
+    assert parse_event(URL, ": keep-alive") is None
+    with pytest.raises(AgentServerError, match=r"mid-stream: out of pages"):
+        parse_event(URL, "data: " + json.dumps(error("out of pages", "internal", 500)))
