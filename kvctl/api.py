@@ -142,6 +142,7 @@ class PoolSnapshot(Response):
     requests_running: int
     requests_waiting: int
     preemptions_total: int
+    alert_notifications_dropped_total: int = 0
     gpus: list[GpuMemory]
 
 

@@ -50,8 +50,13 @@ class AgentConfig(BaseModel):
     max_body_bytes: Annotated[int, Field(ge=1024)] = 1 << 20
     token_file: Path | None = None
     alertmanager_url: str | None = None
+    alertmanager_bearer_token_file: Path | None = None
+    alertmanager_basic_auth_user: str | None = None
+    alertmanager_basic_auth_password_file: Path | None = None
+    alertmanager_ca_file: Path | None = None
     alert_interval: float = 15.0  # seconds; "15s" accepted
     alert_for: float = 60.0
+    stats_window: float = 300.0  # the window of the success and hit ratios; "5m" accepted
     shutdown_grace: float = 10.0
     seed: int = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -63,12 +68,12 @@ class AgentConfig(BaseModel):
     def _size(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)
 
-    @field_validator("alert_interval", "alert_for", "shutdown_grace", mode="before")
+    @field_validator("alert_interval", "alert_for", "shutdown_grace", "stats_window", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> Any:
         return parse_duration(value)
 
-    @field_validator("alert_interval")
+    @field_validator("alert_interval", "stats_window")
     @classmethod
     def _positive_interval(cls, value: float) -> float:
         if value <= 0:
@@ -98,6 +103,14 @@ class AgentConfig(BaseModel):
         if self.max_pool_pages and self.pool_pages and self.pool_pages > self.max_pool_pages:
             raise ValueError(
                 f"--pool-pages {self.pool_pages} is above --max-pool-pages {self.max_pool_pages}"
+            )
+        if self.alertmanager_bearer_token_file and self.alertmanager_basic_auth_user:
+            raise ValueError("give Alertmanager a bearer token or basic auth, not both")
+        if bool(self.alertmanager_basic_auth_user) != bool(
+            self.alertmanager_basic_auth_password_file
+        ):
+            raise ValueError(
+                "alertmanager_basic_auth_user and alertmanager_basic_auth_password_file go together"
             )
         return self
 

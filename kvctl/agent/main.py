@@ -22,7 +22,7 @@ import typer
 
 from kvctl import __version__
 from kvctl.agent.config import AgentConfig, ConfigError, load_config
-from kvctl.api import DEFAULT_PORT, RuntimeSettings
+from kvctl.api import DEFAULT_PORT, AlertSettings, RuntimeSettings
 
 log = logging.getLogger("kvctl.agent")
 DEFAULT_POOL_PAGES = 1024
@@ -85,7 +85,10 @@ def build_service(config: AgentConfig) -> Any:
     free = gpu.free_bytes(device_index) if config.device.startswith("cuda") else None
     pages = pool_pages(config, bytes_per_page, free)
     segment = config.segment_pages or max(1, -(-pages // DEFAULT_SEGMENTS))
-    settings = RuntimeSettings()
+    settings = RuntimeSettings(
+        prefix_cache={"eviction_policy": config.eviction_policy},
+        alerts={"interval_s": config.alert_interval, "for_s": config.alert_for},
+    )
     engine = Engine(
         model,
         tokenizer,
@@ -104,14 +107,42 @@ def build_service(config: AgentConfig) -> Any:
         ),
     )
     pool_name = mc.name or Path(config.model).name
-    settings = settings.model_copy(
-        update={
-            "prefix_cache": settings.prefix_cache.model_copy(
-                update={"eviction_policy": config.eviction_policy}
-            )
-        }
+    return AgentService(engine, pool_name, settings, gpu=gpu, window=config.stats_window)
+
+
+def _secret(path: Path | None, flag: str) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text().strip()
+    except OSError as error:
+        raise ConfigError(f"cannot read {flag} {path}: {error.strerror}") from None
+
+
+def alert_loop(service: Any, config: AgentConfig, instance: str) -> Any:
+    """The alert evaluator, and the Alertmanager notifier when `--alertmanager-url` is set."""
+    from kvctl.agent.alerting import AlertLoop
+    from kvctl.alerts import AlertEvaluator, AlertmanagerNotifier
+
+    evaluator = AlertEvaluator(
+        service.settings.alerts, service.pool_name, instance, agent_url=f"http://{instance}"
     )
-    return AgentService(engine, pool_name, settings, gpu=gpu)
+    notifier = None
+    if config.alertmanager_url:
+        user = config.alertmanager_basic_auth_user
+        password = _secret(config.alertmanager_basic_auth_password_file, "password file")
+        notifier = AlertmanagerNotifier(
+            config.alertmanager_url,
+            basic_auth=(user, password) if user and password is not None else None,
+            bearer_token=_secret(config.alertmanager_bearer_token_file, "bearer token file"),
+            ca_file=str(config.alertmanager_ca_file) if config.alertmanager_ca_file else None,
+            generator_url=f"http://{instance}/v1/alerts",
+        )
+
+    def settings() -> AlertSettings:
+        return service.settings.alerts
+
+    return AlertLoop(evaluator, lambda: service.snapshot, settings, notifier)
 
 
 def _uvicorn_server() -> type:
@@ -148,6 +179,7 @@ def serve(config: AgentConfig) -> int:
     port = sock.getsockname()[1]
     service = build_service(config)
     host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
+    service.alerting = alert_loop(service, config, f"{host}:{port}")
     api = create_app(
         service, config, on_ready=lambda: log.info("listening on http://%s:%d", host, port)
     )
@@ -168,30 +200,30 @@ def serve(config: AgentConfig) -> int:
 
 @app.command()
 def main_command(
-    host: Annotated[str | None, typer.Option(help="Address to bind [default: 127.0.0.1].")] = None,
-    port: Annotated[int | None, typer.Option(help=f"Port [default: {DEFAULT_PORT}].")] = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help=f"Port (default {DEFAULT_PORT}).")] = None,
     model: Annotated[str | None, typer.Option(help="`demo` or a checkpoint directory.")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N [default: cpu].")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default cpu).")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto, float32, float16, bfloat16.")] = None,
-    page_size: Annotated[int | None, typer.Option(help="Tokens per page [default: 16].")] = None,
+    page_size: Annotated[int | None, typer.Option(help="Tokens per page (default 16).")] = None,
     pool_pages: Annotated[
-        int | None, typer.Option(help="Pool size in pages [default: 1024].")
+        int | None, typer.Option(help="Pool size in pages (default 1024).")
     ] = None,
     pool_memory: Annotated[str | None, typer.Option(help="Pool size in bytes, e.g. 2GiB.")] = None,
     gpu_memory_fraction: Annotated[
         float | None, typer.Option(help="Pool size as a share of free GPU memory.")
     ] = None,
     segment_pages: Annotated[
-        int | None, typer.Option(help="Pages per segment [default: pool/8].")
+        int | None, typer.Option(help="Pages per segment (default pool/8).")
     ] = None,
     max_pool_pages: Annotated[
-        int | None, typer.Option(help="Largest pool [default: 4x the initial size].")
+        int | None, typer.Option(help="Largest pool (default 4x the initial size).")
     ] = None,
     prefix_cache: Annotated[
         bool | None,
         typer.Option(
             "--prefix-cache/--no-prefix-cache",
-            help="Reuse KV of shared prompt prefixes [default: on].",
+            help="Reuse KV of shared prompt prefixes (default on).",
         ),
     ] = None,
     prefix_isolation: Annotated[
@@ -199,10 +231,10 @@ def main_command(
         typer.Option(help="salt, or sampling (also key the cache by sampling settings)."),
     ] = None,
     eviction_policy: Annotated[
-        str | None, typer.Option(help="lru, lfu or fifo [default: lru].")
+        str | None, typer.Option(help="lru, lfu or fifo (default lru).")
     ] = None,
     max_batch_seqs: Annotated[
-        int | None, typer.Option(help="Most requests running at once [default: 64].")
+        int | None, typer.Option(help="Most requests running at once (default 64).")
     ] = None,
     token_file: Annotated[
         Path | None, typer.Option(help="File holding the bearer token (or set KVCTL_TOKEN).")
@@ -211,10 +243,13 @@ def main_command(
         str | None, typer.Option(help="Push alerts to this Alertmanager.")
     ] = None,
     alert_interval: Annotated[
-        str | None, typer.Option(help="How often alerts are evaluated [default: 15s].")
+        str | None, typer.Option(help="How often alerts are evaluated (default 15s).")
     ] = None,
     alert_for: Annotated[
-        str | None, typer.Option(help="How long a condition holds before firing [default: 1m].")
+        str | None, typer.Option(help="How long a condition holds before firing (default 1m).")
+    ] = None,
+    stats_window: Annotated[
+        str | None, typer.Option(help="Window of the success and hit ratios (default 5m).")
     ] = None,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning, error.")] = None,
     config: Annotated[

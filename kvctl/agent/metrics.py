@@ -337,6 +337,14 @@ METRICS: tuple[MetricDef, ...] = (
         "Requests preempted (pages released, recomputed later) because pages ran out.",
         _field("preemptions_total"),
     ),
+    # ---- alert delivery
+    MetricDef(
+        "kvctl_alertmanager_notifications_dropped_total",
+        "counter",
+        "Alert updates given up on: Alertmanager unreachable for longer than the queue's span, "
+        "the queue full, or the update rejected.",
+        _field("alert_notifications_dropped_total"),
+    ),
     # ---- GPUs
     MetricDef(
         "kvctl_gpu_memory_used_bytes",

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvctl.agent.alerting import AlertLoop
 from kvctl.agent.autoresize import AutoResize
 from kvctl.agent.gpu import GpuProbe
 from kvctl.agent.metrics import DurationHistogram
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 IDLE_TICK_S = 0.05
-WINDOW_S = 300.0
+DEFAULT_WINDOW_S = 300.0
 
 
 @dataclass
@@ -78,6 +79,7 @@ class AgentService:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         gpu: GpuProbe | None = None,
+        window: float = DEFAULT_WINDOW_S,
     ) -> None:
         self.engine = engine
         self.pool_name = pool_name
@@ -88,10 +90,11 @@ class AgentService:
         self.started = clock()
         self.auto_resize = AutoResize(self.settings.resize, clock)
         self.resizes_total: Counter[str] = Counter({"grow": 0, "shrink": 0})
-        self.alerts: list[Alert] = []  # the latest evaluation, pending and firing
+        self.alerting: AlertLoop | None = None  # set by the agent when it serves
         self.defrag_durations = DurationHistogram()
-        self._alloc_window = CounterRatioWindow(WINDOW_S, clock)
-        self._prefix_window = CounterRatioWindow(WINDOW_S, clock)
+        self.window = window
+        self._alloc_window = CounterRatioWindow(window, clock)
+        self._prefix_window = CounterRatioWindow(window, clock)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
@@ -110,11 +113,20 @@ class AgentService:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvctl-engine", daemon=True)
         self._thread.start()
+        if self.alerting is not None:
+            self.alerting.start()
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """The latest evaluation: pending and firing alerts, most severe first."""
+        return self.alerting.alerts if self.alerting is not None else []
 
     def stop(self, grace: float = 10.0) -> None:
         """Stop accepting requests, let running ones finish for up to `grace` seconds, abort the
         rest, and end the engine thread."""
         self._accepting = False
+        if self.alerting is not None:
+            self.alerting.stop()
         deadline = self.clock() + grace
         while self._streams and self.clock() < deadline:
             time.sleep(0.05)
@@ -314,7 +326,7 @@ class AgentService:
             alloc_attempts_total=pool.alloc_attempts,
             alloc_failures_total=pool.alloc_failures,
             alloc_success_ratio=self._alloc_window.ratio(),
-            window_seconds=WINDOW_S,
+            window_seconds=self.window,
             prefix_cache_enabled=engine.config.prefix_cache,
             prefix_queries_tokens_total=stats.prefix_queries_tokens,
             prefix_hits_tokens_total=stats.prefix_hits_tokens,
@@ -330,6 +342,7 @@ class AgentService:
             requests_running=stats.requests_running,
             requests_waiting=stats.requests_waiting,
             preemptions_total=stats.preemptions,
+            alert_notifications_dropped_total=self.alerting.dropped_total if self.alerting else 0,
             gpus=self._gpus(),
         )
 

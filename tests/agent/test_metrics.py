@@ -71,6 +71,7 @@ def make_snapshot(**overrides: Any) -> PoolSnapshot:
         requests_running=9,
         requests_waiting=13,
         preemptions_total=17,
+        alert_notifications_dropped_total=2,
         gpus=[
             GpuMemory(index=0, name="H200", used_bytes=70 * 2**30, total_bytes=141 * 2**30),
             GpuMemory(index=1, name="H200", used_bytes=5 * 2**30, total_bytes=141 * 2**30),
@@ -137,6 +138,7 @@ def expected_for_full_snapshot() -> Samples:
         series("kvctl_requests_running"): 9,
         series("kvctl_requests_waiting"): 13,
         series("kvctl_preemptions_total"): 17,
+        series("kvctl_alertmanager_notifications_dropped_total"): 2,
         series("kvctl_gpu_memory_used_bytes", gpu="0"): 70 * GIB,
         series("kvctl_gpu_memory_used_bytes", gpu="1"): 5 * GIB,
         series("kvctl_gpu_memory_total_bytes", gpu="0"): 141 * GIB,
