@@ -1,9 +1,10 @@
 """The engine: a model decoding on the paged pool, one `step()` at a time.
 
-A step reads as the story of DESIGN.md: schedule (admit or decode, preempting when pages run
-out) → apply copy-on-write copies → run the model on the flattened batch → sample → append the
-tokens and finish requests (EOS, stop string, max_tokens, context length) → give the
-defragmenter its budget → publish a stats snapshot. Requests join and leave between steps.
+A step reads as the story of DESIGN.md: schedule (admit, adopting cached prefixes, or decode,
+preempting when pages run out) → apply copy-on-write copies → run the model on the flattened
+batch → sample → append the tokens and finish requests (EOS, stop string, max_tokens, context
+length) → give the defragmenter its budget → publish a stats snapshot. Requests join and leave
+between steps.
 
 The engine is single-threaded on purpose: the pool, the storage and the page tables are touched
 only from `step()` and the calls the agent makes between steps (defrag, resize), so no lock is
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ from kvctl.agent.pool import (
     PoolStats,
 )
 from kvctl.agent.pool.storage import KVStorage
+from kvctl.agent.prefix import EVICTION_POLICIES, PrefixCache, PrefixIsolation
 from kvctl.agent.runtime.paged_cache import PagedKVCache
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
 from kvctl.agent.runtime.scheduler import ScheduledBatch, Scheduler
@@ -39,7 +41,13 @@ from kvctl.agent.runtime.scheduler import ScheduledBatch, Scheduler
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Pool shape and batching limits of one engine."""
+    """Pool shape, batching limits and prefix reuse of one engine.
+
+    `prefix_cache` turns prefix reuse on (`--no-prefix-cache` turns it off: every prompt is
+    computed in full and nothing is cached); `eviction_policy` is one of `EVICTION_POLICIES`;
+    `prefix_isolation` is "salt" (partition by model and cache salt) or "sampling" (also by the
+    sampling settings).
+    """
 
     device: str = "cpu"
     dtype: torch.dtype | None = None  # default: the model's parameters' dtype
@@ -51,11 +59,25 @@ class EngineConfig:
     max_batch_seqs: int = 64
     max_batch_tokens: int = 4096
     defrag: DefragPolicy = field(default_factory=DefragPolicy)
+    prefix_cache: bool = True
+    eviction_policy: str = "lru"
+    prefix_isolation: str = "salt"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "pool_pages", "segment_pages", "max_batch_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+                f"got {self.eviction_policy!r}"
+            )
+        isolations = [i.value for i in PrefixIsolation]
+        if self.prefix_isolation not in isolations:
+            raise ValueError(
+                f"prefix_isolation must be one of {', '.join(isolations)}, "
+                f"got {self.prefix_isolation!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -79,6 +101,21 @@ class EngineStats:
     steps: int
     generated_tokens: int
     prompt_tokens: int
+    prefix_queries_tokens: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_hits_tokens: int = 0  # of those, served from the cache
+    prefix_evictions: Mapping[str, int] = field(default_factory=dict)  # pages, per policy
+    prefix_cached_pages: int = 0  # pages the prefix cache holds (used by requests or cached)
+
+    @property
+    def prefix_hit_ratio(self) -> float | None:
+        """Prefix-cache hits / queries in tokens since start; None before the first query."""
+        if not self.prefix_queries_tokens:
+            return None
+        return self.prefix_hits_tokens / self.prefix_queries_tokens
+
+    @property
+    def prefix_evictions_total(self) -> int:
+        return sum(self.prefix_evictions.values())
 
 
 class Engine:
@@ -126,7 +163,14 @@ class Engine:
             max_pages=config.max_pool_pages,
         )
         self.cache = PagedKVCache(self.pool, self.storage)
-        self.scheduler = Scheduler(self.pool, config.max_batch_seqs, config.max_batch_tokens)
+        self.prefix_cache = (
+            PrefixCache(self.pool, config.eviction_policy, mc.name, config.prefix_isolation)
+            if config.prefix_cache
+            else None
+        )
+        self.scheduler = Scheduler(
+            self.pool, config.max_batch_seqs, config.max_batch_tokens, self.prefix_cache
+        )
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -142,10 +186,15 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
-        """Queue a request; raises ValueError for an empty prompt, unknown token ids, or a
-        prompt that leaves no room for `max_tokens` in the model's context."""
+        """Queue a request; raises ValueError for an empty prompt, unknown token ids, a prompt
+        that leaves no room for `max_tokens` in the model's context, or an empty `cache_salt`.
+
+        Requests with different `cache_salt` never share prefix-cache pages."""
         params = params or SamplingParams()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string when given")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json: send the prompt as token ids")
@@ -163,6 +212,7 @@ class Engine:
             params,
             arrival,
             generator=params.make_generator(self.device),
+            cache_salt=cache_salt,
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -194,6 +244,12 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def set_eviction_policy(self, name: str) -> None:
+        """Switch the prefix cache's eviction policy now (ValueError for an unknown name)."""
+        if self.prefix_cache is None:
+            raise ValueError("the prefix cache is off (--no-prefix-cache): no eviction policy")
+        self.prefix_cache.set_policy(name)
+
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[TokenEvent]:
@@ -205,6 +261,7 @@ class Engine:
                 self.storage.copy_pages(
                     [c.src for c in batch.copies], [c.dst for c in batch.copies]
                 )
+                self.scheduler.copies_applied()
             next_tokens = self._run_model(batch)
             events.extend(self._postprocess(batch, next_tokens))
         self.auto_defrag.tick()
@@ -297,6 +354,7 @@ class Engine:
     # ---- reading ------------------------------------------------------------------------
 
     def _snapshot(self) -> EngineStats:
+        prefix = self.prefix_cache.stats() if self.prefix_cache is not None else None
         return EngineStats(
             pool=self.pool.stats(),
             requests_running=len(self.scheduler.running),
@@ -305,6 +363,10 @@ class Engine:
             steps=self._steps,
             generated_tokens=self._generated,
             prompt_tokens=self._prompt_tokens,
+            prefix_queries_tokens=prefix.queries_tokens if prefix else 0,
+            prefix_hits_tokens=prefix.hits_tokens if prefix else 0,
+            prefix_evictions=prefix.evictions if prefix else {},
+            prefix_cached_pages=prefix.held_pages if prefix else 0,
         )
 
     def generate(

@@ -29,6 +29,10 @@ class Request:
     `num_computed` counts the tokens whose K/V are in the pool; a preempted request drops to 0
     and is recomputed from `prompt_ids + output_ids`, keeping its generator so that seeded
     sampling continues exactly where it stopped.
+
+    `cache_salt` partitions the prefix cache (requests with different salts never share pages);
+    `cached_tokens` is how many prompt tokens its first admission found in the prefix cache
+    (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
     """
 
     request_id: str
@@ -43,6 +47,8 @@ class Request:
     text: str = ""  # decoded output, cut at a stop string when one matched
     sent_text: int = 0  # characters of `text` already handed out as deltas
     preemptions: int = 0
+    cache_salt: str | None = None
+    cached_tokens: int = 0
 
     @property
     def seq_id(self) -> str:

@@ -6,6 +6,11 @@ is kept) or a *decode* (every running request adds one token). When the pool can
 running request its next page, the youngest running request is preempted: its pages are freed
 and it goes back to the front of the queue, to be recomputed later. Preempting the youngest
 loses the least work, and nothing ever crashes or touches another request's pages.
+
+With a prefix cache, admission first looks the request's tokens up: a hit adopts the cached
+pages (a partly matched last page is copied, the copy listed in the batch) and only the rest is
+computed. A request's computed whole pages enter the cache when it finishes or is preempted, so a
+preempted request usually finds its own pages again instead of recomputing them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 
 from kvctl.agent.pool import PagePool
 from kvctl.agent.pool.page_pool import CopyOnWrite
+from kvctl.agent.prefix import IsolationKey, PrefixCache, PrefixMatch
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
 
 
@@ -36,10 +42,17 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting queue and the running set, and the pages each running request holds."""
 
-    def __init__(self, pool: PagePool, max_batch_seqs: int = 64, max_batch_tokens: int = 4096):
+    def __init__(
+        self,
+        pool: PagePool,
+        max_batch_seqs: int = 64,
+        max_batch_tokens: int = 4096,
+        prefix_cache: PrefixCache | None = None,
+    ):
         if max_batch_seqs < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_seqs and max_batch_tokens must be at least 1")
         self.pool = pool
+        self.prefix_cache = prefix_cache
         self.max_batch_seqs = max_batch_seqs
         self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[Request] = deque()
@@ -75,27 +88,81 @@ class Scheduler:
     def _admit(self, ended: list[Request]) -> ScheduledBatch | None:
         admitted: list[Request] = []
         new_tokens: list[int] = []
+        copies: list[CopyOnWrite] = []
         budget = self.max_batch_tokens
         while self.waiting and len(self.running) < self.max_batch_seqs:
             request = self.waiting[0]
             tokens = request.num_tokens
-            if admitted and tokens > budget:
+            match = self._match(request)
+            new = tokens - (match.tokens if match else 0)
+            if admitted and new > budget:
                 break
-            # keep one page per running request for its next token, so admitting does not
-            # immediately force a preemption
-            if self.pool.pages_for(tokens) + len(self.running) > self.pool.available_pages():
+            if not self._fits(tokens, match):
                 break
             self.waiting.popleft()
-            self.pool.allocate(request.seq_id, tokens)
+            copies.extend(self._place(request, match))
             request.status = RequestStatus.RUNNING
-            request.num_computed = 0
             self.running.append(request)
             admitted.append(request)
-            new_tokens.append(tokens)
-            budget -= tokens
+            new_tokens.append(new)
+            budget -= new
         if not admitted:
             return None
-        return ScheduledBatch(admitted, new_tokens, True, [], ended)
+        return ScheduledBatch(admitted, new_tokens, True, copies, ended)
+
+    def _match(self, request: Request) -> PrefixMatch | None:
+        if self.prefix_cache is None:
+            return None
+        return self.prefix_cache.match(self._cache_key(request), request.token_ids)
+
+    def _fits(self, tokens: int, match: PrefixMatch | None) -> bool:
+        """Whether the pages a request needs are there, keeping one page per running request for
+        its next token so that admitting does not immediately force a preemption."""
+        reserve = len(self.running)
+        if match is None:
+            return self.pool.pages_for(tokens) + reserve <= self.pool.available_pages()
+        assert self.prefix_cache is not None
+        needed = self.pool.pages_for(tokens) - match.full_pages
+        return needed + reserve <= self.pool.free_pages + self.prefix_cache.evictable_pages(match)
+
+    def _place(self, request: Request, match: PrefixMatch | None) -> list[CopyOnWrite]:
+        """Give an admitted request its page table: adopted cached pages, then fresh ones."""
+        tokens = request.num_tokens
+        if match is None or not match.tokens:
+            self.pool.allocate(request.seq_id, tokens)
+            copies = []
+        else:
+            _, copies = self.pool.adopt(request.seq_id, match.pages, match.tokens, tokens)
+        request.num_computed = match.tokens if match else 0
+        if match is not None:
+            assert self.prefix_cache is not None
+            self.prefix_cache.pin([c.src for c in copies])
+            self.prefix_cache.record(match, tokens)
+            if not request.preemptions:
+                request.cached_tokens = match.tokens
+        return copies
+
+    def copies_applied(self) -> None:
+        """Storage holds the last batch's copies: their sources may be evicted again."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.unpin_all()
+
+    def _cache_key(self, request: Request) -> IsolationKey:
+        assert self.prefix_cache is not None
+        params = request.params
+        sampling = (params.temperature, params.top_p, params.top_k, params.seed)
+        return self.prefix_cache.key_for(request.cache_salt, sampling)
+
+    def _cache_computed(self, request: Request) -> None:
+        """Offer a running request's computed whole pages to the prefix cache (before they are
+        freed, so the cache can hold them)."""
+        if self.prefix_cache is None:
+            return
+        table = self.pool.table(request.seq_id)
+        computed = min(request.num_computed, table.num_tokens)
+        self.prefix_cache.insert(
+            self._cache_key(request), request.token_ids[:computed], table.pages
+        )
 
     def _decode(self, ended: list[Request]) -> ScheduledBatch | None:
         scheduled: list[Request] = []
@@ -123,6 +190,7 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Free a running request's pages and queue it first for recomputation."""
         self.running.remove(request)
+        self._cache_computed(request)
         self.pool.free(request.seq_id)
         request.status = RequestStatus.WAITING
         request.num_computed = 0
@@ -134,6 +202,7 @@ class Scheduler:
         """Drop a finished (or aborted) request and free its pages."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._cache_computed(request)
             self.pool.free(request.seq_id)
         elif request in self.waiting:
             self.waiting.remove(request)

@@ -1,0 +1,322 @@
+"""Prefix reuse over the page pool: radix trees per isolation key, holds, eviction, accounting.
+
+Levels, from the request down: a request's prompt is looked up in the tree of its *isolation
+key* (model, cache salt, optionally sampling settings); the longest cached prefix gives *pages*
+the request adopts (reference counted, read-only; a partly matched last page is copied first);
+when the request finishes or is preempted its whole pages enter the tree and the cache takes a
+*hold* on them in the pool, so they become `cached` (evictable) once no sequence uses them.
+
+Why eviction can always reach every cached page: the pages running requests use form a prefix
+of each branch (a request adopts a path from the root; its own pages enter the tree only when it
+stops running), so below and after any cached page there are only cached pages, and leaf-first
+eviction reaches all of them. `check` verifies this along with the holds, which is what makes
+`evictable_pages` exact and lets the scheduler admit without ever hitting `PoolExhausted`.
+
+A copy-on-write source must survive until storage has copied it, so the scheduler *pins* it for
+the step that adopted it; eviction skips pinned pages.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from kvctl.agent.pool import PagePool, PageState
+from kvctl.agent.pool.page_pool import PoolCorrupted
+from kvctl.agent.prefix.eviction import EVICTION_POLICIES, make_policy
+from kvctl.agent.prefix.radix_tree import RadixNode, RadixTree, relocate_pages
+
+
+class PrefixIsolation(StrEnum):
+    """What separates the partitions of the cache (`--prefix-isolation`)."""
+
+    SALT = "salt"  # model + the request's cache_salt
+    SAMPLING = "sampling"  # model + cache_salt + sampling settings
+
+
+@dataclass(frozen=True)
+class IsolationKey:
+    """The partition a request may match in: pages never match across different keys."""
+
+    model: str
+    salt: str | None = None
+    sampling: Hashable | None = None
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """A cached prefix of `tokens` positions held in `pages`; the last page is only partly
+    matched when `tokens` is not a multiple of the page size, and is then copied on adoption."""
+
+    key: IsolationKey
+    tokens: int
+    pages: list[int]
+    page_size: int
+    nodes: list[RadixNode] = field(repr=False)
+
+    @property
+    def full_pages(self) -> int:
+        """Pages adopted as they are; a partly matched page still needs a page for its copy."""
+        return self.tokens // self.page_size
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Counters and sizes of one cache, read together."""
+
+    policy: str
+    queries_tokens: int  # prompt tokens looked up at admission
+    hits_tokens: int  # of those, tokens served from the cache
+    evictions: dict[str, int]  # pages evicted, per policy in force at the time
+    held_pages: int  # pages the trees own (in use by requests or cached)
+    partitions: int
+
+    @property
+    def hit_ratio(self) -> float | None:
+        """hits / queries in tokens; None before the first query."""
+        return self.hits_tokens / self.queries_tokens if self.queries_tokens else None
+
+    @property
+    def evictions_total(self) -> int:
+        return sum(self.evictions.values())
+
+
+class PrefixCacheCorrupted(PoolCorrupted):
+    """The trees disagree with the pool's holds: a bug, never a user error."""
+
+
+class PrefixCache:
+    """Token-level prefix reuse for one pool: match, insert, evict, follow page moves.
+
+    It installs itself as the pool's evictor and relocation listener, so allocations that run
+    short evict cached prefixes and the defragmenter's moves rename the trees' pages.
+    """
+
+    def __init__(
+        self,
+        pool: PagePool,
+        policy: str = "lru",
+        model: str = "",
+        isolation: PrefixIsolation | str = PrefixIsolation.SALT,
+    ) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.model = model
+        self.isolation = PrefixIsolation(isolation)
+        self._policy = make_policy(policy)
+        self._trees: dict[IsolationKey, RadixTree] = {}
+        self._owners: dict[int, RadixNode] = {}  # every tree page -> its node
+        self._pinned: set[int] = set()
+        self._clock = 0
+        self.queries_tokens = 0
+        self.hits_tokens = 0
+        self.evictions: Counter[str] = Counter({name: 0 for name in EVICTION_POLICIES})
+        pool.set_evictor(self.evict)
+        pool.add_relocation_listener(self._follow_moves)
+
+    # ---- policy and keys ------------------------------------------------------------------
+
+    @property
+    def policy(self) -> str:
+        return self._policy.name
+
+    def set_policy(self, name: str) -> None:
+        """Switch the eviction policy; takes effect at the next eviction."""
+        self._policy = make_policy(name)
+
+    def key_for(self, salt: str | None = None, sampling: Hashable | None = None) -> IsolationKey:
+        """The partition of a request with this cache salt and these sampling settings."""
+        if self.isolation is PrefixIsolation.SAMPLING:
+            return IsolationKey(self.model, salt, sampling)
+        return IsolationKey(self.model, salt)
+
+    # ---- lookups --------------------------------------------------------------------------
+
+    def match(self, key: IsolationKey, tokens: Sequence[int]) -> PrefixMatch:
+        """The longest cached prefix of `tokens` in `key`'s partition, leaving at least the last
+        token to compute (its logits give the next token). Changes nothing."""
+        tree = self._trees.get(key)
+        if tree is None or len(tokens) < 2:
+            return PrefixMatch(key, 0, [], self.page_size, [])
+        found = tree.match(tokens[:-1])
+        return PrefixMatch(key, found.tokens, found.pages, self.page_size, found.nodes)
+
+    def record(self, match: PrefixMatch, query_tokens: int) -> None:
+        """Count an admitted request's lookup and mark the prefix it used as used now (call it
+        right after adopting the match, before anything else changes the tree)."""
+        self.queries_tokens += query_tokens
+        self.hits_tokens += match.tokens
+        tree = self._trees.get(match.key)
+        if match.nodes and tree is not None:
+            self._clock += 1
+            tree.mark_used(match.nodes, match.tokens, self._clock)
+
+    def evictable_pages(self, match: PrefixMatch | None = None) -> int:
+        """Cached pages eviction can free now, or once `match` is adopted (adoption makes its
+        pages used, and a pinned page waits for its copy)."""
+        refcount = self.pool.refcount
+        blocked = {p for p in self._pinned if not refcount(p)}
+        if match is not None:
+            blocked.update(p for p in match.pages if not refcount(p))
+        return self.pool.cached_pages - len(blocked)
+
+    # ---- inserting ------------------------------------------------------------------------
+
+    def insert(self, key: IsolationKey, tokens: Sequence[int], pages: Sequence[int]) -> int:
+        """Add a sequence's whole pages (those `tokens` fill) to `key`'s partition and hold the
+        ones the tree did not have. Call it while the sequence still holds its pages. Returns
+        the number of pages newly held."""
+        whole = min(len(tokens) // self.page_size, len(pages))
+        if not whole:
+            return 0
+        tree = self._trees.get(key)
+        if tree is None:
+            tree = self._trees[key] = RadixTree(self.page_size, self._owners)
+        self._clock += 1
+        taken = tree.insert(tokens[: whole * self.page_size], pages[:whole], self._clock)
+        self.pool.hold_cached(taken)
+        return len(taken)
+
+    # ---- pins -----------------------------------------------------------------------------
+
+    def pin(self, pages: Sequence[int]) -> None:
+        """Keep `pages` from eviction until `unpin_all` (copy-on-write sources of this step)."""
+        self._pinned.update(pages)
+
+    def unpin_all(self) -> None:
+        self._pinned.clear()
+
+    # ---- eviction -------------------------------------------------------------------------
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least `num_pages` cached pages if that many can go, leaf-first in policy order;
+        return how many were freed. Pages a request uses and pinned pages are never freed."""
+        priority = self._policy.priority
+        order = itertools.count()
+        heap = [
+            (priority(leaf), next(order), leaf, key)
+            for key, tree in self._trees.items()
+            for leaf in tree.leaves
+            if self._is_evictable(leaf.pages[-1])
+        ]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, leaf, key = heapq.heappop(heap)
+            tree = self._trees[key]
+            if leaf.parent is None or not leaf.is_leaf:
+                continue
+            count = min(self._evictable_tail(leaf), num_pages - freed)
+            dropped, remaining = tree.drop_last_pages(leaf, count)
+            self.pool.release_cached(dropped)
+            freed += count
+            grown = remaining is not None and remaining is not leaf  # a parent became a leaf
+            if grown and self._is_evictable(remaining.pages[-1]):
+                heapq.heappush(heap, (priority(remaining), next(order), remaining, key))
+            if tree.is_empty:
+                del self._trees[key]
+        self.evictions[self._policy.name] += freed
+        return freed
+
+    def _is_evictable(self, page: int) -> bool:
+        return not self.pool.refcount(page) and page not in self._pinned
+
+    def _evictable_tail(self, leaf: RadixNode) -> int:
+        count = 0
+        for page in reversed(leaf.pages):
+            if not self._is_evictable(page):
+                break
+            count += 1
+        return count
+
+    def clear(self) -> int:
+        """Evict every page no request uses; return how many were freed."""
+        return self.evict(self.pool.cached_pages)
+
+    # ---- page moves -----------------------------------------------------------------------
+
+    def _follow_moves(self, moves: dict[int, int]) -> None:
+        relocate_pages(self._owners, moves)
+        if self._pinned:
+            self._pinned = {moves.get(p, p) for p in self._pinned}
+
+    # ---- reading --------------------------------------------------------------------------
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            policy=self._policy.name,
+            queries_tokens=self.queries_tokens,
+            hits_tokens=self.hits_tokens,
+            evictions=dict(self.evictions),
+            held_pages=len(self._owners),
+            partitions=len(self._trees),
+        )
+
+    def partitions(self) -> list[IsolationKey]:
+        return list(self._trees)
+
+    def tree(self, key: IsolationKey) -> RadixTree | None:
+        """The partition's tree, for reading (None when nothing is cached under `key`)."""
+        return self._trees.get(key)
+
+    def render(self, key: IsolationKey) -> str:
+        """The partition's tree, one node per line (see `RadixTree.render`)."""
+        tree = self._trees.get(key)
+        return tree.render() if tree is not None else ""
+
+    def check(self) -> None:
+        """Raise `PrefixCacheCorrupted` unless the trees and the pool agree.
+
+        Checks each tree's own structure; that no page is in two places; that every tree page
+        is held (not free) and every cached page of the pool is in a tree; that pins are tree
+        pages; and that the pages in use form a prefix of every branch (what makes every cached
+        page reachable by leaf-first eviction).
+        """
+        problems: list[str] = []
+        tree_pages: list[int] = []
+        for key, tree in self._trees.items():
+            problems.extend(f"{key}: {problem}" for problem in tree.check())
+            if tree.is_empty:
+                problems.append(f"{key}: an empty partition is kept")
+            tree_pages.extend(tree.pages())
+            problems.extend(self._used_prefix_problems(tree))
+        held = set(tree_pages)
+        if len(held) != len(tree_pages):
+            problems.append("a page is owned by two nodes")
+        if held != set(self._owners):
+            problems.append("the page index differs from the trees")
+        problems.extend(
+            f"page {p} is in a tree but free in the pool"
+            for p in sorted(held)
+            if self.pool.state(p) is PageState.FREE
+        )
+        cached = {
+            page
+            for run in self.pool.page_map()
+            if run.state is PageState.CACHED
+            for page in range(run.start, run.start + run.length)
+        }
+        problems.extend(f"page {p} is cached in the pool but in no tree" for p in cached - held)
+        if not self._pinned <= held:
+            problems.append(f"pinned pages {sorted(self._pinned - held)} are in no tree")
+        if problems:
+            raise PrefixCacheCorrupted("; ".join(problems))
+
+    def _used_prefix_problems(self, tree: RadixTree) -> list[str]:
+        problems = []
+        used = self.pool.refcount
+        for node in tree.nodes():
+            flags = [bool(used(p)) for p in node.pages]
+            if flags != sorted(flags, reverse=True):
+                problems.append(f"node {node.node_id}: a cached page comes before a used one")
+            ancestor = node.parent
+            while any(flags) and ancestor is not None:
+                if not all(used(p) for p in ancestor.pages):
+                    problems.append(f"node {node.node_id} is used below a cached page")
+                    break
+                ancestor = ancestor.parent
+        return problems
