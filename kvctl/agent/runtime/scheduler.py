@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvctl.agent.pool import PagePool
+from kvctl.agent.pool import PagePool, PoolExhausted
 from kvctl.agent.pool.page_pool import CopyOnWrite
 from kvctl.agent.prefix import IsolationKey, PrefixCache, PrefixMatch
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
@@ -170,22 +170,30 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            while not self.pool.can_append(request.seq_id, 1):
-                if self.running == [request]:  # alone and still no room: the pool is too small
-                    request.finish_reason = FinishReason.LENGTH
-                    self.finish(request)
-                    ended.append(request)
+            while True:
+                try:
+                    copies.extend(self.pool.append(request.seq_id, 1))
+                except PoolExhausted:  # counted as a failed allocation by the pool
+                    if self._make_room(request, ended):
+                        continue
                     break
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is request:
-                    break
-            if request.status is RequestStatus.RUNNING:
-                copies.extend(self.pool.append(request.seq_id, 1))
                 scheduled.append(request)
+                break
         if not scheduled:
             return None
         return ScheduledBatch(scheduled, [1] * len(scheduled), False, copies, ended)
+
+    def _make_room(self, request: Request, ended: list[Request]) -> bool:
+        """Preempt the youngest running request so `request` can grow; False when `request`
+        itself was preempted, or ended because it cannot fit even alone."""
+        if self.running == [request]:  # alone and still no room: the pool is too small
+            request.finish_reason = FinishReason.LENGTH
+            self.finish(request)
+            ended.append(request)
+            return False
+        victim = self.running[-1]
+        self.preempt(victim)
+        return victim is not request
 
     def preempt(self, request: Request) -> None:
         """Free a running request's pages and queue it first for recomputation."""
