@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -52,6 +54,13 @@ def pool_pages(config: AgentConfig, bytes_per_page: int, free_device_bytes: int 
     return DEFAULT_POOL_PAGES
 
 
+def default_torch_threads() -> int:
+    """One core fewer than the host has: the HTTP server, the metrics and the alerts get a core
+    of their own, so they never stall torch's parallel kernels (which wait for their slowest
+    thread). On a GPU node the CPU threads matter little either way."""
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
 def build_service(config: AgentConfig) -> Any:
     """Model, pool, engine and service, as the configuration says (imports torch)."""
     import torch
@@ -63,6 +72,7 @@ def build_service(config: AgentConfig) -> Any:
     from kvctl.agent.service import AgentService
 
     torch.manual_seed(config.seed)
+    torch.set_num_threads(config.torch_threads or default_torch_threads())
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(
             f"--device {config.device}: torch sees no CUDA device here; use --device cpu"
@@ -181,7 +191,10 @@ def serve(config: AgentConfig) -> int:
     host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
     service.alerting = alert_loop(service, config, f"{host}:{port}")
     api = create_app(
-        service, config, on_ready=lambda: log.info("listening on http://%s:%d", host, port)
+        service,
+        config,
+        on_ready=lambda: log.info("listening on http://%s:%d", host, port),
+        run_engine=False,
     )
     server = _uvicorn_server()(
         uvicorn.Config(
@@ -191,9 +204,17 @@ def serve(config: AgentConfig) -> int:
             timeout_graceful_shutdown=int(config.shutdown_grace) + 1,
         )
     )
+    stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: setattr(server, "should_exit", True))
-    asyncio.run(server.serve(sockets=[sock]))
+        signal.signal(signum, lambda *_: stop.set())
+    http = threading.Thread(
+        target=asyncio.run, args=(server.serve(sockets=[sock]),), name="kvctl-http", daemon=True
+    )
+    http.start()
+    # The engine runs on this, the main thread; SIGTERM makes it drain, then HTTP stops.
+    service.run(lambda: stop.is_set() or not http.is_alive(), config.shutdown_grace)
+    server.should_exit = True
+    http.join(timeout=config.shutdown_grace + 5)
     log.info("stopped")
     return 0
 
@@ -232,6 +253,9 @@ def main_command(
     ] = None,
     eviction_policy: Annotated[
         str | None, typer.Option(help="lru, lfu or fifo (default lru).")
+    ] = None,
+    torch_threads: Annotated[
+        int | None, typer.Option(help="CPU threads of torch (default: cores - 1).")
     ] = None,
     max_batch_seqs: Annotated[
         int | None, typer.Option(help="Most requests running at once (default 64).")

@@ -122,18 +122,24 @@ def _validation_message(error: RequestValidationError) -> str:
 
 
 def create_app(
-    service: AgentService, config: AgentConfig, on_ready: Callable[[], None] | None = None
+    service: AgentService,
+    config: AgentConfig,
+    on_ready: Callable[[], None] | None = None,
+    run_engine: bool = True,
 ) -> FastAPI:
-    """The FastAPI application serving `service`; starting and stopping it runs the engine."""
+    """The FastAPI application serving `service`. With `run_engine`, starting and stopping the
+    application starts and stops the engine thread; without, the caller runs the engine."""
     started_wall = time.time()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service.start()
+        if run_engine:
+            service.start()
         if on_ready is not None:
             on_ready()
         yield
-        await asyncio.to_thread(service.stop, config.shutdown_grace)
+        if run_engine:
+            await asyncio.to_thread(service.stop, config.shutdown_grace)
 
     app = FastAPI(
         title="kvctl agent",

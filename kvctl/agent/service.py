@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 IDLE_TICK_S = 0.05
+PUBLISH_INTERVAL_S = 0.1  # snapshots are at most this old (and fresh after every command)
+RESIZE_CHECK_INTERVAL_S = 1.0  # automatic resize looks at windows of many seconds
 DEFAULT_WINDOW_S = 300.0
 
 
@@ -58,6 +60,11 @@ class RequestStream:
 
     def deliver(self, event: TokenEvent) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+def _deliver_all(deliveries: list[tuple[RequestStream, TokenEvent]]) -> None:
+    for stream, event in deliveries:
+        stream.events.put_nowait(event)
 
 
 def defrag_policy(settings: RuntimeSettings) -> DefragPolicy:
@@ -101,6 +108,7 @@ class AgentService:
         self._stopping = threading.Event()
         self._accepting = True
         self._thread: threading.Thread | None = None
+        self._grace = 10.0  # seconds running requests get to finish when stopping
         self._last_defrag: DefragReport | None = None
         self._last_defrag_at: float | None = None
         self._gpu_reading: tuple[float, list[GpuMemory]] = (float("-inf"), [])
@@ -110,32 +118,43 @@ class AgentService:
 
     # ---- lifecycle ----------------------------------------------------------------------
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvctl-engine", daemon=True)
-        self._thread.start()
+    def run(self, should_stop: Callable[[], bool], grace: float | None = None) -> None:
+        """Run the engine on the calling thread until `should_stop()`, then drain: refuse new
+        requests, let running ones finish for up to `grace` seconds, abort the rest.
+
+        The agent calls this on its main thread: torch runs its parallel kernels fastest from
+        the thread that initialised it (the HTTP server then runs on another thread)."""
         if self.alerting is not None:
             self.alerting.start()
+        self._loop(should_stop)
+        self._accepting = False
+        if self.alerting is not None:
+            self.alerting.stop()
+        deadline = self.clock() + (self._grace if grace is None else grace)
+        self._loop(lambda: not self._streams or self.clock() >= deadline)
+        self._abort_all()
+        self.snapshot = self._build_snapshot()
+
+    def start(self) -> None:
+        """Run the engine on a thread of its own (for tests and in-process embedding)."""
+        self._thread = threading.Thread(
+            target=self.run, args=(self._stopping.is_set,), name="kvctl-engine", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, grace: float = 10.0) -> None:
+        """End a `start()`ed engine thread: drain for up to `grace` seconds, then stop."""
+        if self._thread is None:
+            return
+        self._grace = grace
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout=grace + 10)
 
     @property
     def alerts(self) -> list[Alert]:
         """The latest evaluation: pending and firing alerts, most severe first."""
         return self.alerting.alerts if self.alerting is not None else []
-
-    def stop(self, grace: float = 10.0) -> None:
-        """Stop accepting requests, let running ones finish for up to `grace` seconds, abort the
-        rest, and end the engine thread."""
-        self._accepting = False
-        if self.alerting is not None:
-            self.alerting.stop()
-        deadline = self.clock() + grace
-        while self._streams and self.clock() < deadline:
-            time.sleep(0.05)
-        if self._streams:
-            self.call(self._abort_all).result(timeout=5)
-        self._stopping.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
 
     @property
     def accepting(self) -> bool:
@@ -143,9 +162,9 @@ class AgentService:
 
     # ---- the engine thread --------------------------------------------------------------
 
-    def _run(self) -> None:
-        next_publish = 0.0
-        while not self._stopping.is_set():
+    def _loop(self, done: Callable[[], bool]) -> None:
+        next_publish = next_resize_check = 0.0
+        while not done():
             self._run_commands()
             if self.engine.has_work():
                 self._dispatch(self.engine.step())
@@ -153,11 +172,13 @@ class AgentService:
                 self._wake.wait(IDLE_TICK_S)
                 self._wake.clear()
                 self.engine.auto_defrag.tick()
-            self._maybe_auto_resize()
             now = self.clock()
-            if self.engine.has_work() or now >= next_publish:
+            if now >= next_resize_check:
+                self._maybe_auto_resize()
+                next_resize_check = now + RESIZE_CHECK_INTERVAL_S
+            if now >= next_publish:
                 self.snapshot = self._build_snapshot()
-                next_publish = now + 0.5
+                next_publish = now + PUBLISH_INTERVAL_S
 
     def _run_commands(self) -> None:
         while True:
@@ -185,13 +206,17 @@ class AgentService:
         return future
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
+        """Hand a step's events to their streams with one wake-up of the server's loop."""
+        deliveries: list[tuple[RequestStream, TokenEvent]] = []
         for event in events:
             stream = self._streams.get(event.request_id)
             if stream is None:
                 continue
-            stream.deliver(event)
+            deliveries.append((stream, event))
             if event.finish_reason is not None:
                 del self._streams[event.request_id]
+        if deliveries:
+            deliveries[0][0].loop.call_soon_threadsafe(_deliver_all, deliveries)
 
     def _abort_all(self) -> None:
         for request_id, stream in list(self._streams.items()):

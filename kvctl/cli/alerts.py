@@ -12,7 +12,7 @@ import typer
 
 from kvctl.cli import render
 from kvctl.cli.options import AgentOption, ExitCode, JsonOption, TokenOption, fail, resolve
-from kvctl.cli.output import finish, on_each, print_json
+from kvctl.cli.output import console, finish, on_each, print_json
 
 alerts_app = typer.Typer(
     help="List firing alerts, print the Prometheus rule file, send a test alert.",
@@ -25,11 +25,22 @@ alerts_app = typer.Typer(
 def list_alerts(
     ctx: typer.Context,
     firing: Annotated[bool, typer.Option("--firing", help="Only alerts that fire now.")] = False,
+    from_am: Annotated[
+        str | None,
+        typer.Option(
+            "--from-am",
+            metavar="URL",
+            help="Read kvctl's alerts from this Alertmanager instead of the agents.",
+        ),
+    ] = None,
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
 ) -> None:
     """List the agent's pending and firing alerts, each with the command that fixes it."""
+    if from_am is not None:
+        _list_from_alertmanager(ctx, from_am, json_out)
+        return
     target = resolve(ctx, agent, token, json_out)
 
     def read(client: Any) -> Any:
@@ -39,6 +50,42 @@ def list_alerts(
         return AlertList(alerts=[a for a in alerts if a.state == "firing" or not firing])
 
     finish(target, on_each(target, read), lambda found: render.alerts_table(found.alerts))
+
+
+def _list_from_alertmanager(ctx: typer.Context, url: str, json_out: bool) -> None:
+    """The kvctl alerts Alertmanager holds: what reached the on-call side, from every agent."""
+    from datetime import datetime
+
+    from kvctl.alerts import AlertmanagerError, fetch_alerts
+    from kvctl.api import Alert
+
+    target = resolve(ctx, json_out=json_out)
+    try:
+        raw = fetch_alerts(url, timeout=target.timeout)
+    except AlertmanagerError as error:
+        fail(str(error), ExitCode.ERROR)
+    if target.json:
+        print_json(raw)
+        return
+    alerts = []
+    for item in raw:
+        labels, notes = item.get("labels", {}), item.get("annotations", {})
+        severity = labels.get("severity", "warning")
+        alerts.append(
+            Alert(
+                name=labels.get("alertname", "?"),
+                severity=severity if severity in ("info", "warning", "critical") else "warning",
+                state="firing",
+                value=None,
+                summary=notes.get("summary", ""),
+                description=notes.get("description", ""),
+                remediation=notes.get("remediation", ""),
+                runbook_url=notes.get("runbook_url", ""),
+                active_since=datetime.fromisoformat(item["startsAt"]).timestamp(),
+                labels=labels,
+            )
+        )
+    console().print(render.alerts_table(alerts))
 
 
 @alerts_app.command("rules")

@@ -9,6 +9,7 @@ generated rule file without errors, and its recording rules return values.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -19,7 +20,7 @@ import httpx
 import pytest
 from agent_process import launch_agent
 
-from kvctl.alerts import fetch_alerts, render_rule_file
+from kvctl.alerts import fetch_alerts, post_test_alert, render_rule_file
 from kvctl.api import AlertSettings
 
 pytestmark = pytest.mark.integration
@@ -129,3 +130,18 @@ def test_allocation_failures_alert_reaches_alertmanager_and_resolves(prom_stack)
         )
     finally:
         agent.stop()
+
+
+def kvctl(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "kvctl.cli.main", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_kvctl_alerts_list_reads_alertmanager(alertmanager) -> None:
+    """`kvctl alerts list --from-am URL` shows what reached Alertmanager, remediation included."""
+    post_test_alert(alertmanager.alertmanager_url)
+    as_json = kvctl("--json", "alerts", "list", "--from-am", alertmanager.alertmanager_url)
+    assert as_json.returncode == 0, as_json.stderr
+    assert [a["labels"]["alertname"] for a in json.loads(as_json.stdout)] == ["KvctlTestAlert"]
+    human = kvctl("alerts", "list", "--from-am", alertmanager.alertmanager_url)
+    assert human.returncode == 0 and "KvctlTestAlert" in human.stdout

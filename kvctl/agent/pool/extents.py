@@ -119,7 +119,9 @@ class FreeExtents:
             runs = self._classes[c]
             if c < _EXACT_CLASSES:
                 return self._split(runs.popitem()[0], c, c, length)
-            for start in runs:
+            # newest first: deleted keys leave holes at the front of a dict, which forward
+            # iteration would walk through on every call
+            for start in reversed(runs):
                 run_len = self._by_start[start]
                 if run_len >= length:
                     del runs[start]

@@ -105,6 +105,9 @@ class PagePool:
         self._cached = bytearray(capacity)
         self._free = FreeExtents()
         self._free.give(0, capacity)
+        # bound once: allocate and free are the hottest calls of the agent
+        self._take_free_run = self._free.take_run
+        self._give_run = self._free.give
         self._tables: dict[SeqId, PageTable] = {}
         self.cached_pages = 0
         self.alloc_attempts = 0
@@ -233,18 +236,21 @@ class PagePool:
         `PoolExhausted` (and counts a failure) when the pages cannot be found even after
         evicting cached pages; the pool is then unchanged.
         """
-        if seq_id in self._tables:
+        tables = self._tables
+        if seq_id in tables:
             raise PoolError(f"sequence {seq_id!r} already has a page table")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         n = -(-num_tokens // self.page_size)
-        start = self._take_run(n) if n else None
-        if start is not None:  # the common case, kept short: one run of fresh pages
+        start = self._take_free_run(n) if n else None
+        if start is not None:  # the common case, written out: one run of fresh pages
+            self.alloc_attempts += 1
+            self._ref[start : start + n] = self._ones[n] if n <= 64 else [1] * n
             table = PageTable(seq_id, self._ids[start : start + n], num_tokens, True)
         else:
             pages, is_run = self._take(n, prefer_run=True) if n else ([], True)
             table = PageTable(seq_id, pages, num_tokens, is_run)
-        self._tables[seq_id] = table
+        tables[seq_id] = table
         return table
 
     def can_append(self, seq_id: SeqId, num_tokens: int = 1) -> bool:
@@ -332,7 +338,7 @@ class PagePool:
         ):
             start = pages[0]
             self._ref[start : start + n] = self._zeros[n]
-            self._free.give(start, n)
+            self._give_run(start, n)
             return
         self._release(pages)
 
