@@ -23,7 +23,7 @@ kvctl/agent/metrics.py; edit the table, not this file. -->
 The agent serves these series at `GET /metrics` in the Prometheus text format (0.0.4). They are
 built at scrape time from one consistent snapshot of the pool (the same one `GET /v1/pool`
 returns), so the series of one scrape agree with each other, and a scrape costs the same at any
-pool size (see docs/performance-metrics.md).
+pool size (see docs/performance.md).
 
 - Every series carries a `pool` label: the name of the model the pool serves. There is no host
   label; Prometheus adds `instance` and `job`.
