@@ -40,3 +40,38 @@ def agent() -> Iterator[RunningAgent]:
     running = launch_agent(*SMALL_POOL)
     yield running
     running.stop()
+
+
+# ---- the demo model and engines around it ---------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def demo() -> tuple:
+    """(config, model, tokenizer) of the demo model, built once per session."""
+    import torch
+
+    from kvctl.agent.model import build_demo_model
+
+    return build_demo_model("cpu", torch.float32, seed=0)
+
+
+@pytest.fixture
+def engine_defaults() -> dict:
+    """`EngineConfig` fields of `make_engine`; a directory's conftest may override them."""
+    return {"page_size": 4, "pool_pages": 256, "segment_pages": 32}
+
+
+@pytest.fixture
+def make_engine(demo, engine_defaults) -> Callable[..., object]:
+    """An engine on the demo model with tiny pages and automatic defrag off; keyword arguments
+    override `EngineConfig` fields."""
+    from kvctl.agent.pool import DefragPolicy
+    from kvctl.agent.runtime import Engine, EngineConfig
+
+    _, model, tokenizer = demo
+
+    def make(**overrides: object) -> Engine:
+        settings = {**engine_defaults, "defrag": DefragPolicy(enabled=False), **overrides}
+        return Engine(model, tokenizer, EngineConfig(**settings))
+
+    return make

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from design_metrics import DESIGN_METRICS
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvctl import __version__
@@ -310,32 +311,7 @@ def test_histogram_refuses_bad_buckets(buckets: tuple[float, ...]) -> None:
 
 # ---- the table ------------------------------------------------------------------------------
 
-DESIGN_NAMES = {
-    "kvctl_pool_capacity_pages",
-    "kvctl_pool_used_pages",
-    "kvctl_pool_cached_pages",
-    "kvctl_pool_free_pages",
-    "kvctl_pool_capacity_bytes",
-    "kvctl_pool_used_bytes",
-    "kvctl_pool_utilization_ratio",
-    "kvctl_pool_fragmentation_ratio",
-    "kvctl_pool_free_extents",
-    "kvctl_alloc_attempts_total",
-    "kvctl_alloc_failures_total",
-    "kvctl_alloc_success_ratio",
-    "kvctl_prefix_cache_queries_tokens_total",
-    "kvctl_prefix_cache_hits_tokens_total",
-    "kvctl_prefix_cache_hit_ratio",
-    "kvctl_defrag_runs_total",
-    "kvctl_defrag_pages_moved_total",
-    "kvctl_defrag_duration_seconds",
-    "kvctl_pool_resizes_total",
-    "kvctl_requests_running",
-    "kvctl_requests_waiting",
-    "kvctl_preemptions_total",
-    "kvctl_gpu_memory_used_bytes",
-    "kvctl_gpu_memory_total_bytes",
-}
+DESIGN_NAMES = DESIGN_METRICS
 
 
 def test_table_covers_design_and_has_no_duplicates() -> None:

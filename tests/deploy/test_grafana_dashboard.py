@@ -13,41 +13,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from design_metrics import series_names
 
 from kvctl.alerts import render_rule_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "agent" / "grafana-dashboard.json"
 
-DESIGN_METRICS = {
-    "kvctl_pool_capacity_pages",
-    "kvctl_pool_used_pages",
-    "kvctl_pool_cached_pages",
-    "kvctl_pool_free_pages",
-    "kvctl_pool_capacity_bytes",
-    "kvctl_pool_used_bytes",
-    "kvctl_pool_utilization_ratio",
-    "kvctl_pool_fragmentation_ratio",
-    "kvctl_pool_free_extents",
-    "kvctl_alloc_attempts_total",
-    "kvctl_alloc_failures_total",
-    "kvctl_alloc_success_ratio",
-    "kvctl_prefix_cache_queries_tokens_total",
-    "kvctl_prefix_cache_hits_tokens_total",
-    "kvctl_prefix_cache_hit_ratio",
-    "kvctl_defrag_runs_total",
-    "kvctl_defrag_pages_moved_total",
-    "kvctl_defrag_duration_seconds_bucket",
-    "kvctl_defrag_duration_seconds_sum",
-    "kvctl_defrag_duration_seconds_count",
-    "kvctl_pool_resizes_total",
-    "kvctl_requests_running",
-    "kvctl_requests_waiting",
-    "kvctl_preemptions_total",
-    "kvctl_gpu_memory_used_bytes",
-    "kvctl_gpu_memory_total_bytes",
-    "kvctl_build_info",
-}
+DESIGN_METRICS = series_names() | {"kvctl_build_info"}
 PROMETHEUS_SERIES = {"ALERTS", "up"}
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless"}
 KEYWORDS |= {"bool", "offset", "inf", "nan"}

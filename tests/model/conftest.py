@@ -1,18 +1,13 @@
-"""Fixtures of the model-runtime tests: the demo model, and greedy generation through a KV cache."""
+"""Fixtures of the model-runtime tests: greedy generation through a KV cache."""
 
 from collections.abc import Callable, Sequence
 
 import pytest
 import torch
 
-from kvctl.agent.model import ContiguousKVCache, LlamaModel, ModelConfig, build_demo_model
+from kvctl.agent.model import ContiguousKVCache, LlamaModel, ModelConfig
 
 Generate = Callable[[LlamaModel, Sequence[Sequence[int]], int], list[list[int]]]
-
-
-@pytest.fixture(scope="session")
-def demo() -> tuple:
-    return build_demo_model("cpu", torch.float32, seed=0)
 
 
 def greedy_generate(

@@ -5,11 +5,11 @@ scales that give peaked logits, so a wrong bias, rope frequency or head grouping
 argmax instead of hiding under near-uniform logits.
 """
 
-import math
 from dataclasses import replace
 
 import pytest
 import torch
+from hf_reference import peaked_weights
 
 from kvctl.agent.model import ContiguousKVCache, load_checkpoint
 
@@ -46,29 +46,13 @@ VARIANTS = {
 PROMPT_LENS = (5, 17, 1, 30)
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("bias"):
-                param.copy_(0.5 * noise)
-            elif name.endswith("embed_tokens.weight"):
-                param.copy_(noise)
-            else:
-                scale = 3.0 if name == "lm_head.weight" else 1.0
-                param.copy_(noise * scale / math.sqrt(param.shape[1]))
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def checkpoint(request, tmp_path_factory) -> tuple:
     """(reference transformers model, checkpoint dir, sharded checkpoint dir)."""
     config_cls, model_cls, extra = VARIANTS[request.param]
     config = getattr(transformers, config_cls)(**SHAPE, **extra)
     reference = getattr(transformers, model_cls)(config).eval()
-    _randomize(reference, seed=len(request.param))
+    peaked_weights(reference, seed=len(request.param))
     root = tmp_path_factory.mktemp(request.param)
     reference.save_pretrained(root / "single")
     reference.save_pretrained(root / "sharded", max_shard_size="40KB")

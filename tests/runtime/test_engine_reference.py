@@ -5,10 +5,9 @@ agent really runs: checkpoint loader → engine → scheduler → paged pool →
 pages small enough that every sequence spans several of them and a batch decoding together.
 """
 
-import math
-
 import pytest
 import torch
+from hf_reference import peaked_weights
 
 from kvctl.agent.model import SamplingParams, load_checkpoint
 from kvctl.agent.pool import DefragPolicy
@@ -31,29 +30,12 @@ VARIANTS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 NEW_TOKENS = 10
 
 
-def peaked(model: torch.nn.Module, seed: int) -> None:
-    """Re-draw every parameter so logits are peaked: a wrong K/V read moves the argmax."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("bias"):
-                param.copy_(0.5 * noise)
-            elif name.endswith("embed_tokens.weight"):
-                param.copy_(noise)
-            else:
-                scale = 3.0 if name == "lm_head.weight" else 1.0
-                param.copy_(noise * scale / math.sqrt(param.shape[1]))
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_engine_greedy_matches_transformers_generate(variant, tmp_path) -> None:
     architecture = VARIANTS[variant]
     config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     reference = getattr(transformers, architecture)(config_cls(**SHAPE)).eval()
-    peaked(reference, seed=3)
+    peaked_weights(reference, seed=3)
     reference.save_pretrained(tmp_path)
     _, model, tokenizer = load_checkpoint(tmp_path, "cpu", torch.float32)
     assert tokenizer is None  # token ids in, token ids out

@@ -1,0 +1,40 @@
+"""The metric families DESIGN.md's table names: what the exporter must serve and what dashboards
+and rules may rely on."""
+
+DESIGN_METRICS = frozenset(
+    {
+        "kvctl_pool_capacity_pages",
+        "kvctl_pool_used_pages",
+        "kvctl_pool_cached_pages",
+        "kvctl_pool_free_pages",
+        "kvctl_pool_capacity_bytes",
+        "kvctl_pool_used_bytes",
+        "kvctl_pool_utilization_ratio",
+        "kvctl_pool_fragmentation_ratio",
+        "kvctl_pool_free_extents",
+        "kvctl_alloc_attempts_total",
+        "kvctl_alloc_failures_total",
+        "kvctl_alloc_success_ratio",
+        "kvctl_prefix_cache_queries_tokens_total",
+        "kvctl_prefix_cache_hits_tokens_total",
+        "kvctl_prefix_cache_hit_ratio",
+        "kvctl_defrag_runs_total",
+        "kvctl_defrag_pages_moved_total",
+        "kvctl_defrag_duration_seconds",
+        "kvctl_pool_resizes_total",
+        "kvctl_requests_running",
+        "kvctl_requests_waiting",
+        "kvctl_preemptions_total",
+        "kvctl_gpu_memory_used_bytes",
+        "kvctl_gpu_memory_total_bytes",
+    }
+)
+HISTOGRAMS = frozenset({"kvctl_defrag_duration_seconds"})
+
+
+def series_names(families: frozenset[str] = DESIGN_METRICS) -> set[str]:
+    """Names as they appear in queries: a histogram is its _bucket, _sum and _count series."""
+    names = set(families - HISTOGRAMS)
+    for histogram in families & HISTOGRAMS:
+        names |= {f"{histogram}_bucket", f"{histogram}_sum", f"{histogram}_count"}
+    return names
