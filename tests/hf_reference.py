@@ -4,6 +4,18 @@ import math
 
 import torch
 
+SHAPE = {  # a tiny decoder: 2 layers, 4 heads over 2 KV heads, vocabulary of 128
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 
 def peaked_weights(model: torch.nn.Module, seed: int) -> None:
     """Re-draw every parameter (biases and norms too) from a seeded generator with scales that

@@ -9,23 +9,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hf_reference import peaked_weights
+from hf_reference import SHAPE, peaked_weights
 
 from kvctl.agent.model import ContiguousKVCache, load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-SHAPE = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 256,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 4.0,

@@ -7,7 +7,7 @@ pages small enough that every sequence spans several of them and a batch decodin
 
 import pytest
 import torch
-from hf_reference import peaked_weights
+from hf_reference import SHAPE, peaked_weights
 
 from kvctl.agent.model import SamplingParams, load_checkpoint
 from kvctl.agent.pool import DefragPolicy
@@ -15,17 +15,6 @@ from kvctl.agent.runtime import Engine, EngineConfig
 
 transformers = pytest.importorskip("transformers")
 
-SHAPE = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 256,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 VARIANTS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 NEW_TOKENS = 10
 
