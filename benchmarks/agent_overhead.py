@@ -4,7 +4,8 @@ Same model, same pool, same eight greedy requests. Alone: a loop calls `Engine.s
 agent: the requests arrive over HTTP, the engine runs on the main thread as in `kvctl-agent`
 (HTTP on another thread), the service
 publishes a `PoolSnapshot` after every step, and a scraper reads `/metrics` and `/v1/pool` every
-`--scrape-interval` seconds (far more often than Prometheus would). The clients run in a
+`--scrape-interval` seconds (far more often than Prometheus would) while the alert loop
+evaluates every second. The clients run in a
 separate process, as they do in production. Both sides time the
 period from one `Engine.step()` to the next while requests decode, which includes whatever the
 agent does between steps; the ratio of medians is the machinery's overhead per decode step.
@@ -28,7 +29,7 @@ import torch
 import uvicorn
 
 from kvctl.agent.config import AgentConfig
-from kvctl.agent.main import default_torch_threads
+from kvctl.agent.main import alert_loop, default_torch_threads
 from kvctl.agent.model import SamplingParams, build_demo_model
 from kvctl.agent.runtime import Engine, EngineConfig
 from kvctl.agent.server import create_app
@@ -85,6 +86,12 @@ def in_agent(model, tokenizer, args: argparse.Namespace) -> list[float]:
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    # the alert loop too, evaluating every second (15 s by default)
+    settings = AgentConfig(alert_interval=1.0)
+    service.settings = service.settings.model_copy(
+        update={"alerts": service.settings.alerts.model_copy(update={"interval_s": 1.0})}
+    )
+    service.alerting = alert_loop(service, settings, url.removeprefix("http://"))
     app = create_app(service, AgentConfig(), run_engine=False)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
