@@ -1,5 +1,7 @@
 """The agent's core: one engine thread that owns the pool, and a thread-safe face for the server.
 
+The engine thread is whichever thread calls `run()`; `kvctl-agent` uses its main thread.
+
 Only the engine thread touches the engine, the pool and the storage. Everything else talks to it
 in two ways: `call(fn)` queues a function to run on the engine thread between two steps (defrag,
 resize, settings, new requests) and returns a future; `snapshot` is the latest immutable
