@@ -68,6 +68,7 @@ def build_service(config: AgentConfig) -> Any:
     from kvctl.agent.gpu import GpuProbe
     from kvctl.agent.model import CheckpointError, build_demo_model, load_checkpoint
     from kvctl.agent.pool import DefragPolicy
+    from kvctl.agent.pool.storage import KVStorage
     from kvctl.agent.runtime import Engine, EngineConfig
     from kvctl.agent.service import AgentService
 
@@ -88,9 +89,14 @@ def build_service(config: AgentConfig) -> Any:
     except CheckpointError as error:
         raise ConfigError(f"--model {config.model}: {error}") from None
     gpu = GpuProbe()
-    element = next(model.parameters()).element_size()
     mc = model_config
-    bytes_per_page = mc.num_layers * 2 * config.page_size * mc.num_kv_heads * mc.head_dim * element
+    bytes_per_page = KVStorage.page_bytes(
+        config.page_size,
+        mc.num_layers,
+        mc.num_kv_heads,
+        mc.head_dim,
+        next(model.parameters()).dtype,
+    )
     device_index = torch.device(config.device).index or 0
     free = gpu.free_bytes(device_index) if config.device.startswith("cuda") else None
     pages = pool_pages(config, bytes_per_page, free)
@@ -290,7 +296,7 @@ def main_command(
         settings = load_config(flags, config)
         logging.basicConfig(
             level=settings.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s %(message)s",
+            format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
             stream=sys.stderr,
         )
         code = serve(settings)

@@ -60,9 +60,6 @@ class RequestStream:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
 
-    def deliver(self, event: TokenEvent) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
 
 def _deliver_all(deliveries: list[tuple[RequestStream, TokenEvent]]) -> None:
     for stream, event in deliveries:
@@ -208,7 +205,8 @@ class AgentService:
         return future
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
-        """Hand a step's events to their streams with one wake-up of the server's loop."""
+        """Hand a step's events to their streams with one wake-up of the server's loop (every
+        stream lives on that one loop)."""
         deliveries: list[tuple[RequestStream, TokenEvent]] = []
         for event in events:
             stream = self._streams.get(event.request_id)
@@ -221,10 +219,11 @@ class AgentService:
             deliveries[0][0].loop.call_soon_threadsafe(_deliver_all, deliveries)
 
     def _abort_all(self) -> None:
+        events = []
         for request_id, stream in list(self._streams.items()):
             self.engine.abort(request_id)
-            stream.deliver(TokenEvent(request_id, None, "", stream.request.finish_reason))
-            del self._streams[request_id]
+            events.append(TokenEvent(request_id, None, "", stream.request.finish_reason))
+        self._dispatch(events)
 
     # ---- requests -----------------------------------------------------------------------
 

@@ -321,7 +321,6 @@ def post_test_alert(
 ) -> dict:
     """Post one test alert (`kvctl alerts test`); returns it, raises AlertmanagerError."""
     alert = build_test_alert(pool=pool, instance=instance, now=now, duration_s=duration_s)
-    target = url.rstrip("/") + ALERTS_PATH
     client = make_client(
         transport=transport,
         basic_auth=basic_auth,
@@ -329,19 +328,26 @@ def post_test_alert(
         ca_file=ca_file,
         timeout=timeout,
     )
+    _exchange(client, "POST", url, "refused the test alert", json=[alert])
+    return alert
+
+
+def _exchange(
+    client: httpx.Client, method: str, url: str, refusal: str, **request: object
+) -> httpx.Response:
+    """One call to Alertmanager's alerts endpoint; failures become one-line AlertmanagerErrors."""
     with client:
         try:
-            response = client.post(target, json=[alert])
+            response = client.request(method, url.rstrip("/") + ALERTS_PATH, **request)
         except httpx.HTTPError as error:
             raise AlertmanagerError(
                 f"cannot reach Alertmanager at {url}: {error}; check the URL and that it listens"
             ) from None
     if not response.is_success:
         raise AlertmanagerError(
-            f"Alertmanager at {url} refused the test alert: {response.status_code} "
-            f"{response.text[:200]}"
+            f"Alertmanager at {url} {refusal}: {response.status_code} {response.text[:200]}"
         )
-    return alert
+    return response
 
 
 def fetch_alerts(
@@ -367,15 +373,4 @@ def fetch_alerts(
         ca_file=ca_file,
         timeout=timeout,
     )
-    with client:
-        try:
-            response = client.get(url.rstrip("/") + ALERTS_PATH, params=params)
-        except httpx.HTTPError as error:
-            raise AlertmanagerError(
-                f"cannot reach Alertmanager at {url}: {error}; check the URL and that it listens"
-            ) from None
-    if not response.is_success:
-        raise AlertmanagerError(
-            f"Alertmanager at {url} answered {response.status_code}: {response.text[:200]}"
-        )
-    return response.json()
+    return _exchange(client, "GET", url, "answered", params=params).json()

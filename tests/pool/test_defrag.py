@@ -154,13 +154,16 @@ def test_auto_defrag_starts_on_a_contiguous_miss_and_on_extents() -> None:
     assert report2 is not None and report2.trigger is DefragTrigger.EXTENTS
 
 
-def test_disabled_auto_defrag_runs_only_on_request() -> None:
+def test_disabled_auto_defrag_runs_only_when_asked() -> None:
     p = fragmented()
     auto = AutoDefrag(Defragmenter(p), DefragPolicy(enabled=False), clock=lambda: 0.0)
+    seen = []
+    auto.add_listener(seen.append)
     assert auto.tick() is None
-    auto.request(DefragTrigger.MANUAL)
-    report = auto.tick()
-    assert report is not None and report.trigger is DefragTrigger.MANUAL
+    report = auto.run_now(DefragTrigger.MANUAL)
+    assert (report.trigger, report.pages_moved, report.complete) == (DefragTrigger.MANUAL, 4, True)
+    assert auto.runs_total == {DefragTrigger.MANUAL: 1} and auto.pages_moved_total == 4
+    assert seen == [report]
 
 
 def test_policy_validation() -> None:

@@ -83,11 +83,6 @@ class AutoDefrag:
         self.pages_moved_total += report.pages_moved
         self._finish(report)
 
-    def request(self, trigger: DefragTrigger = DefragTrigger.MANUAL) -> None:
-        """Start a session at the next tick, whatever the thresholds say."""
-        if self.active is None:
-            self._start(trigger)
-
     def due_trigger(self) -> DefragTrigger | None:
         """The trigger that should start a session now, if any (checks thresholds when due)."""
         pool, policy = self.defragmenter.pool, self.policy

@@ -213,11 +213,3 @@ class FreeExtents:
         """Every free run as (start, length), in increasing page order."""
         for start in sorted(self._by_start):
             yield start, self._by_start[start]
-
-    def last_run(self) -> tuple[int, int] | None:
-        """The free run with the highest ids, if any (used to find a free tail)."""
-        if not self._by_end:
-            return None
-        end = max(self._by_end)
-        start = self._by_end[end]
-        return start, end - start

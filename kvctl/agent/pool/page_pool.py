@@ -105,9 +105,6 @@ class PagePool:
         self._cached = bytearray(capacity)
         self._free = FreeExtents()
         self._free.give(0, capacity)
-        # bound once: allocate and free are the hottest calls of the agent
-        self._take_free_run = self._free.take_run
-        self._give_run = self._free.give
         self._tables: dict[SeqId, PageTable] = {}
         self.cached_pages = 0
         self.alloc_attempts = 0
@@ -242,10 +239,8 @@ class PagePool:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         n = -(-num_tokens // self.page_size)
-        start = self._take_free_run(n) if n else None
-        if start is not None:  # the common case, written out: one run of fresh pages
-            self.alloc_attempts += 1
-            self._ref[start : start + n] = self._ones[n] if n <= 64 else [1] * n
+        start = self._take_run(n) if n else None
+        if start is not None:  # the common case, kept short: one run of fresh pages
             table = PageTable(seq_id, self._ids[start : start + n], num_tokens, True)
         else:
             pages, is_run = self._take(n, prefer_run=True) if n else ([], True)
@@ -338,7 +333,7 @@ class PagePool:
         ):
             start = pages[0]
             self._ref[start : start + n] = self._zeros[n]
-            self._give_run(start, n)
+            self._free.give(start, n)
             return
         self._release(pages)
 

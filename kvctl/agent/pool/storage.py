@@ -140,7 +140,16 @@ class KVStorage:
     @property
     def bytes_per_page(self) -> int:
         """Bytes of one page: K and V of `page_size` tokens in every layer."""
-        return self._page_elements * self._dtype.itemsize
+        return self.page_bytes(
+            self.page_size, self.num_layers, self.num_kv_heads, self.head_dim, self._dtype
+        )
+
+    @staticmethod
+    def page_bytes(
+        page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """`bytes_per_page` of such a storage, before building it (to size a pool in bytes)."""
+        return num_layers * 2 * page_size * num_kv_heads * head_dim * dtype.itemsize
 
     @property
     def nbytes(self) -> int:

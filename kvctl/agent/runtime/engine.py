@@ -177,7 +177,6 @@ class Engine:
         self._steps = 0
         self._generated = 0
         self._prompt_tokens = 0
-        self.stats = self._snapshot()
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -266,7 +265,6 @@ class Engine:
             events.extend(self._postprocess(batch, next_tokens))
         self.auto_defrag.tick()
         self._steps += 1
-        self.stats = self._snapshot()
         return events
 
     def _run_model(self, batch: ScheduledBatch) -> list[int]:
@@ -353,7 +351,9 @@ class Engine:
 
     # ---- reading ------------------------------------------------------------------------
 
-    def _snapshot(self) -> EngineStats:
+    @property
+    def stats(self) -> EngineStats:
+        """The pool and the scheduler read together, built when asked (not on every step)."""
         prefix = self.prefix_cache.stats() if self.prefix_cache is not None else None
         return EngineStats(
             pool=self.pool.stats(),
