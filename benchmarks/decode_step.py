@@ -5,9 +5,14 @@ prefill once, then time decode steps, each adding one token to every sequence. T
 side is `ContiguousKVCache` (one preallocated region per sequence, written in place); the paged
 side is what the engine does per step: reserve the token's slot in the pool, build the page
 index, write K/V into pages and gather them back by page table. Sampling is left out of both
-(it is the same code); `--engine` also reports full `Engine.step()` time for reference.
+(it is the same code).
 
-    python benchmarks/decode_step.py [--device cpu] [--batch 8] [--context 512] [--steps 32]
+`--model llama-1b` swaps the demo model for Llama 3.2 1B shapes (16 layers, 32 query and 8 KV
+heads of 64, hidden 2048, vocab 128256) with random weights, for GPU runs; `--dtype` sets the
+weight and KV dtype (default float32 for the demo model, bfloat16 for llama-1b).
+
+    python benchmarks/decode_step.py [--device cpu] [--model demo|llama-1b] [--batch 8]
+        [--context 512] [--steps 32]
 """
 
 from __future__ import annotations
@@ -19,7 +24,13 @@ import time
 
 import torch
 
-from kvctl.agent.model import BatchLayout, ContiguousKVCache, LlamaModel, build_demo_model
+from kvctl.agent.model import (
+    BatchLayout,
+    ContiguousKVCache,
+    LlamaModel,
+    ModelConfig,
+    build_demo_model,
+)
 from kvctl.agent.pool import PagePool
 from kvctl.agent.pool.storage import KVStorage
 from kvctl.agent.runtime.paged_cache import PagedKVCache
@@ -97,30 +108,78 @@ def prompts_dtype(model: LlamaModel) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+LLAMA_1B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    max_position_embeddings=131072,
+    tie_word_embeddings=True,
+    torch_dtype="bfloat16",
+    name="llama-1b-shapes",
+)
+
+
+def build_model(name: str, device: torch.device, dtype: torch.dtype | None) -> LlamaModel:
+    """The demo model, or Llama 3.2 1B shapes with random weights (std 0.02, unit norms)."""
+    if name == "demo":
+        return build_demo_model(device, dtype or torch.float32)[1]
+    with torch.device(device):
+        model = LlamaModel(LLAMA_1B).to(dtype or torch.bfloat16)
+    generator = torch.Generator(device=device).manual_seed(0)
+    for pname, param in model.named_parameters():
+        if not pname.endswith("norm.weight"):
+            param.data.normal_(0.0, 0.02, generator=generator)
+    return model.eval().requires_grad_(False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", choices=("demo", "llama-1b"), default="demo")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     print("command: python benchmarks/decode_step.py " + " ".join(sys.argv[1:]))
     device = torch.device(args.device)
     torch.manual_seed(0)
-    _, model, _ = build_demo_model(device)
-    prompts = torch.randint(0, 256, (args.batch, args.context), device=device)
-    contiguous, paged = [], []
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model = build_model(args.model, device, dtype)
+    vocab = min(model.config.vocab_size, 256)
+    prompts = torch.randint(0, vocab, (args.batch, args.context), device=device)
+    contiguous, paged, round_ratios = [], [], []
     for _ in range(args.rounds):  # alternate so both sides see the same machine state
-        contiguous += contiguous_steps(model, prompts, args.steps)[2:]
-        paged += paged_steps(model, prompts, args.steps, args.page_size)[2:]
+        c_round = contiguous_steps(model, prompts, args.steps)[2:]
+        p_round = paged_steps(model, prompts, args.steps, args.page_size)[2:]
+        round_ratios.append(statistics.median(p_round) / statistics.median(c_round))
+        contiguous += c_round
+        paged += p_round
     c_ms, p_ms = statistics.median(contiguous) * 1e3, statistics.median(paged) * 1e3
     tokens = args.batch
-    print(f"device {device}, demo model, batch {args.batch}, context {args.context}")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"device {device} ({where}), model {args.model} {prompts_dtype(model)}, "
+        f"batch {args.batch}, context {args.context}, page size {args.page_size}"
+    )
     print(f"contiguous KV cache: {c_ms:7.2f} ms/step  {tokens / c_ms * 1e3:8.0f} tokens/s")
     print(f"paged KV pool:       {p_ms:7.2f} ms/step  {tokens / p_ms * 1e3:8.0f} tokens/s")
     print(f"ratio paged/contiguous: {p_ms / c_ms:.2f}x (target <= 1.3x on CPU)")
+    print("per-round ratios: " + " ".join(f"{r:.2f}" for r in round_ratios))
     return 0
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from agent_process import SMALL_POOL, RunningAgent, launch_agent
 from hypothesis import settings
+from kv_device import DEVICE
 
 # No deadline: timing on shared CI machines is noisy, and pytest-timeout bounds each test anyway.
 settings.register_profile("ci", deadline=None, max_examples=100)
@@ -52,13 +53,13 @@ def demo() -> tuple:
 
     from kvctl.agent.model import build_demo_model
 
-    return build_demo_model("cpu", torch.float32, seed=0)
+    return build_demo_model(DEVICE, torch.float32, seed=0)
 
 
 @pytest.fixture
 def engine_defaults() -> dict:
     """`EngineConfig` fields of `make_engine`; a directory's conftest may override them."""
-    return {"page_size": 4, "pool_pages": 256, "segment_pages": 32}
+    return {"page_size": 4, "pool_pages": 256, "segment_pages": 32, "device": DEVICE}
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from hf_reference import SHAPE, peaked_weights
+from kv_device import DEVICE
 
 from kvctl.agent.model import ContiguousKVCache, load_checkpoint
 
@@ -56,11 +57,11 @@ def prompts() -> list[list[int]]:
 
 def test_prefill_logits_match_transformers(checkpoint, prompts):
     reference, path, _ = checkpoint
-    config, model, _ = load_checkpoint(path, "cpu", torch.float32)
-    cache = ContiguousKVCache(config, max_seqs=len(prompts), max_len=64)
+    config, model, _ = load_checkpoint(path, DEVICE, torch.float32)
+    cache = ContiguousKVCache(config, max_seqs=len(prompts), max_len=64, device=DEVICE)
     layout = cache.begin_step(list(range(len(prompts))), [len(p) for p in prompts])
-    tokens = torch.tensor([t for p in prompts for t in p])
-    ours = model.logits(model(tokens, layout.positions(), cache))  # [T, vocab]
+    tokens = torch.tensor([t for p in prompts for t in p], device=DEVICE)
+    ours = model.logits(model(tokens, layout.positions(DEVICE), cache)).cpu()  # [T, vocab]
     with torch.no_grad():
         expected = torch.cat([reference(torch.tensor([p])).logits[0] for p in prompts])
     assert ours.dtype == torch.float32
@@ -70,17 +71,18 @@ def test_prefill_logits_match_transformers(checkpoint, prompts):
 def test_chunked_prefill_matches_one_shot_prefill(checkpoint, prompts):
     """Prompts fed in two chunks (the second attends to the cached first) give the same logits."""
     reference, path, _ = checkpoint
-    config, model, _ = load_checkpoint(path, "cpu", torch.float32)
+    config, model, _ = load_checkpoint(path, DEVICE, torch.float32)
     long_prompts = [p for p in prompts if len(p) > 2]
-    cache = ContiguousKVCache(config, max_seqs=len(long_prompts), max_len=64)
+    cache = ContiguousKVCache(config, max_seqs=len(long_prompts), max_len=64, device=DEVICE)
     seqs = list(range(len(long_prompts)))
     halves = [(p[: len(p) // 2], p[len(p) // 2 :]) for p in long_prompts]
     logits = []
     for part in (0, 1):
         chunks = [h[part] for h in halves]
         layout = cache.begin_step(seqs, [len(c) for c in chunks])
-        hidden = model(torch.tensor([t for c in chunks for t in c]), layout.positions(), cache)
-        logits.append(model.logits(hidden).split([len(c) for c in chunks]))
+        tokens = torch.tensor([t for c in chunks for t in c], device=DEVICE)
+        hidden = model(tokens, layout.positions(DEVICE), cache)
+        logits.append(model.logits(hidden).cpu().split([len(c) for c in chunks]))
     with torch.no_grad():
         for i, p in enumerate(long_prompts):
             expected = reference(torch.tensor([p])).logits[0]
@@ -91,7 +93,7 @@ def test_chunked_prefill_matches_one_shot_prefill(checkpoint, prompts):
 
 def test_greedy_generation_matches_transformers(checkpoint, prompts, generate):
     reference, path, _ = checkpoint
-    _, model, _ = load_checkpoint(path, "cpu", torch.float32)
+    _, model, _ = load_checkpoint(path, DEVICE, torch.float32)
     ours = generate(model, prompts, 12)
     for prompt, tokens in zip(prompts, ours, strict=True):
         expected = reference.generate(

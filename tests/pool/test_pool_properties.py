@@ -22,6 +22,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from kv_device import DEVICE
 
 from kvctl.agent.pool import (
     Defragmenter,
@@ -44,7 +45,9 @@ class PoolMachine(RuleBasedStateMachine):
     @initialize(segments=st.integers(1, 3), batch=st.integers(1, 5))
     def start(self, segments: int, batch: int) -> None:
         self.pool = PagePool(segments * SEGMENT_PAGES, PAGE_SIZE, SEGMENT_PAGES)
-        self.storage = KVStorage(segments, SEGMENT_PAGES, PAGE_SIZE, 1, 1, 1, torch.float64)
+        self.storage = KVStorage(
+            segments, SEGMENT_PAGES, PAGE_SIZE, 1, 1, 1, torch.float64, device=DEVICE
+        )
         self.defrag = Defragmenter(self.pool, self.storage, batch_pages=batch)
         self.resizer = PoolResizer(self.pool, self.defrag, self.storage, max_pages=MAX_PAGES)
         self.tags: dict[int, list[float]] = {}  # expected tag of every token of every sequence

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from kv_device import DEVICE
 
 from kvctl.agent.pool.defrag import Defragmenter, DefragTrigger
 from kvctl.agent.pool.page_pool import PagePool, PageTable
@@ -22,6 +23,7 @@ PAGE_ELEMENTS = 2 * 2 * 2 * 2 * 3
 
 
 def make_storage(num_segments: int, segment_pages: int, **kwargs: object) -> KVStorage:
+    kwargs.setdefault("device", DEVICE)
     return KVStorage(num_segments, segment_pages, **SHAPE, **kwargs)  # type: ignore[arg-type]
 
 
@@ -266,8 +268,25 @@ def test_pages_beyond_a_released_segment_are_out_of_range(num_segments: int) -> 
     storage.release_segments(1)
     with pytest.raises(IndexError):
         storage.copy_pages([4 * num_segments - 3], [0])
+    beyond = 4 * num_segments - 3
+    with pytest.raises(IndexError, match=rf"must be in \[0, {4 * (num_segments - 1)}\)"):
+        storage.gather(0, torch.tensor([[0, beyond]], device="cpu"))  # host ids are checked
     with pytest.raises(IndexError):
-        storage.gather(0, torch.tensor([[0, 4 * num_segments - 3]]))
+        storage.write(
+            0,
+            torch.tensor([beyond], device="cpu"),
+            torch.tensor([0], device="cpu"),
+            torch.zeros(1, 2, 3),
+            torch.zeros(1, 2, 3),
+        )
+    with pytest.raises(IndexError):
+        storage.write(
+            0,
+            torch.tensor([-1], device="cpu"),
+            torch.tensor([0], device="cpu"),
+            torch.zeros(1, 2, 3),
+            torch.zeros(1, 2, 3),
+        )
 
 
 # ---- the whole stack: pool + defragmenter + resizer over real storage ---------------------

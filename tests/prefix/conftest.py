@@ -2,8 +2,9 @@
 happens."""
 
 import pytest
+from kv_device import DEVICE
 
 
 @pytest.fixture
 def engine_defaults() -> dict:
-    return {"page_size": 4, "pool_pages": 128, "segment_pages": 16}
+    return {"page_size": 4, "pool_pages": 128, "segment_pages": 16, "device": DEVICE}

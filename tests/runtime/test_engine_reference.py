@@ -8,6 +8,7 @@ pages small enough that every sequence spans several of them and a batch decodin
 import pytest
 import torch
 from hf_reference import SHAPE, peaked_weights
+from kv_device import DEVICE
 
 from kvctl.agent.model import SamplingParams, load_checkpoint
 from kvctl.agent.pool import DefragPolicy
@@ -26,13 +27,17 @@ def test_engine_greedy_matches_transformers_generate(variant, tmp_path) -> None:
     reference = getattr(transformers, architecture)(config_cls(**SHAPE)).eval()
     peaked_weights(reference, seed=3)
     reference.save_pretrained(tmp_path)
-    _, model, tokenizer = load_checkpoint(tmp_path, "cpu", torch.float32)
+    _, model, tokenizer = load_checkpoint(tmp_path, DEVICE, torch.float32)
     assert tokenizer is None  # token ids in, token ids out
     engine = Engine(
         model,
         tokenizer,
         EngineConfig(
-            page_size=4, pool_pages=64, segment_pages=16, defrag=DefragPolicy(enabled=False)
+            page_size=4,
+            pool_pages=64,
+            segment_pages=16,
+            defrag=DefragPolicy(enabled=False),
+            device=DEVICE,
         ),
     )
     gen = torch.Generator().manual_seed(11)

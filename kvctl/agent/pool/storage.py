@@ -253,15 +253,25 @@ class KVStorage:
     # ---- the model's reads and writes ---------------------------------------------------
 
     def index_slots(self, slots_page: torch.Tensor, slots_offset: torch.Tensor) -> SlotIndex:
-        """Split token slots by segment once, to `write` every layer without regrouping."""
-        page = slots_page.to(self._device, torch.long)
-        offset = slots_offset.to(self._device, torch.long)
+        """Split token slots by segment once, to `write` every layer without regrouping.
+
+        Ids given on the host (as the runtime gives them) are range-checked and grouped there,
+        then moved: building the index never waits for the device. Ids already on the device
+        are trusted, since checking them would stall the stream.
+        """
+        page, offset = slots_page.to(torch.long), slots_offset.to(torch.long)
+        self._check_page_range(page)
+        to_device = self._to_device
         if len(self._segments) == 1:
-            return SlotIndex(((0, None, page, offset),))
-        seg = page // self.segment_pages
+            return SlotIndex(((0, None, to_device(page), to_device(offset)),))
         groups = tuple(
-            (s, pos, page[pos] - s * self.segment_pages, offset[pos])
-            for s, pos in _group(seg, len(self._segments))
+            (
+                s,
+                to_device(pos),
+                to_device(page[pos] - s * self.segment_pages),
+                to_device(offset[pos]),
+            )
+            for s, pos in _group(page // self.segment_pages, len(self._segments))
         )
         return SlotIndex(groups)
 
@@ -297,35 +307,62 @@ class KVStorage:
                 seg_v[rows, offsets] = v.index_select(0, pos)
 
     def index_pages(self, page_ids: torch.Tensor) -> PageIndex:
-        """Split a batch's page ids (`[B, P]`) by segment once, to `gather` every layer."""
-        ids = page_ids.to(self._device, torch.long)
-        if ids.dim() != 2:
-            raise ValueError(f"page_ids must be [batch, pages], got shape {tuple(ids.shape)}")
-        shape = (ids.shape[0], ids.shape[1])
-        flat = ids.reshape(-1)
+        """Split a batch's page ids (`[B, P]`) by segment once, to `gather` every layer.
+
+        Like `index_slots`: host ids are checked and grouped on the host, device ids trusted.
+        """
+        if page_ids.dim() != 2:
+            raise ValueError(f"page_ids must be [batch, pages], got shape {tuple(page_ids.shape)}")
+        shape = (page_ids.shape[0], page_ids.shape[1])
+        flat = page_ids.to(torch.long).reshape(-1)
+        self._check_page_range(flat)
+        to_device = self._to_device
         if len(self._segments) == 1:
-            return PageIndex(shape, ((0, flat),), None)
+            return PageIndex(shape, ((0, to_device(flat)),), None)
         by_segment = _group(flat // self.segment_pages, len(self._segments))
-        groups = tuple((s, flat[pos] - s * self.segment_pages) for s, pos in by_segment)
+        groups = tuple((s, to_device(flat[pos] - s * self.segment_pages)) for s, pos in by_segment)
         order = torch.cat([pos for _, pos in by_segment]) if by_segment else flat
         restore = torch.empty_like(order)
         restore[order] = torch.arange(order.numel(), device=order.device)
-        return PageIndex(shape, groups, restore)
+        return PageIndex(shape, groups, to_device(restore))
+
+    def _check_page_range(self, ids: torch.Tensor) -> None:
+        """IndexError for a host id outside the pool: on CUDA a bad id in an index kernel is a
+        device-side assert that poisons the whole context, not an exception."""
+        if ids.device.type != "cpu" or not ids.numel():
+            return
+        host = ids.numpy()  # a view; numpy's min/max cost a fraction of torch's small-op dispatch
+        low, high = int(host.min()), int(host.max())
+        if low < 0 or high >= self.num_pages:
+            raise IndexError(f"page ids must be in [0, {self.num_pages}), got {low}..{high}")
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self._device)
 
     def gather(
-        self, layer: int, page_ids: torch.Tensor | PageIndex
+        self,
+        layer: int,
+        page_ids: torch.Tensor | PageIndex,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Read whole pages of one layer: `page_ids` `[B, P]` -> K, V `[B, P * page_size, kvh, hd]`.
 
         Every entry must be a valid page id; padding entries may repeat any page (e.g. 0) and the
-        caller masks them. Pass `index_pages(...)` to reuse one grouping across layers.
+        caller masks them. Pass `index_pages(...)` to reuse one grouping across layers, and `out`
+        (two contiguous tensors of at least `B * P` pages) to reuse one buffer across layers and
+        steps: the result is then a view of it, valid until the buffer's next use.
         """
         index = page_ids if isinstance(page_ids, PageIndex) else self.index_pages(page_ids)
         batch, pages = index.shape
         count = batch * pages
         shape = (count, self.page_size, self.num_kv_heads, self.head_dim)
-        staged_k = torch.empty(shape, dtype=self._dtype, device=self._device)
-        staged_v = torch.empty(shape, dtype=self._dtype, device=self._device)
+        if out is None:
+            out = self.gather_buffers(count)
+        out_k, out_v = out[0][:count], out[1][:count]
+        staged_k, staged_v = out_k, out_v
+        if index.restore is not None:  # several segments: gather by segment, then reorder
+            staged_k = torch.empty(shape, dtype=self._dtype, device=self._device)
+            staged_v = torch.empty(shape, dtype=self._dtype, device=self._device)
         start = 0
         for s, rows in index.groups:
             seg = self._segments[s]
@@ -333,11 +370,19 @@ class KVStorage:
             torch.index_select(seg[:, layer, 0], 0, rows, out=staged_k[start:end])
             torch.index_select(seg[:, layer, 1], 0, rows, out=staged_v[start:end])
             start = end
-        if index.restore is not None:  # several segments: a second copy, into batch order
-            staged_k = staged_k.index_select(0, index.restore)
-            staged_v = staged_v.index_select(0, index.restore)
+        if index.restore is not None:
+            torch.index_select(staged_k, 0, index.restore, out=out_k)
+            torch.index_select(staged_v, 0, index.restore, out=out_v)
         out_shape = (batch, pages * self.page_size, self.num_kv_heads, self.head_dim)
-        return staged_k.view(out_shape), staged_v.view(out_shape)
+        return out_k.view(out_shape), out_v.view(out_shape)
+
+    def gather_buffers(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two uninitialised `[pages, page_size, kvh, hd]` tensors, K and V, for `gather`'s out."""
+        shape = (pages, self.page_size, self.num_kv_heads, self.head_dim)
+        return (
+            torch.empty(shape, dtype=self._dtype, device=self._device),
+            torch.empty(shape, dtype=self._dtype, device=self._device),
+        )
 
     # ---- whole-page helpers (tests, diagnostics) ----------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,7 +23,6 @@ from kvctl.agent.model.attention import (
     BatchLayout,
     attend_decode,
     attend_one,
-    key_mask,
     split_by_sequence,
 )
 from kvctl.agent.pool import PagePool
@@ -46,11 +46,19 @@ class PagedKVCache:
         self.pool = pool
         self.storage = storage
         self._step: _StepIndex | None = None
+        # Decode gathers into one K/V buffer pair, reused by every layer of every step and grown
+        # to the largest batch seen: a fresh allocation per layer costs as much as a tenth of the
+        # gather itself on a CPU.
+        self._buffers: tuple[Tensor, Tensor] | None = None
 
     def begin_step(self, layout: BatchLayout) -> None:
         """Prepare a forward over `layout`; every sequence's pages must already hold room for
-        its `total_lens` tokens."""
-        page_size, device = self.pool.page_size, self.storage.device
+        its `total_lens` tokens.
+
+        Index arrays are built with numpy and handed to torch once: on a CPU each small torch op
+        costs tens of microseconds of dispatch, which adds up to a visible share of a step.
+        """
+        page_size = self.pool.page_size
         tables = [self.pool.table(s).pages for s in layout.seq_ids]
         slot_pages: list[int] = []
         slot_offsets: list[int] = []
@@ -58,26 +66,30 @@ class PagedKVCache:
             for position in range(cached, cached + new):
                 slot_pages.append(pages[position // page_size])
                 slot_offsets.append(position % page_size)
-        slots = self.storage.index_slots(
-            torch.tensor(slot_pages, dtype=torch.long), torch.tensor(slot_offsets, dtype=torch.long)
-        )
+        slots = self.storage.index_slots(_long(slot_pages), _long(slot_offsets))
         lengths = layout.total_lens
         if layout.is_decode:
             needed = [-(-n // page_size) for n in lengths]
             width = max(needed)
-            padded = [
-                list(p[:n]) + [p[0]] * (width - n) for p, n in zip(tables, needed, strict=True)
-            ]
-            pages = (self.storage.index_pages(torch.tensor(padded, dtype=torch.long)),)
-            total = torch.tensor(lengths, dtype=torch.long, device=device)
-            valid = key_mask(total, width * page_size)
+            padded: list[int] = []
+            for p, n in zip(tables, needed, strict=True):
+                padded += p[:n]
+                padded += [p[0]] * (width - n)
+            pages = (self.storage.index_pages(_long(padded).view(len(tables), width)),)
+            keys = np.arange(width * page_size)[None, :] < np.asarray(lengths)[:, None]
+            valid = torch.from_numpy(keys).to(self.storage.device)
+            self._ensure_buffers(len(tables) * width)
         else:
             pages = tuple(
-                self.storage.index_pages(torch.tensor([p[: -(-n // page_size)]], dtype=torch.long))
+                self.storage.index_pages(_long(p[: -(-n // page_size)]).view(1, -1))
                 for p, n in zip(tables, lengths, strict=True)
             )
             valid = None
         self._step = _StepIndex(layout, slots, pages, valid)
+
+    def _ensure_buffers(self, pages: int) -> None:
+        if self._buffers is None or self._buffers[0].shape[0] < pages:
+            self._buffers = self.storage.gather_buffers(pages)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """See `AttentionBackend.attend`: store the new K/V in their pages, then attend."""
@@ -86,7 +98,9 @@ class PagedKVCache:
             raise RuntimeError("call begin_step(layout) before the forward")
         self.storage.write(layer, step.slots, None, k, v)
         if step.valid is not None:
-            keys, values = self.storage.gather(layer, step.pages[0])  # [B, L, kvh, d]
+            keys, values = self.storage.gather(
+                layer, step.pages[0], self._buffers
+            )  # [B, L, kvh, d]
             return attend_decode(q, keys, values, step.valid)
         return self._attend_each(layer, q, step)
 
@@ -100,3 +114,8 @@ class PagedKVCache:
             keys, values = self.storage.gather(layer, index)  # [1, P * page_size, kvh, d]
             outs.append(attend_one(q_i, keys[0, :total], values[0, :total], cached))
         return torch.cat(outs)  # [T, h, d]
+
+
+def _long(values: Sequence[int]) -> Tensor:
+    """A host int64 tensor of `values`, built through numpy (one conversion, no torch dispatch)."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
