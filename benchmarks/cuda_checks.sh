@@ -13,9 +13,12 @@ step "device"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 
-step "tests on cuda: pool, model, runtime, prefix"
-KVCTL_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/pool tests/model tests/runtime \
-    tests/prefix
+# One process per directory: a device-side assert poisons the CUDA context for the rest of a
+# process, so one bad test would otherwise fail every test after it.
+for dir in tests/pool tests/model tests/runtime tests/prefix; do
+    step "tests on cuda: $dir"
+    KVCTL_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider "$dir"
+done
 
 step "decode step benchmarks"
 $PY benchmarks/decode_step.py --device cuda

@@ -8,7 +8,8 @@ The baseline is vLLM's block pool design, ported line for line to the operations
 needs: a hand-made doubly linked list of block objects with batch pop from the head and batch
 append at the tail, plus a reference count per block. It is fast, but it has no notion of
 contiguity; ours hands out contiguous runs when it can and keeps the free extents that the
-fragmentation statistics need.
+fragmentation statistics need (short freed runs are coalesced lazily, as malloc's fast bins do;
+every statistic reads them coalesced).
 
     python benchmarks/pool_alloc_free.py [--pages 100000] [--ops 200000] [--seed 0]
 """

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from kv_device import DEVICE
 
 from kvctl.agent.model import (
     BatchLayout,
@@ -78,21 +79,21 @@ def test_incremental_decode_equals_full_prefill(demo):
     prefilling) equal those of recomputing the whole sequence from scratch."""
     config, model, _ = demo
     gen = torch.Generator().manual_seed(3)
-    seq = torch.randint(0, 256, (24,), generator=gen)
-    other = torch.randint(0, 256, (9,), generator=gen)
-    cache = ContiguousKVCache(config, max_seqs=3, max_len=32)
+    seq = torch.randint(0, 256, (24,), generator=gen).to(DEVICE)
+    other = torch.randint(0, 256, (9,), generator=gen).to(DEVICE)
+    cache = ContiguousKVCache(config, max_seqs=3, max_len=32, device=DEVICE)
     layout = cache.begin_step(["s"], [20])
-    model(seq[:20], layout.positions(), cache)
+    model(seq[:20], layout.positions(DEVICE), cache)
     decoded = []
     for i in range(20, 24):
         ids = ["late", "s"] if i == 21 else ["s"]
         tokens = torch.cat([other, seq[i : i + 1]]) if i == 21 else seq[i : i + 1]
         layout = cache.begin_step(ids, [9, 1] if i == 21 else [1])
-        hidden = model(tokens, layout.positions(), cache)
+        hidden = model(tokens, layout.positions(DEVICE), cache)
         decoded.append(model.logits(hidden[-1:]))
-    fresh = ContiguousKVCache(config, max_seqs=1, max_len=32)
+    fresh = ContiguousKVCache(config, max_seqs=1, max_len=32, device=DEVICE)
     layout = fresh.begin_step(["s"], [24])
-    full = model.logits(model(seq, layout.positions(), fresh))
+    full = model.logits(model(seq, layout.positions(DEVICE), fresh))
     torch.testing.assert_close(torch.cat(decoded), full[20:], atol=1e-4, rtol=1e-4)
 
 

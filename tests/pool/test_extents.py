@@ -78,14 +78,43 @@ def test_take_run_at_the_boundary_of_the_exact_classes() -> None:
     assert ext.take_run(36) == 64
 
 
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 150)), max_size=60))
-def test_random_takes_and_gives_keep_runs_exact(ops: list[tuple[bool, int]]) -> None:
-    """Against a set of free pages: every take_run returns free pages, runs stay maximal."""
+def test_a_freed_short_run_is_reused_as_is_and_read_coalesced() -> None:
+    ext = FreeExtents()
+    ext.give(0, 32)
+    assert [ext.take_run(4) for _ in range(3)] == [0, 4, 8]
+    ext.give(4, 4)  # listed for reuse, not merged yet
+    assert ext.take_run(4) == 4  # an exact fit, taken back as it was
+    ext.give(4, 4)
+    ext.give(0, 4)
+    assert ext.free_pages == 28
+    # another size settles first: [0, 4) and [4, 8) merge into the best fit for 5 pages
+    assert ext.take_run(5) == 0
+    assert runs(ext) == [(5, 3), (12, 20)]
+    assert (len(ext), ext.largest()) == (2, 20)
+
+
+def test_reads_coalesce_any_number_of_freed_runs() -> None:
+    ext = FreeExtents()
+    ext.give(0, 2000)
+    starts = [ext.take_run(1) for _ in range(2000)]
+    for start in starts[::2]:  # 1,000 runs of one page, none touching
+        ext.give(start, 1)
+    assert (len(ext), ext.largest(), ext.free_pages) == (1000, 1, 1000)
+    for start in starts[1::2]:
+        ext.give(start, 1)
+    assert runs(ext) == [(0, 2000)]
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 150), st.booleans()), max_size=60))
+def test_random_takes_and_gives_keep_runs_exact(ops: list[tuple[bool, int, bool]]) -> None:
+    """Against a set of free pages: every take_run returns free pages and finds a run whenever
+    one exists, and runs read back maximal. Reads come at random steps, so freed runs are
+    sometimes still waiting to be coalesced when the next take comes."""
     ext = FreeExtents()
     ext.give(0, 1000)
     free = set(range(1000))
     taken: list[tuple[int, int]] = []
-    for is_take, n in ops:
+    for is_take, n, read in ops:
         if is_take or not taken:
             start = ext.take_run(n)
             has_run = any(all(p in free for p in range(s, s + n)) for s in free)
@@ -99,6 +128,8 @@ def test_random_takes_and_gives_keep_runs_exact(ops: list[tuple[bool, int]]) -> 
             ext.give(start, length)
             free |= set(range(start, start + length))
         assert ext.free_pages == len(free)
+        if not read:
+            continue
         expected_runs = []
         for p in sorted(free):
             if expected_runs and expected_runs[-1][0] + expected_runs[-1][1] == p:

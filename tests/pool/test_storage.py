@@ -295,6 +295,20 @@ PAGE_SIZE = 4
 LAYERS = 2
 
 
+def make_storage_of(segments: int, segment_pages: int, direct_run_bytes: int) -> KVStorage:
+    """Storage for the whole-stack tests: 2 layers, 2 KV heads of 3, on the test device."""
+    return KVStorage(
+        segments,
+        segment_pages,
+        PAGE_SIZE,
+        LAYERS,
+        2,
+        3,
+        device=DEVICE,
+        direct_run_bytes=direct_run_bytes,
+    )
+
+
 def write_tags(storage: KVStorage, table: PageTable, tag: int) -> None:
     """Token t of the sequence tagged `tag` holds K = tag*1000 + t + layer*100000, V = -K."""
     t = torch.arange(table.num_tokens)
@@ -317,7 +331,7 @@ def check_tags(storage: KVStorage, table: PageTable, tag: int) -> None:
 @PATHS
 def test_defrag_grow_and_shrink_keep_every_sequence_readable(direct_run_bytes: int) -> None:
     rng = random.Random(7)
-    storage = KVStorage(4, 16, PAGE_SIZE, LAYERS, 2, 3, direct_run_bytes=direct_run_bytes)
+    storage = make_storage_of(4, 16, direct_run_bytes)
     pool = PagePool(64, PAGE_SIZE, segment_pages=16, bytes_per_page=storage.bytes_per_page)
     defrag = Defragmenter(pool, storage, batch_pages=5)
     resizer = PoolResizer(pool, defrag, storage)

@@ -3,6 +3,7 @@ between steps (defragmentation, resizes, preemption), and the request lifecycle.
 
 import pytest
 import torch
+from kv_device import DEVICE
 
 from kvctl.agent.model import ContiguousKVCache, SamplingParams
 from kvctl.agent.pool import DefragTrigger
@@ -23,13 +24,17 @@ def contiguous_greedy(model, tokenizer, prompts, new_tokens) -> list[list[int]]:
     out = []
     for prompt in prompts:
         ids = tokenizer.encode(prompt)
-        cache = ContiguousKVCache(model.config, max_seqs=1, max_len=len(ids) + new_tokens)
+        cache = ContiguousKVCache(
+            model.config, max_seqs=1, max_len=len(ids) + new_tokens, device=DEVICE
+        )
         layout = cache.begin_step([0], [len(ids)])
-        hidden = model(torch.tensor(ids), layout.positions(), cache)
+        hidden = model(torch.tensor(ids, device=DEVICE), layout.positions(DEVICE), cache)
         tokens = [int(model.logits(hidden[-1:]).argmax(-1))]
         for _ in range(new_tokens - 1):
             layout = cache.begin_step([0], [1])
-            hidden = model(torch.tensor(tokens[-1:]), layout.positions(), cache)
+            hidden = model(
+                torch.tensor(tokens[-1:], device=DEVICE), layout.positions(DEVICE), cache
+            )
             tokens.append(int(model.logits(hidden).argmax(-1)))
         out.append(tokens)
     return out

@@ -10,6 +10,13 @@ Runs are kept in size classes (segregated fit): classes 1..63 hold runs of exact
 pages, classes from 64 up hold runs whose size has the same bit length. A bit mask of non-empty
 classes finds the smallest class that can serve a request with two integer operations, so
 allocation is best-fit for runs under 64 pages and good-fit above, in O(1) for the common case.
+
+Coalescing is deferred for runs under 64 pages, as malloc's fast bins do: a freed run first goes
+to a short LIFO list of its exact size, and a request of that size takes it back from there
+without touching the extent maps (requests repeat sizes: a page, a typical prompt). Anything
+else settles the lists first (merging every listed run with its neighbours), so every other
+answer (`len`, `largest`, `runs`, a request of another size) sees maximal, coalesced runs.
+Each listed run is settled at most once, so the deferred cost is the cost `give` saved.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 _EXACT_CLASSES = 64
+_RECENT_LIMIT = 256  # runs held back from coalescing, all sizes together: bounds a settle
 _BIAS = _EXACT_CLASSES - 7  # class of a run of n >= 64 pages: _BIAS + n.bit_length()
 
 
@@ -34,17 +42,39 @@ class FreeExtents:
     `len(self)` is the number of free extents and `largest()` the largest free run.
     """
 
-    __slots__ = ("_by_end", "_by_start", "_classes", "_mask", "free_pages")
+    __slots__ = (
+        "_by_end",
+        "_by_start",
+        "_classes",
+        "_mask",
+        "_recent",
+        "_recent_runs",
+        "free_pages",
+    )
 
     def __init__(self) -> None:
         self._by_start: dict[int, int] = {}  # start -> length
         self._by_end: dict[int, int] = {}  # end (exclusive) -> start
         self._classes: list[dict[int, None]] = [{} for _ in range(_EXACT_CLASSES + 64)]
         self._mask = 0  # bit c set <=> class c holds at least one run
-        self.free_pages = 0
+        # recently freed runs by exact length, not yet coalesced (see the module docstring)
+        self._recent: list[list[int]] = [[] for _ in range(_EXACT_CLASSES)]
+        self._recent_runs = 0
+        self.free_pages = 0  # recent runs included
 
     def __len__(self) -> int:
+        self.settle()
         return len(self._by_start)
+
+    def settle(self) -> None:
+        """Coalesce every recently freed run into the extent maps."""
+        if not self._recent_runs:
+            return
+        self._recent_runs = 0
+        for length, starts in enumerate(self._recent):
+            while starts:
+                self.free_pages -= length
+                self._merge(starts.pop(), length)
 
     def _insert(self, start: int, length: int) -> None:
         self._by_start[start] = length
@@ -63,10 +93,20 @@ class FreeExtents:
             self._mask &= ~(1 << c)
 
     def give(self, start: int, length: int) -> None:
-        """Return the pages `[start, start + length)` to the free space, merging with neighbours.
+        """Return the pages `[start, start + length)` to the free space.
 
-        The caller guarantees the pages are not already free. (Hot path: written out inline.)
+        The caller guarantees the pages are not already free. A short run is listed for reuse
+        and coalesced later; a long one is merged with its neighbours at once.
         """
+        if length < _EXACT_CLASSES and self._recent_runs < _RECENT_LIMIT:
+            self._recent[length].append(start)
+            self._recent_runs += 1
+            self.free_pages += length
+            return
+        self._merge(start, length)
+
+    def _merge(self, start: int, length: int) -> None:
+        """File a free run, merging it with its neighbours. (Hot path: written out inline.)"""
         self.free_pages += length
         by_start, by_end, classes = self._by_start, self._by_end, self._classes
         left = by_end.pop(start, None)
@@ -98,9 +138,18 @@ class FreeExtents:
     def take_run(self, length: int) -> int | None:
         """Take `length` consecutive free pages and return the first id, or None if no run fits.
 
-        Serves from the smallest class that fits, and from the low end of the chosen run, so
+        A recently freed run of exactly `length` pages is an exact fit and goes first. Otherwise
+        serves from the smallest class that fits, and from the low end of the chosen run, so
         large runs stay whole for large requests.
         """
+        if length < _EXACT_CLASSES:
+            recent = self._recent[length]
+            if recent:
+                self._recent_runs -= 1
+                self.free_pages -= length
+                return recent.pop()
+        if self._recent_runs:
+            self.settle()
         c = length if length < _EXACT_CLASSES else _BIAS + length.bit_length()
         pending = self._mask >> c
         if pending & 1 and c == length < _EXACT_CLASSES:  # an exact fit: no remainder to file
@@ -160,6 +209,7 @@ class FreeExtents:
 
         The caller checks `free_pages >= length` first; the result covers exactly `length` pages.
         """
+        self.settle()
         assert length <= self.free_pages
         taken: list[tuple[int, int]] = []
         need = length
@@ -180,6 +230,7 @@ class FreeExtents:
 
     def take_range(self, start: int, length: int) -> None:
         """Remove the free pages `[start, start + length)`, which must all be free (for shrink)."""
+        self.settle()
         run_start = self.run_containing(start)
         assert run_start is not None, f"page {start} is not free"
         run_len = self._by_start[run_start]
@@ -193,6 +244,7 @@ class FreeExtents:
 
     def run_containing(self, page: int) -> int | None:
         """The start of the free run holding `page`, or None. O(number of runs); not a hot path."""
+        self.settle()
         if page in self._by_start:
             return page
         for start, length in self._by_start.items():
@@ -202,6 +254,7 @@ class FreeExtents:
 
     def largest(self) -> int:
         """Length of the largest free run (0 when nothing is free)."""
+        self.settle()
         if not self._mask:
             return 0
         c = self._mask.bit_length() - 1
@@ -211,5 +264,6 @@ class FreeExtents:
 
     def runs(self) -> Iterator[tuple[int, int]]:
         """Every free run as (start, length), in increasing page order."""
+        self.settle()
         for start in sorted(self._by_start):
             yield start, self._by_start[start]
