@@ -40,13 +40,13 @@ def test_attend_one_matches_written_out_attention(t, cached):
 
 def test_attend_decode_equals_attend_one_per_sequence_and_ignores_padding():
     gen = torch.Generator().manual_seed(1)
-    lengths = torch.tensor([3, 11, 1, 7])
+    lengths = [3, 11, 1, 7]
     q = torch.randn(4, 8, 16, generator=gen)  # [B, h, d]
     k, v = torch.randn(2, 4, 11, 2, 16, generator=gen)  # [B, L, kvh, d]
     valid = key_mask(lengths, 11)
     k[~valid], v[~valid] = 1e4, -1e4  # padding that would dominate if it leaked in
     out = attend_decode(q, k, v, valid)
-    for b, n in enumerate(lengths.tolist()):
+    for b, n in enumerate(lengths):
         expected = attend_one(q[b : b + 1], k[b, :n], v[b, :n], cached_len=n - 1)[0]
         torch.testing.assert_close(out[b], expected)
 

@@ -20,6 +20,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -126,9 +127,14 @@ def attend_one(q: Tensor, k_all: Tensor, v_all: Tensor, cached_len: int) -> Tens
     return out.transpose(0, 1)
 
 
-def key_mask(lengths: Tensor, max_len: int) -> Tensor:
-    """lengths [B] -> Bool [B, max_len], True for the keys that exist (index < length)."""
-    return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
+def key_mask(lengths: Sequence[int], max_len: int, device: torch.device | str = "cpu") -> Tensor:
+    """lengths (B ints) -> Bool [B, max_len] on `device`, True for the keys that exist.
+
+    Built on the host with numpy and moved once: a decode step builds one per step, and on a CPU
+    each small torch op costs more dispatch than numpy spends on the whole mask.
+    """
+    keys = np.arange(max_len)[None, :] < np.asarray(lengths, dtype=np.int64)[:, None]
+    return torch.from_numpy(keys).to(device)
 
 
 def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:

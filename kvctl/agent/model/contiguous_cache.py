@@ -175,10 +175,9 @@ class ContiguousKVCache:
         device = self.k.device
         slot_list = [self._slot[s] for s in layout.seq_ids]
         consecutive = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list)))
-        lengths = torch.tensor(layout.total_lens, dtype=torch.long, device=device)
         return _DecodeIndex(
             slots=torch.tensor(slot_list, dtype=torch.long, device=device),
             write_at=torch.tensor(layout.cached_lens, dtype=torch.long, device=device),
-            valid=key_mask(lengths, max(layout.total_lens)),
+            valid=key_mask(layout.total_lens, max(layout.total_lens), device),
             first_slot=slot_list[0] if consecutive else None,
         )

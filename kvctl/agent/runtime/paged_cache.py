@@ -23,6 +23,7 @@ from kvctl.agent.model.attention import (
     BatchLayout,
     attend_decode,
     attend_one,
+    key_mask,
     split_by_sequence,
 )
 from kvctl.agent.pool import PagePool
@@ -76,8 +77,7 @@ class PagedKVCache:
                 padded += p[:n]
                 padded += [p[0]] * (width - n)
             pages = (self.storage.index_pages(_long(padded).view(len(tables), width)),)
-            keys = np.arange(width * page_size)[None, :] < np.asarray(lengths)[:, None]
-            valid = torch.from_numpy(keys).to(self.storage.device)
+            valid = key_mask(lengths, width * page_size, self.storage.device)
             self._ensure_buffers(len(tables) * width)
         else:
             pages = tuple(
