@@ -28,9 +28,12 @@ class AutoResize:
         self.settings = settings
         self._above_since = self._below_since = None
 
-    def decide(self, stats: PoolStats, spare_bytes: int | None = None) -> int | None:
+    def decide(
+        self, stats: PoolStats, spare_bytes: int | None = None, promised: int = 0
+    ) -> int | None:
         """The capacity to resize to now, or None. `spare_bytes` is free device memory (None:
-        unknown, e.g. on a CPU host, where only the configured maximum limits growth)."""
+        unknown, e.g. on a CPU host, where only the configured maximum limits growth);
+        `promised` is the most pages an admitted request may still need (never shrink below)."""
         s = self.settings
         if not s.enabled:
             return None
@@ -47,7 +50,7 @@ class AutoResize:
                 return target
         if self._below_since is not None and now - self._below_since >= s.window_s:
             target = stats.capacity_pages - segment
-            floor = max(s.min_pages or segment, stats.used_pages + stats.cached_pages)
+            floor = max(s.min_pages or segment, stats.used_pages + stats.cached_pages, promised)
             if target >= floor:
                 self._below_since = None
                 return target

@@ -7,7 +7,7 @@ from kv_device import DEVICE
 
 from kvctl.agent.model import ContiguousKVCache, SamplingParams
 from kvctl.agent.pool import DefragTrigger
-from kvctl.agent.runtime import FinishReason
+from kvctl.agent.runtime import FinishReason, RequestTooLarge
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [
@@ -167,14 +167,18 @@ def test_bad_prompts_are_refused(make_engine) -> None:
     assert not engine.has_work()
 
 
-def test_a_request_larger_than_the_pool_ends_with_length(make_engine) -> None:
+def test_a_request_larger_than_the_pool_is_refused_and_what_fits_runs_to_max_tokens(
+    make_engine,
+) -> None:
     engine = make_engine(pool_pages=8, segment_pages=8)  # 32 tokens of room
-    big = engine.add_request([65] * 40, GREEDY)
+    with pytest.raises(RequestTooLarge, match="needs 16 pages of 4 tokens and the pool holds 8"):
+        engine.add_request([65] * 40, GREEDY)
+    with pytest.raises(RequestTooLarge, match="needs 13 pages"):
+        engine.add_request([65] * 20, SamplingParams(temperature=0, max_tokens=30))
     grows = engine.add_request(
-        [65] * 20, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        [65] * 20, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     )
     while engine.has_work():
         engine.step()
-    assert big.finish_reason is FinishReason.LENGTH and big.output_ids == []
-    assert grows.finish_reason is FinishReason.LENGTH and 0 < len(grows.output_ids) < 30
+    assert grows.finish_reason is FinishReason.LENGTH and len(grows.output_ids) == 12
     engine.pool.check_invariants()

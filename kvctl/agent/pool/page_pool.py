@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvctl.agent.pool.errors import PoolError, PoolExhausted, UnknownSequence
 from kvctl.agent.pool.extents import FreeExtents
-from kvctl.agent.pool.stats import PageRun, PageState, PoolStats
+from kvctl.agent.pool.stats import PageRun, PageState, PageStates, PoolStats
 
 SeqId = Hashable
 Evictor = Callable[[int], int]
@@ -191,20 +191,11 @@ class PagePool:
 
     def page_map(self) -> list[PageRun]:
         """Every page's state, run-length encoded, in page order."""
-        runs: list[PageRun] = []
-        cursor = 0
-        for start, length in [*self._free.runs(), (self.capacity, 0)]:
-            for page in range(cursor, start):
-                state = self.state(page)
-                last = runs[-1] if runs else None
-                if last is not None and last.state is state and last.start + last.length == page:
-                    runs[-1] = PageRun(state, last.start, last.length + 1)
-                else:
-                    runs.append(PageRun(state, page, 1))
-            if length:
-                runs.append(PageRun(PageState.FREE, start, length))
-            cursor = start + length
-        return runs
+        return self.page_states().runs()
+
+    def page_states(self) -> PageStates:
+        """A copy of every page's state, cheap to take (see `PageStates`)."""
+        return PageStates(self.capacity, self.segment_pages, self._ref.copy(), bytes(self._cached))
 
     # ---- allocation ---------------------------------------------------------------------
 

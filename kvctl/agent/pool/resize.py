@@ -3,7 +3,9 @@
 Grow: storage allocates the new segments first (if the device is out of memory nothing changed),
 then the pool adds their pages as one free run at the top.
 
-Shrink: refuse before touching anything if the pages in use do not fit the new size; otherwise
+Shrink: refuse before touching anything if the pages in use do not fit the new size, or if an
+admitted request could no longer finish in it (`promised`: the engine admits only requests whose
+prompt plus max_tokens fits the pool, and a shrink must not break that promise); otherwise
 evict cached pages that would not fit, evacuate every occupied page above the new size into free
 pages below it (a defragmentation with the new size as boundary), and only then drop the tail
 pages and release the storage segments. An interruption before the release leaves a valid,
@@ -12,6 +14,7 @@ larger pool; nothing is ever released while it still holds a page.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,8 +57,10 @@ class PoolResizer:
         storage: SegmentStore | None = None,
         min_pages: int | None = None,
         max_pages: int | None = None,
+        promised: Callable[[], int] | None = None,
     ) -> None:
         self.pool = pool
+        self.promised = promised
         self.defragmenter = defragmenter
         self.storage = storage
         self.min_pages = min_pages or pool.segment_pages
@@ -78,6 +83,13 @@ class PoolResizer:
             raise ResizeRefused(
                 f"{target} pages is above the maximum of {self.max_pages}; "
                 "raise --max-pool-pages to allow it"
+            )
+        promised = self.promised() if self.promised is not None else 0
+        if target < promised:
+            raise ResizeRefused(
+                f"an admitted request may need {promised} pages to finish (its prompt plus "
+                f"max_tokens); the new size {target} could never hold it; wait for it to finish "
+                f"or choose a size of at least {self.round_to_segments(promised)} pages"
             )
         if target < pool.used_pages:
             raise ResizeRefused(

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
+
 
 class PageState(StrEnum):
     """The state of one page, as DESIGN.md defines it."""
@@ -83,3 +85,34 @@ class PageRun:
     state: PageState
     start: int
     length: int
+
+
+_STATE_NAMES = (PageState.FREE, PageState.USED, PageState.CACHED)
+
+
+@dataclass(frozen=True)
+class PageStates:
+    """Every page's state, copied out of the pool with a few memory copies (no Python work per
+    page), so the engine thread can take it between two decode steps and another thread can
+    run-length encode it, which is O(capacity)."""
+
+    capacity: int
+    segment_pages: int
+    refcounts: list[int]  # per page: how many page tables hold it
+    cached: bytes  # per page: 1 when the prefix cache holds it
+
+    def runs(self) -> list[PageRun]:
+        """The states run-length encoded, in page order."""
+        if not self.capacity:
+            return []
+        used = np.array(self.refcounts, dtype=np.int64) > 0
+        cached = np.frombuffer(self.cached, dtype=np.uint8) > 0
+        states = np.where(used, 1, np.where(cached, 2, 0))
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(states)) + 1))
+        lengths = np.diff(np.append(starts, self.capacity))
+        return [
+            PageRun(_STATE_NAMES[state], start, length)
+            for state, start, length in zip(
+                states[starts].tolist(), starts.tolist(), lengths.tolist(), strict=True
+            )
+        ]

@@ -1,7 +1,14 @@
 """The agent's runtime: requests, the continuous-batching scheduler, the paged attention backend
 and the engine whose `step()` ties them to the model and the pool."""
 
-from kvctl.agent.runtime.engine import Engine, EngineConfig, EngineStats, TokenEvent
+from kvctl.agent.runtime.engine import (
+    Engine,
+    EngineConfig,
+    EngineStats,
+    RequestRefused,
+    RequestTooLarge,
+    TokenEvent,
+)
 from kvctl.agent.runtime.paged_cache import PagedKVCache
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
 from kvctl.agent.runtime.scheduler import ScheduledBatch, Scheduler
@@ -13,7 +20,9 @@ __all__ = [
     "FinishReason",
     "PagedKVCache",
     "Request",
+    "RequestRefused",
     "RequestStatus",
+    "RequestTooLarge",
     "ScheduledBatch",
     "Scheduler",
     "TokenEvent",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ from kvctl.agent.pool import (
 )
 from kvctl.agent.pool.storage import KVStorage
 from kvctl.agent.prefix import EVICTION_POLICIES, PrefixCache, PrefixIsolation
+from kvctl.agent.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kvctl.agent.runtime.paged_cache import PagedKVCache
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
 from kvctl.agent.runtime.scheduler import ScheduledBatch, Scheduler
@@ -80,6 +82,38 @@ class EngineConfig:
             )
 
 
+class RequestRefused(ValueError):
+    """A request the engine will not queue; nothing changed. `reason` labels the refusal in
+    `kvctl_requests_rejected_total`."""
+
+    reason = "invalid"
+
+
+class RequestTooLarge(RequestRefused):
+    """The prompt plus `max_tokens` can never fit: the model's context, or the whole pool.
+
+    Admitting it would only end in a silent cut (or, before, a stall), so it is refused at
+    arrival. `resize_to` is the pool size that would make room (None when the model's context,
+    or the pool's `--max-pool-pages`, is what is exceeded)."""
+
+    reason = "too_large"
+
+    def __init__(self, problem: str, remedy: str, resize_to: int | None = None) -> None:
+        super().__init__(f"{problem}; {remedy}")
+        self.problem = problem
+        self.remedy = remedy
+        self.resize_to = resize_to
+
+    def describe(self, kvctl: str = "kvctl") -> str:
+        """The message with the resize command for this agent (`kvctl --agent URL`)."""
+        if self.resize_to is None:
+            return str(self)
+        return (
+            f"{self.problem}; make room with `{kvctl} pool resize --pages {self.resize_to}`, "
+            f"or {self.remedy}"
+        )
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token of one request, with the text it adds (possibly empty)."""
@@ -105,6 +139,9 @@ class EngineStats:
     prefix_hits_tokens: int = 0  # of those, served from the cache
     prefix_evictions: Mapping[str, int] = field(default_factory=dict)  # pages, per policy
     prefix_cached_pages: int = 0  # pages the prefix cache holds (used by requests or cached)
+    finished: Mapping[str, int] = field(default_factory=dict)  # requests, by finish reason
+    oldest_queued_at: float | None = None  # engine clock; None when nothing waits
+    last_progress_at: float = 0.0  # last step that admitted, produced or ended anything
 
     @property
     def prefix_hit_ratio(self) -> float | None:
@@ -161,6 +198,7 @@ class Engine:
             self.storage,
             min_pages=config.min_pool_pages,
             max_pages=config.max_pool_pages,
+            promised=self.pages_promised,
         )
         self.cache = PagedKVCache(self.pool, self.storage)
         self.prefix_cache = (
@@ -169,8 +207,11 @@ class Engine:
             else None
         )
         self.scheduler = Scheduler(
-            self.pool, config.max_batch_seqs, config.max_batch_tokens, self.prefix_cache
+            self.pool, config.max_batch_seqs, config.max_batch_tokens, self.prefix_cache, clock
         )
+        self.clock = clock
+        self.finished: Counter[str] = Counter()
+        self.last_progress_at = clock()
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -187,8 +228,9 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Queue a request; raises ValueError for an empty prompt, unknown token ids, a prompt
-        that leaves no room for `max_tokens` in the model's context, or an empty `cache_salt`.
+        """Queue a request; raises ValueError for an empty prompt, unknown token ids or an empty
+        `cache_salt`, and `RequestTooLarge` when the prompt plus `max_tokens` exceeds the model's
+        context or could never fit the pool.
 
         Requests with different `cache_salt` never share prefix-cache pages."""
         params = params or SamplingParams()
@@ -224,20 +266,51 @@ class Engine:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        total = len(ids) + params.max_tokens
+        what = f"the prompt ({len(ids)} tokens) plus max_tokens {params.max_tokens}"
         limit = self.model_config.max_context_len
-        if len(ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens plus max_tokens {params.max_tokens} exceeds the "
-                f"model's context of {limit} tokens; shorten the prompt or lower max_tokens"
+        if total > limit:
+            raise RequestTooLarge(
+                f"{what} exceeds the model's context of {limit} tokens",
+                "shorten the prompt or lower max_tokens",
+            )
+        pool, needed = self.pool, self.pool.pages_for(total)
+        if needed > pool.capacity:
+            problem = (
+                f"{what} needs {needed} pages of {pool.page_size} tokens and the pool holds "
+                f"{pool.capacity}"
+            )
+            ceiling = self.resizer.max_pages
+            if ceiling is not None and needed > ceiling:
+                raise RequestTooLarge(
+                    f"{problem}, at most {ceiling} after growth",
+                    f"restart the agent with --max-pool-pages {needed} or more, or shorten the "
+                    "prompt or lower max_tokens",
+                )
+            raise RequestTooLarge(
+                problem,
+                "shorten the prompt or lower max_tokens",
+                self.resizer.round_to_segments(needed),
             )
 
-    def abort(self, request_id: str) -> Request:
+    def pages_promised(self) -> int:
+        """The most pages any unfinished request may need to reach its `max_tokens`: the
+        pool must not shrink below it (every admitted request can then always finish)."""
+        pages_for = self.pool.pages_for
+        return max(
+            (pages_for(len(r.prompt_ids) + r.params.max_tokens) for r in self.requests.values()),
+            default=0,
+        )
+
+    def abort(self, request_id: str, detail: str = "the client went away") -> Request:
         """Stop a request now; its pages are freed before the next step."""
         request = self.requests[request_id]
         if not request.finished:
             request.finish_reason = FinishReason.ABORT
+            request.finish_detail = detail
             self.scheduler.finish(request)
             self.requests.pop(request_id)
+            self.finished[FinishReason.ABORT] += 1
         return request
 
     def has_work(self) -> bool:
@@ -265,6 +338,11 @@ class Engine:
             events.extend(self._postprocess(batch, next_tokens))
         self.auto_defrag.tick()
         self._steps += 1
+        if batch is not None:
+            self.last_progress_at = self.clock()
+        for event in events:
+            if event.finish_reason is not None:
+                self.finished[event.finish_reason] += 1
         return events
 
     def _run_model(self, batch: ScheduledBatch) -> list[int]:
@@ -293,61 +371,47 @@ class Engine:
             request.num_computed = request.num_tokens
             request.output_ids.append(token)
             self._generated += 1
-            text = self._decode_output(request)
-            reason, text = self._check_finish(request, token, text)
-            if reason is None:
-                text = self._streamable(request, text)
-            else:
+            output = self._output_text(request)
+            text = output.append(token)
+            reason = self._check_finish(request, token)
+            if reason is not None:
+                text += output.finish()
                 request.finish_reason = reason
                 self.scheduler.finish(request)
                 self.requests.pop(request.request_id, None)
-            events.append(
-                TokenEvent(request.request_id, token, self._advance(request, text), reason)
-            )
+            events.append(TokenEvent(request.request_id, token, text, reason))
         return events
 
     def _end(self, request: Request) -> TokenEvent:
         self.requests.pop(request.request_id, None)
-        text = self._advance(request, self._decode_output(request))
+        text = self._output_text(request).finish()
         return TokenEvent(request.request_id, None, text, request.finish_reason)
 
-    def _check_finish(
-        self, request: Request, token: int, text: str
-    ) -> tuple[FinishReason | None, str]:
-        """Why the request ends after `token`, if it does, and its final text (cut before a
-        stop string, which is not part of the output, as in OpenAI's API)."""
+    def _check_finish(self, request: Request, token: int) -> FinishReason | None:
+        """Why the request ends after `token`, if it does: EOS, a stop string (its text is cut
+        before it, as in OpenAI's API), `max_tokens` or the model's context."""
         params = request.params
         if token in self.eos_token_ids and not params.ignore_eos:
-            return FinishReason.STOP, text
-        cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-        if cuts:
-            return FinishReason.STOP, text[: min(cuts)]
+            return FinishReason.STOP
+        if self._output_text(request).stopped:
+            return FinishReason.STOP
         if len(request.output_ids) >= params.max_tokens:
-            return FinishReason.LENGTH, text
+            return FinishReason.LENGTH
         if request.num_tokens >= self.model_config.max_context_len:
-            return FinishReason.LENGTH, text
-        return None, text
+            return FinishReason.LENGTH
+        return None
 
-    @staticmethod
-    def _streamable(request: Request, text: str) -> str:
-        """The part of a running request's text that is safe to send: no trailing partial
-        character, and nothing that may turn out to be the start of a stop string."""
-        text = text.removesuffix("\ufffd")
-        holdback = max((len(s) - 1 for s in request.params.stop), default=0)
-        return text[: max(request.sent_text, len(text) - holdback)]
-
-    @staticmethod
-    def _advance(request: Request, text: str) -> str:
-        """Record `text` as the request's output so far and return what is new in it."""
-        request.text = text
-        delta = text[request.sent_text :]
-        request.sent_text = max(request.sent_text, len(text))
-        return delta
-
-    def _decode_output(self, request: Request) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode([t for t in request.output_ids if t not in self.eos_token_ids])
+    def _output_text(self, request: Request) -> OutputText:
+        """The request's output text, made on first use. EOS ids are never part of the text,
+        even when `ignore_eos` keeps generating past them."""
+        if request.output_text is None:
+            detokenizer = (
+                IncrementalDetokenizer(self.tokenizer, self.eos_token_ids)
+                if self.tokenizer is not None
+                else None
+            )
+            request.output_text = OutputText(detokenizer, request.params.stop)
+        return request.output_text
 
     # ---- reading ------------------------------------------------------------------------
 
@@ -367,6 +431,9 @@ class Engine:
             prefix_hits_tokens=prefix.hits_tokens if prefix else 0,
             prefix_evictions=prefix.evictions if prefix else {},
             prefix_cached_pages=prefix.held_pages if prefix else 0,
+            finished=dict(self.finished),
+            oldest_queued_at=self.scheduler.oldest_queued_at(),
+            last_progress_at=self.last_progress_at,
         )
 
     def generate(

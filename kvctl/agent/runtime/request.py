@@ -8,6 +8,7 @@ from enum import StrEnum
 import torch
 
 from kvctl.agent.model.sampling import SamplingParams
+from kvctl.agent.runtime.detokenizer import OutputText
 
 
 class RequestStatus(StrEnum):
@@ -20,6 +21,7 @@ class FinishReason(StrEnum):
     STOP = "stop"  # EOS or a stop string (OpenAI's "stop")
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"  # cancelled by the client or the server shutting down
+    CAPACITY = "capacity"  # lost its pages and the pool can no longer hold it
 
 
 @dataclass(eq=False)
@@ -28,7 +30,8 @@ class Request:
 
     `num_computed` counts the tokens whose K/V are in the pool; a preempted request drops to 0
     and is recomputed from `prompt_ids + output_ids`, keeping its generator so that seeded
-    sampling continues exactly where it stopped.
+    sampling continues exactly where it stopped. `output_text` belongs to the output too, so
+    recomputing never hands out text twice.
 
     `cache_salt` partitions the prefix cache (requests with different salts never share pages);
     `cached_tokens` is how many prompt tokens its first admission found in the prefix cache
@@ -44,11 +47,18 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed: int = 0
-    text: str = ""  # decoded output, cut at a stop string when one matched
-    sent_text: int = 0  # characters of `text` already handed out as deltas
+    output_text: OutputText | None = None  # made by the engine with the first output token
     preemptions: int = 0
     cache_salt: str | None = None
     cached_tokens: int = 0
+    queued_at: float = 0.0  # when it last entered the waiting queue (engine clock)
+    finish_detail: str | None = None  # why it ended early, for "abort" and "capacity"
+
+    @property
+    def text(self) -> str:
+        """The output text handed out so far; when finished, the whole output, cut before a
+        stop string if one matched."""
+        return self.output_text.text if self.output_text is not None else ""
 
     @property
     def seq_id(self) -> str:

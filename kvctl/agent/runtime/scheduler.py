@@ -7,6 +7,14 @@ running request its next page, the youngest running request is preempted: its pa
 and it goes back to the front of the queue, to be recomputed later. Preempting the youngest
 loses the least work, and nothing ever crashes or touches another request's pages.
 
+Liveness, the rule every step keeps: cached prefix pages count as free for admission (they are
+evicted on demand), and the engine refuses at arrival any request whose prompt plus `max_tokens`
+could not fit the whole pool, and refuses any shrink below what an admitted request may need.
+So the request at the head of the queue always fits once the running requests have finished
+(or been preempted), and they always move: every decode step either gives each running request
+its token or preempts the youngest. A head that fits only by giving up the partly matched last
+page of its cached prefix (whose copy needs one page more) gives it up rather than wait.
+
 With a prefix cache, admission first looks the request's tokens up: a hit adopts the cached
 pages (a partly matched last page is copied, the copy listed in the batch) and only the rest is
 computed. A request's computed whole pages enter the cache when it finishes or is preempted, so a
@@ -15,7 +23,9 @@ preempted request usually finds its own pages again instead of recomputing them.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvctl.agent.pool import PagePool, PoolExhausted
@@ -28,8 +38,9 @@ from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
 class ScheduledBatch:
     """The requests of one step, with the tokens each computes and the page copies to apply.
 
-    `ended` lists requests the scheduler had to stop because they cannot fit the whole pool
-    even alone (finish reason "length"); they are not part of the step.
+    `ended` lists requests the scheduler had to stop because they no longer fit the whole pool
+    even alone (finish reason "capacity", which the engine's admission and resize rules keep
+    from happening); they are not part of the step.
     """
 
     requests: list[Request]
@@ -48,6 +59,7 @@ class Scheduler:
         max_batch_seqs: int = 64,
         max_batch_tokens: int = 4096,
         prefix_cache: PrefixCache | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if max_batch_seqs < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_seqs and max_batch_tokens must be at least 1")
@@ -58,9 +70,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the youngest is last
         self.preemptions = 0
+        self.clock = clock
 
     def add(self, request: Request) -> None:
+        request.queued_at = self.clock()
         self.waiting.append(request)
+
+    def oldest_queued_at(self) -> float | None:
+        """When the request waiting longest entered the queue (a preempted one re-enters)."""
+        return min((r.queued_at for r in self.waiting), default=None)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,9 +99,17 @@ class Scheduler:
         ):
             request = self.waiting.popleft()
             request.status = RequestStatus.FINISHED
-            request.finish_reason = FinishReason.LENGTH
+            self._end_for_capacity(request)
             ended.append(request)
         return ended
+
+    def _end_for_capacity(self, request: Request) -> None:
+        request.finish_reason = FinishReason.CAPACITY
+        request.finish_detail = (
+            f"the request needs {self.pool.pages_for(request.num_tokens + 1)} pages to go on "
+            f"and the pool holds {self.pool.capacity}; it ended after "
+            f"{len(request.output_ids)} tokens"
+        )
 
     def _admit(self, ended: list[Request]) -> ScheduledBatch | None:
         admitted: list[Request] = []
@@ -94,6 +120,8 @@ class Scheduler:
             request = self.waiting[0]
             tokens = request.num_tokens
             match = self._match(request)
+            if match is not None and not self._fits(tokens, match):
+                match = self._whole_pages_match(request, match)
             new = tokens - (match.tokens if match else 0)
             if admitted and new > budget:
                 break
@@ -114,6 +142,14 @@ class Scheduler:
         if self.prefix_cache is None:
             return None
         return self.prefix_cache.match(self._cache_key(request), request.token_ids)
+
+    def _whole_pages_match(self, request: Request, match: PrefixMatch) -> PrefixMatch:
+        """The match without its partly matched last page, whose copy needs a page more."""
+        assert self.prefix_cache is not None
+        whole = match.full_pages * self.pool.page_size
+        if whole == match.tokens:
+            return match
+        return self.prefix_cache.match(self._cache_key(request), request.token_ids[: whole + 1])
 
     def _fits(self, tokens: int, match: PrefixMatch | None) -> bool:
         """Whether the pages a request needs are there, keeping one page per running request for
@@ -187,8 +223,8 @@ class Scheduler:
         """Preempt the youngest running request so `request` can grow; False when `request`
         itself was preempted, or ended because it cannot fit even alone."""
         if self.running == [request]:  # alone and still no room: the pool is too small
-            request.finish_reason = FinishReason.LENGTH
             self.finish(request)
+            self._end_for_capacity(request)
             ended.append(request)
             return False
         victim = self.running[-1]
@@ -203,6 +239,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed = 0
         request.preemptions += 1
+        request.queued_at = self.clock()
         self.preemptions += 1
         self.waiting.appendleft(request)
 
