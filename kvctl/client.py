@@ -313,6 +313,17 @@ class AgentClient:
     def complete(self, request: CompletionRequest) -> CompletionResponse:
         return self._call(COMPLETION, request.model_copy(update={"stream": False}))
 
+    def send_test_alert(self) -> dict[str, Any]:
+        """POST /v1/alerts/test: the agent sends a test alert to its Alertmanager with its own
+        labels and credentials (and audits it); returns `{"sent": true, "alert": {...}}`."""
+        endpoint = Endpoint("POST", "/v1/alerts/test", BaseModel, "alert test")
+        try:
+            response = self._http.post(endpoint.path)
+        except httpx.TransportError as error:
+            raise transport_error(self.url, error, self.timeout) from None
+        _check(self.url, endpoint, response, self.token)
+        return response.json()
+
     def metrics(self) -> str:
         """The Prometheus exposition text of GET /metrics."""
         endpoint = Endpoint("GET", "/metrics", BaseModel, "metrics read")

@@ -1,6 +1,9 @@
 """The agent's alert loop: evaluate the latest snapshot every interval, keep the result for
 `GET /v1/alerts`, and keep Alertmanager in step when one is configured.
 
+The evaluator gets the whole runtime settings in force at each evaluation, not only the alert
+thresholds, so a remediation never suggests a setting that is already set.
+
 It runs on its own thread because delivery is blocking HTTP with retries: an Alertmanager that is
 down must never slow the engine. It only reads snapshots, so it needs no lock with the engine.
 """
@@ -12,29 +15,31 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvctl.alerts import AlertEvaluator, AlertmanagerNotifier
-from kvctl.api import Alert, AlertSettings, PoolSnapshot
+from kvctl.alerts import AlertEvaluator, AlertmanagerError, AlertmanagerNotifier
+from kvctl.api import Alert, PoolSnapshot, RuntimeSettings
 
 log = logging.getLogger(__name__)
 FLUSH_INTERVAL_S = 1.0
 
 
 class AlertLoop:
-    """Evaluates alerts every `settings().interval_s` and delivers them to Alertmanager."""
+    """Evaluates alerts every `settings().alerts.interval_s` and delivers them to Alertmanager."""
 
     def __init__(
         self,
         evaluator: AlertEvaluator,
         snapshot: Callable[[], PoolSnapshot],
-        settings: Callable[[], AlertSettings],
+        settings: Callable[[], RuntimeSettings],
         notifier: AlertmanagerNotifier | None = None,
         clock: Callable[[], float] = time.monotonic,
+        send_test: Callable[[], dict] | None = None,
     ) -> None:
         self.evaluator = evaluator
         self.snapshot = snapshot
         self.settings = settings
         self.notifier = notifier
         self.clock = clock
+        self._send_test = send_test
         self.alerts: list[Alert] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -42,6 +47,15 @@ class AlertLoop:
     @property
     def dropped_total(self) -> int:
         return self.notifier.dropped_total if self.notifier else 0
+
+    def send_test(self) -> dict:
+        """Post a test alert to this agent's Alertmanager with its labels and credentials;
+        returns the alert, raises AlertmanagerError (also when none is configured)."""
+        if self._send_test is None:
+            raise AlertmanagerError(
+                "this agent sends no alerts: start it with --alertmanager-url to test the route"
+            )
+        return self._send_test()
 
     def evaluate_once(self) -> list[Alert]:
         """One evaluation (and delivery); the loop calls this every interval."""
@@ -69,7 +83,7 @@ class AlertLoop:
             try:
                 if now >= next_evaluation:
                     self.evaluate_once()
-                    next_evaluation += self.settings().interval_s
+                    next_evaluation += self.settings().alerts.interval_s
                     next_evaluation = max(next_evaluation, now)  # no burst after a stall
                 elif self.notifier is not None:
                     self.notifier.flush()

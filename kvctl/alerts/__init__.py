@@ -7,14 +7,15 @@ from kvctl.alerts.alertmanager import (
     fetch_alerts,
     post_test_alert,
 )
-from kvctl.alerts.catalog import ALL_ALERT_NAMES, DEFAULT_RUNBOOK_BASE, DEFINITIONS
+from kvctl.alerts.catalog import ALL_ALERT_NAMES, DEFINITIONS, RULE_ONLY, RULES_RUNBOOK_BASE
 from kvctl.alerts.evaluator import AlertEvaluator
 from kvctl.alerts.rules import render_rule_file
 
 __all__ = [
     "ALL_ALERT_NAMES",
-    "DEFAULT_RUNBOOK_BASE",
     "DEFINITIONS",
+    "RULES_RUNBOOK_BASE",
+    "RULE_ONLY",
     "AlertEvaluator",
     "AlertmanagerError",
     "AlertmanagerNotifier",

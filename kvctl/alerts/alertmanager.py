@@ -1,7 +1,8 @@
 """Delivery of the agent's alerts to Alertmanager (API v2), resilient to Alertmanager outages.
 
 Alertmanager identifies an alert by its labels and keeps the annotations of the latest post, so
-the notifier keeps one queued update per alert: a newer update replaces an older one that was
+the notifier keeps one queued update per alert (an alert whose severity changed is a new label
+set: the old one is resolved and the new one fired): a newer update replaces an older one that was
 not delivered yet. While Alertmanager is down the queue holds the latest state of every alert,
 and retries back off exponentially; an update is dropped (and counted in `dropped_total`) only
 when it has waited longer than `queue_span` or the queue holds `max_queue` alerts. Firing alerts
@@ -23,7 +24,7 @@ from datetime import UTC, datetime
 import httpx
 
 from kvctl import api
-from kvctl.alerts.catalog import DEFAULT_RUNBOOK_BASE, runbook_url
+from kvctl.alerts.catalog import RULES_RUNBOOK_BASE, runbook_url
 
 log = logging.getLogger(__name__)
 
@@ -274,21 +275,21 @@ def build_test_alert(
     *,
     pool: str = "kvctl",
     instance: str | None = None,
+    job: str | None = None,
     now: float | None = None,
     duration_s: float = 300.0,
-    runbook_base: str = DEFAULT_RUNBOOK_BASE,
+    runbook_base: str = RULES_RUNBOOK_BASE,
 ) -> dict:
-    """The Alertmanager payload of one clearly labelled test alert, resolving by itself."""
+    """The Alertmanager payload of one clearly labelled test alert, resolving by itself. Sent
+    by an agent, it carries the agent's `job` and `instance`, as its real alerts do."""
     now = time.time() if now is None else now
     instance = instance or socket.gethostname()
     minutes = f"{duration_s / 60:g} min"
+    labels = {"alertname": TEST_ALERT, "severity": "info", "pool": pool, "instance": instance}
+    if job:
+        labels["job"] = job
     return {
-        "labels": {
-            "alertname": TEST_ALERT,
-            "severity": "info",
-            "pool": pool,
-            "instance": instance,
-        },
+        "labels": labels,
         "annotations": {
             "summary": f"Test alert sent by kvctl from {instance} to check the Alertmanager wiring",
             "description": (
@@ -311,6 +312,8 @@ def post_test_alert(
     *,
     pool: str = "kvctl",
     instance: str | None = None,
+    job: str | None = None,
+    runbook_base: str = RULES_RUNBOOK_BASE,
     now: float | None = None,
     duration_s: float = 300.0,
     transport: httpx.BaseTransport | None = None,
@@ -320,7 +323,14 @@ def post_test_alert(
     timeout: float = 5.0,
 ) -> dict:
     """Post one test alert (`kvctl alerts test`); returns it, raises AlertmanagerError."""
-    alert = build_test_alert(pool=pool, instance=instance, now=now, duration_s=duration_s)
+    alert = build_test_alert(
+        pool=pool,
+        instance=instance,
+        job=job,
+        now=now,
+        duration_s=duration_s,
+        runbook_base=runbook_base,
+    )
     client = make_client(
         transport=transport,
         basic_auth=basic_auth,

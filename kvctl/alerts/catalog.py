@@ -1,8 +1,12 @@
-"""Every kvctl alert, in one table: what is measured, when it fires, what it says and suggests.
+"""Every kvctl alert, in one table, each with one owner.
 
-The agent evaluates `DEFINITIONS` against its own snapshots; `kvctl alerts rules` renders the
-same records, plus `AGENT_DOWN`, into a Prometheus rule file. Thresholds come from
-`AlertSettings`, so a changed default moves both sides at once.
+The agent owns every alert about its own pool (`DEFINITIONS`): it evaluates them against its
+snapshots, explains the likely cause from its state and the settings in force, and pushes them to
+Alertmanager with the labels Prometheus would attach (`job`, `instance`). The rule file
+(`kvctl alerts rules`) owns only what an agent cannot say about itself (`RULE_ONLY`): that it is
+down, that no agent is scraped at all, and what needs several agents at once. So every condition
+reaches Alertmanager once. Thresholds come from `AlertSettings`, so the agent and the rule file
+read the same numbers.
 """
 
 from __future__ import annotations
@@ -10,74 +14,91 @@ from __future__ import annotations
 from kvctl.alerts import causes, text
 from kvctl.alerts.definition import (
     AlertDefinition,
+    Escalation,
     Fact,
+    MinimumCount,
     Observation,
     Reading,
     RuleOnlyAlert,
     Threshold,
 )
-from kvctl.api import AlertSettings
+from kvctl.api import AlertSettings, PoolSnapshot
 
 MIN_FREE_PAGES = 16
 """Fragmentation of fewer free pages than this says nothing (the default `min_free_pages`)."""
 DEFRAG_RECENT_S = 600.0
-"""A defrag within this many seconds counts as "ran recently" (the rule file's `[10m]`)."""
-DEFAULT_RUNBOOK_BASE = "docs/alerts.md"
-"""Where `runbook_url` points: the runbook in this repository, one anchor per alert. Give the
-evaluator and `kvctl alerts rules` an absolute URL (a published copy) for clickable links."""
+"""A defrag within this many seconds counts as "ran recently"."""
 AGENT_JOB = "kvctl-agent"
-"""The Prometheus job that scrapes agents (agent/prometheus-scrape.yml, the PodMonitor)."""
+"""The Prometheus job that scrapes agents (agent/prometheus-scrape.yml, the PodMonitor), and the
+`job` label of the alerts agents push (`kvctl-agent --prometheus-job`)."""
+RUNBOOK_PATH = "/runbook"
+"""Where an agent serves this runbook; its alerts link to `<advertise-url>/runbook#<alert>`."""
+RULES_RUNBOOK_BASE = "https://kvctl-runbook.invalid/alerts"
+"""The rule file's runbook base until the operator names theirs (`kvctl alerts rules
+--runbook-url`): its alerts are about agents that are down or missing, so they cannot link to
+an agent's own /runbook. `.invalid` never resolves, so a link nobody configured is obvious."""
+FLEET_PRESSURE_SHARE = 0.5
+"""KvctlFleetPressureHigh: the share of a model's agents whose pools are under pressure."""
+FLEET_MIN_AGENTS = 2
+"""KvctlFleetPressureHigh: a fleet is at least this many agents serving the model."""
+ALLOC_CRITICAL_HOLD = 0.8
+"""An escalated allocation alert stays critical down to this share of its trigger."""
 
-FORMATS: dict[str, tuple] = {
+FORMATS = {
     # name: (agent-side formatter, Prometheus template function)
     "percent": (text.percent, "humanizePercentage"),
     "ratio": (text.ratio, 'printf "%.2f"'),
     "count": (text.count, 'printf "%.0f"'),
     "rate": (text.rate, 'printf "%.1f"'),
-}
-
-
-def _in_use_at(utilization: float) -> str:
-    """PromQL of the pool size at which what is in use fills `utilization` of it, at most the
-    current capacity and at least one page (the agent rounds up to whole segments)."""
-    in_use = "(kvctl_pool_used_pages{$SEL} + kvctl_pool_cached_pages{$SEL})"
-    target = f"clamp_min(ceil({in_use} / {utilization}), 1)"
-    return f"({target} < kvctl_pool_capacity_pages{{$SEL}} or kvctl_pool_capacity_pages{{$SEL}})"
-
-
-FACTS: dict[str, Fact] = {
-    "free_pages": Fact(lambda s: s.free_pages, "kvctl_pool_free_pages{$SEL}", "count"),
-    "free_extents": Fact(lambda s: s.free_extents, "kvctl_pool_free_extents{$SEL}", "count"),
-    "capacity_pages": Fact(lambda s: s.capacity_pages, "kvctl_pool_capacity_pages{$SEL}", "count"),
-    "used_pages": Fact(lambda s: s.used_pages, "kvctl_pool_used_pages{$SEL}", "count"),
-    "cached_pages": Fact(lambda s: s.cached_pages, "kvctl_pool_cached_pages{$SEL}", "count"),
-    "requests_waiting": Fact(lambda s: s.requests_waiting, "kvctl_requests_waiting{$SEL}", "count"),
-    "utilization": Fact(
-        lambda s: s.utilization_ratio, "kvctl_pool_utilization_ratio{$SEL}", "percent"
-    ),
-    "alloc_failures_total": Fact(
-        lambda s: s.alloc_failures_total, "kvctl_alloc_failures_total{$SEL}", "count"
-    ),
-    "grow_pages": Fact(
-        lambda s: text.grow_target(s) or text.raised_limit(s),
-        f"ceil(kvctl_pool_capacity_pages{{$SEL}} * {text.GROW_FACTOR})",
-        "count",
-    ),
-    "shrink_pages": Fact(text.shrink_target, _in_use_at(text.SHRINK_TARGET_UTILIZATION), "count"),
-    "trim_pages": Fact(text.trim_target, _in_use_at(text.TRIM_TARGET_UTILIZATION), "count"),
+    "seconds": (text.span, "humanizeDuration"),
 }
 
 
 def runbook_url(base: str, anchor: str) -> str:
-    return f"{base}#{anchor}"
+    """The absolute link to one alert's runbook section."""
+    return f"{base.rstrip('/')}#{anchor}"
+
+
+FACTS: dict[str, Fact] = {
+    "free_pages": Fact(lambda s: s.free_pages, "count"),
+    "free_extents": Fact(lambda s: s.free_extents, "count"),
+    "capacity_pages": Fact(lambda s: s.capacity_pages, "count"),
+    "used_pages": Fact(lambda s: s.used_pages, "count"),
+    "cached_pages": Fact(lambda s: s.cached_pages, "count"),
+    "requests_waiting": Fact(lambda s: s.requests_waiting, "count"),
+    "requests_running": Fact(lambda s: s.requests_running, "count"),
+    "utilization": Fact(lambda s: s.utilization_ratio, "percent"),
+    "pressure": Fact(lambda s: s.pressure_ratio, "percent"),
+    "window_alloc_attempts": Fact(lambda s: s.window_alloc_attempts, "count"),
+    "window_alloc_failures": Fact(lambda s: s.window_alloc_failures, "count"),
+    "window": Fact(lambda s: s.window_seconds, "seconds"),
+}
 
 
 # ---- what each alert measures ---------------------------------------------------------------
 
 
 def _alloc_success(o: Observation) -> list[Reading]:
-    ratio = o.snapshot.alloc_success_ratio
-    return [] if ratio is None else [Reading(ratio)]
+    s = o.snapshot
+    if s.window_alloc_attempts <= 0:
+        return []
+    success = 1.0 - s.window_alloc_failures / s.window_alloc_attempts
+    return [Reading(success, count=s.window_alloc_failures)]
+
+
+def _failure_share(s: PoolSnapshot) -> float:
+    return s.window_alloc_failures / s.window_alloc_attempts if s.window_alloc_attempts else 0.0
+
+
+def _alloc_critical(s: PoolSnapshot, settings: AlertSettings) -> bool:
+    return (
+        s.window_alloc_attempts >= settings.alloc_attempts_min
+        and _failure_share(s) >= settings.alloc_failure_critical
+    )
+
+
+def _alloc_still_critical(s: PoolSnapshot, settings: AlertSettings) -> bool:
+    return _failure_share(s) >= ALLOC_CRITICAL_HOLD * settings.alloc_failure_critical
 
 
 def _fragmentation(o: Observation) -> list[Reading]:
@@ -89,6 +110,10 @@ def _fragmentation_after_defrag(o: Observation) -> list[Reading]:
     age = o.snapshot.last_defrag_age_seconds
     recent = age is not None and age <= DEFRAG_RECENT_S
     return _fragmentation(o) if recent else []
+
+
+def _pressure(o: Observation) -> list[Reading]:
+    return [Reading(o.snapshot.pressure_ratio)]
 
 
 def _utilization(o: Observation) -> list[Reading]:
@@ -115,80 +140,63 @@ def _gpu_memory(o: Observation) -> list[Reading]:
     ]
 
 
-# ---- remediations Prometheus can give (it sees metrics, not the agent's state) -------------
+def _queue_stalled(o: Observation) -> list[Reading]:
+    return [Reading(o.snapshot.queue_stalled_seconds)]
 
 
-def _grow_remediation(_: AlertSettings) -> str:
-    auto = text.patch(
-        text.setting("resize.enabled", True),
-        text.setting("resize.high_water", causes.RESIZE_HIGH_WATER),
-    )
-    resize = text.command("{agent}", "pool resize --pages {grow_pages}")
-    return f"Grow the pool: {resize} (within its `--max-pool-pages`); to grow on demand, {auto}"
+def _queue_wait(o: Observation) -> list[Reading]:
+    return [Reading(o.snapshot.oldest_waiting_seconds)]
 
 
-def _defrag_remediation(settings: AlertSettings) -> str:
-    lower = causes.lower_fragmentation_threshold(settings.fragmentation_max)
-    keep_low = text.patch(
-        text.setting("defrag.enabled", True),
-        text.setting("defrag.fragmentation_threshold", lower),
-    )
-    return f"Run {text.command('{agent}', 'defrag --now')}; to keep it low, {keep_low}"
-
-
-def _defrag_ineffective_remediation(settings: AlertSettings) -> str:
-    lower = causes.lower_fragmentation_threshold(settings.fragmentation_max)
-    sooner = text.patch(
-        text.setting("defrag.check_interval_s", causes.DEFRAG_CHECK_INTERVAL_S),
-        text.setting("defrag.fragmentation_threshold", lower),
-    )
-    return (
-        f"Run a full pass with {text.command('{agent}', 'defrag --now')} and compare "
-        f"fragmentation before and after in its output; if it regrows, {sooner}"
-    )
-
-
-def _shrink_remediation(_: AlertSettings) -> str:
-    resize = text.command("{agent}", "pool resize --pages {shrink_pages}")
-    auto = text.patch(text.setting("resize.enabled", True))
-    return f"Shrink the pool: {resize}; to shrink automatically, {auto}"
-
-
-def _prefix_remediation(_: AlertSettings) -> str:
-    lfu = text.patch(text.setting("prefix_cache.eviction_policy", "lfu"))
-    resize = text.command("{agent}", "pool resize --pages {grow_pages}")
-    return (
-        "Make shared prompt prefixes byte-identical and keep one `cache_salt` per tenant; if the "
-        f"pool evicts them first, {lfu} or grow it with {resize}"
-    )
-
-
-def _gpu_remediation(_: AlertSettings) -> str:
-    resize = text.command("{agent}", "pool resize --pages {trim_pages}")
-    return (
-        f"Give back the KV pool's spare pages: {resize}, or restart the agent with "
-        f"`--gpu-memory-fraction {causes.GPU_MEMORY_FRACTION}`; check `nvidia-smi` for other "
-        "processes on GPU {gpu}"
-    )
-
-
-# ---- the table ------------------------------------------------------------------------------
+# ---- the agent's alerts ---------------------------------------------------------------------
 
 DEFINITIONS: tuple[AlertDefinition, ...] = (
     AlertDefinition(
         name="KvctlAllocationFailures",
-        severity="critical",
+        severity="warning",
         summary="KV page allocations fail on pool {pool} at {instance}",
         threshold=Threshold("alloc_success_min", above=False, margin=0.005),
         measure=_alloc_success,
         value_format="percent",
-        promql="kvctl:alloc_success:ratio_rate5m",
         headline=(
-            "{value} of page allocations succeeded recently "
-            "({alloc_failures_total} failed since the agent started)"
+            "{value} of the {window_alloc_attempts} page allocations of the last {window} "
+            "succeeded ({window_alloc_failures} failed)"
         ),
         causes=causes.ALLOCATION_FAILURES,
-        rule_remediation=_grow_remediation,
+        minimum=MinimumCount("alloc_failures_min"),
+        escalation=Escalation("critical", _alloc_critical, _alloc_still_critical),
+    ),
+    AlertDefinition(
+        name="KvctlQueueStalled",
+        severity="critical",
+        summary="Requests on pool {pool} at {instance} wait and nothing moves",
+        threshold=Threshold(
+            "queue_stalled_max_s", above=True, margin=0.5, relative=True, bounded=False
+        ),
+        measure=_queue_stalled,
+        value_format="seconds",
+        headline=(
+            "{requests_waiting} requests have waited {value} with no token produced and none "
+            "admitted or refused ({requests_running} running)"
+        ),
+        causes=causes.QUEUE_STALLED,
+        for_scale=0.0,  # the value is already a duration
+    ),
+    AlertDefinition(
+        name="KvctlQueueWaitLong",
+        severity="warning",
+        summary="Requests on pool {pool} at {instance} wait long before they start",
+        threshold=Threshold(
+            "queue_wait_max_s", above=True, margin=0.5, relative=True, bounded=False
+        ),
+        measure=_queue_wait,
+        value_format="seconds",
+        headline=(
+            "the oldest of {requests_waiting} waiting requests has waited {value} "
+            "({requests_running} running)"
+        ),
+        causes=causes.QUEUE_WAIT_LONG,
+        for_scale=0.0,  # the value is already a duration
     ),
     AlertDefinition(
         name="KvctlFragmentationHigh",
@@ -197,11 +205,8 @@ DEFINITIONS: tuple[AlertDefinition, ...] = (
         threshold=Threshold("fragmentation_max", above=True, margin=0.1),
         measure=_fragmentation,
         value_format="ratio",
-        promql="kvctl_pool_fragmentation_ratio",
-        promql_gate=(f"kvctl_pool_free_pages >= {MIN_FREE_PAGES}",),
         headline="fragmentation {value} with {free_pages} free pages in {free_extents} extents",
         causes=causes.FRAGMENTATION_HIGH,
-        rule_remediation=_defrag_remediation,
     ),
     AlertDefinition(
         name="KvctlDefragIneffective",
@@ -210,32 +215,24 @@ DEFINITIONS: tuple[AlertDefinition, ...] = (
         threshold=Threshold("fragmentation_max", above=True, margin=0.1),
         measure=_fragmentation_after_defrag,
         value_format="ratio",
-        promql="kvctl_pool_fragmentation_ratio",
-        promql_gate=(
-            f"kvctl_pool_free_pages >= {MIN_FREE_PAGES}",
-            "kvctl:defrag_runs:increase10m > 0",
-        ),
         headline=(
             "fragmentation still {value} ({free_pages} free pages in {free_extents} extents) "
             "although defrag ran in the last 10 min"
         ),
         causes=causes.DEFRAG_INEFFECTIVE,
-        rule_remediation=_defrag_ineffective_remediation,
     ),
     AlertDefinition(
         name="KvctlPoolNearlyFull",
         severity="warning",
         summary="KV pool {pool} at {instance} is nearly full",
-        threshold=Threshold("utilization_high", above=True, margin=0.05),
-        measure=_utilization,
+        threshold=Threshold("pressure_high", above=True, margin=0.05),
+        measure=_pressure,
         value_format="percent",
-        promql="kvctl_pool_utilization_ratio",
         headline=(
-            "pool {value} full: {used_pages} used and {cached_pages} cached of "
-            "{capacity_pages} pages"
+            "running requests hold {value} of the pool: {used_pages} of {capacity_pages} "
+            "pages ({cached_pages} more are cached and reclaimable)"
         ),
         causes=causes.POOL_NEARLY_FULL,
-        rule_remediation=_grow_remediation,
     ),
     AlertDefinition(
         name="KvctlPoolOverProvisioned",
@@ -244,10 +241,8 @@ DEFINITIONS: tuple[AlertDefinition, ...] = (
         threshold=Threshold("utilization_low", above=False, margin=0.05),
         measure=_utilization,
         value_format="percent",
-        promql="kvctl_pool_utilization_ratio",
-        headline="only {value} of the pool's {capacity_pages} pages in use",
+        headline="only {value} of the pool's {capacity_pages} pages hold K/V, cached included",
         causes=causes.POOL_OVER_PROVISIONED,
-        rule_remediation=_shrink_remediation,
         for_scale=30.0,
     ),
     AlertDefinition(
@@ -257,10 +252,8 @@ DEFINITIONS: tuple[AlertDefinition, ...] = (
         threshold=Threshold("prefix_hit_min", above=False, margin=0.05),
         measure=_prefix_hit,
         value_format="percent",
-        promql="kvctl:prefix_hit:ratio_rate5m",
         headline="the prefix cache found {value} of the prompt tokens looked up recently",
         causes=causes.PREFIX_HIT_RATE_LOW,
-        rule_remediation=_prefix_remediation,
         for_scale=10.0,
     ),
     AlertDefinition(
@@ -272,13 +265,11 @@ DEFINITIONS: tuple[AlertDefinition, ...] = (
         ),
         measure=_preemptions,
         value_format="rate",
-        promql="kvctl:preemptions:rate5m * 60",
         headline=(
-            "{value} preemptions per minute with the pool {utilization} full and "
-            "{requests_waiting} requests waiting"
+            "{value} preemptions per minute with running requests holding {pressure} of the "
+            "pool and {requests_waiting} requests waiting"
         ),
         causes=causes.PREEMPTION_STORM,
-        rule_remediation=_grow_remediation,
     ),
     AlertDefinition(
         name="KvctlGpuMemoryNearCapacity",
@@ -287,13 +278,16 @@ DEFINITIONS: tuple[AlertDefinition, ...] = (
         threshold=Threshold("gpu_memory_max", above=True, margin=0.05),
         measure=_gpu_memory,
         value_format="percent",
-        promql="kvctl:gpu_memory:ratio",
         headline="GPU {gpu} memory {value} used",
         causes=causes.GPU_MEMORY_NEAR_CAPACITY,
-        rule_remediation=_gpu_remediation,
         labels=("gpu",),
     ),
 )
+
+# ---- the rule file's alerts -----------------------------------------------------------------
+
+_PRESSURED = 'kvctl_pool_pressure_ratio{{job="{job}"}} > {pressure_high}'
+_POOLS = 'kvctl_pool_pressure_ratio{{job="{job}"}}'
 
 AGENT_DOWN = RuleOnlyAlert(
     name="KvctlAgentDown",
@@ -302,7 +296,7 @@ AGENT_DOWN = RuleOnlyAlert(
     summary="kvctl agent {instance} is down",
     description=(
         "Prometheus cannot scrape the kvctl agent at {instance} (job {job}): it is stopped, "
-        "crashed or unreachable, so its pool's metrics and alerts are missing"
+        "crashed or unreachable, so its pool's metrics and its own alerts are missing"
     ),
     remediation=(
         "Check the process: `systemctl status kvctl-agent` and `journalctl -u kvctl-agent -n 50`"
@@ -311,4 +305,49 @@ AGENT_DOWN = RuleOnlyAlert(
     ),
 )
 
-ALL_ALERT_NAMES: tuple[str, ...] = (*(d.name for d in DEFINITIONS), AGENT_DOWN.name)
+AGENT_ABSENT = RuleOnlyAlert(
+    name="KvctlAgentAbsent",
+    severity="warning",
+    expr='absent(up{{job="{job}"}})',
+    summary="Prometheus scrapes no kvctl agent of job {job}",
+    description=(
+        "no target of job {job} exists: service discovery finds no agent (the DaemonSet, the "
+        "PodMonitor or the scrape config changed), so no agent is watched for being down"
+    ),
+    remediation=(
+        "Check the targets of job {job} on Prometheus' /targets page, "
+        "`kubectl -n kvctl get ds,podmonitor kvctl-agent` and the `job_name` of the scrape "
+        "config (agent/prometheus-scrape.yml); the agents' own alerts still reach Alertmanager"
+    ),
+    for_scale=5.0,
+)
+
+FLEET_PRESSURE = RuleOnlyAlert(
+    name="KvctlFleetPressureHigh",
+    severity="warning",
+    expr=(
+        f"(\n  count by (job, pool) ({_PRESSURED})\n  / count by (job, pool) ({_POOLS})\n)"
+        f" >= {FLEET_PRESSURE_SHARE}\nand on (job, pool)\n"
+        f"count by (job, pool) ({_POOLS}) >= {FLEET_MIN_AGENTS}"
+    ),
+    summary="Most agents serving {pool} are short of KV memory",
+    description=(
+        "running requests hold more than {pressure_high} of the pool on {value} of "
+        "the agents of job {job} serving {pool}: the model's fleet, not one node, is short of "
+        "KV memory"
+    ),
+    remediation=(
+        "Add nodes serving {pool}, or grow the pools within their `--max-pool-pages`; each "
+        "node's own KvctlPoolNearlyFull alert names it and the command for it (`kvctl --agent "
+        "URL alerts list`)"
+    ),
+    for_scale=5.0,
+    value_format="percent",
+)
+
+RULE_ONLY: tuple[RuleOnlyAlert, ...] = (AGENT_DOWN, AGENT_ABSENT, FLEET_PRESSURE)
+
+ALL_ALERT_NAMES: tuple[str, ...] = (
+    *(d.name for d in DEFINITIONS),
+    *(r.name for r in RULE_ONLY),
+)

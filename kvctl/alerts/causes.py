@@ -1,31 +1,31 @@
 """Cause analysis: for each alert, the likely causes in the order an engineer would check them.
 
 Each list is tried top to bottom and the first cause that applies explains the alert; the last
-one always applies. A cause reads only the snapshot (and the reading and thresholds), so each is
-a pure function tested on a hand-made snapshot, and its remedy names the exact `kvctl` command
-or runtime setting, with a value to try.
+one always applies. A cause reads only the snapshot, the reading and the runtime settings in
+force, so each is a pure function tested on a hand-made snapshot. Its remedy, built from
+`remedies`, names the exact `kvctl` command or runtime setting with a value to try.
 """
 
 from __future__ import annotations
 
 from kvctl.alerts import text
 from kvctl.alerts.definition import Cause, Situation, always
+from kvctl.alerts.remedies import (
+    GPU_MEMORY_FRACTION,
+    RESIZE_HIGH_WATER,
+    auto_shrink,
+    defrag_now,
+    grow,
+    keep_evidence,
+    keep_reused,
+    longer_steps,
+    raise_limit,
+    shrink_pool,
+    sooner,
+    trim_pool,
+    unblock,
+)
 from kvctl.api import GpuMemory
-
-RESIZE_HIGH_WATER = 0.85
-"""`resize.high_water` to suggest: grow before the pool is full, not when it is."""
-DEFRAG_STEP_PAGES = 256
-"""`defrag.step_max_pages` to suggest when runs stop before finishing (the default is 64)."""
-DEFRAG_CHECK_INTERVAL_S = 2
-"""`defrag.check_interval_s` to suggest when fragmentation regrows between checks."""
-GPU_MEMORY_FRACTION = 0.8
-"""`--gpu-memory-fraction` to suggest when the device is nearly full."""
-
-
-def lower_fragmentation_threshold(fragmentation_max: float) -> float:
-    """A `defrag.fragmentation_threshold` that lets auto-defrag act before the alert fires."""
-    return round(max(0.1, fragmentation_max - 0.2), 2)
-
 
 # ---- shared pieces --------------------------------------------------------------------------
 
@@ -33,42 +33,6 @@ def lower_fragmentation_threshold(fragmentation_max: float) -> float:
 def _at_limit(sit: Situation) -> bool:
     s = sit.snapshot
     return s.max_pool_pages is not None and s.capacity_pages >= s.max_pool_pages
-
-
-def _raise_limit(sit: Situation) -> str:
-    return (
-        f"Restart the agent with `--max-pool-pages {text.raised_limit(sit.snapshot)}` if the "
-        "device has the memory; otherwise send fewer concurrent or shorter requests"
-    )
-
-
-def _grow(sit: Situation) -> str:
-    target = text.grow_target(sit.snapshot)
-    if target is None:
-        return _raise_limit(sit)
-    auto = text.patch(
-        text.setting("resize.enabled", True), text.setting("resize.high_water", RESIZE_HIGH_WATER)
-    )
-    return (
-        f"Run {text.command(sit.agent_url, f'pool resize --pages {target}')}; "
-        f"to grow on demand, {auto}"
-    )
-
-
-def _defrag_now(sit: Situation) -> str:
-    return text.command(sit.agent_url, "defrag --now")
-
-
-def _lower_threshold(sit: Situation) -> str:
-    return text.setting(
-        "defrag.fragmentation_threshold",
-        lower_fragmentation_threshold(sit.settings.fragmentation_max),
-    )
-
-
-def _sooner(sit: Situation) -> str:
-    interval = text.setting("defrag.check_interval_s", DEFRAG_CHECK_INTERVAL_S)
-    return text.patch(_lower_threshold(sit), interval)
 
 
 def _defrag_active(sit: Situation) -> bool:
@@ -94,16 +58,6 @@ def _last(sit: Situation) -> str:
     return text.last_defrag(sit.snapshot)
 
 
-def _shrink_pool(sit: Situation) -> str:
-    pages = text.shrink_target(sit.snapshot)
-    return text.command(sit.agent_url, f"pool resize --pages {pages}")
-
-
-def _trim_pool(sit: Situation) -> str:
-    pages = text.trim_target(sit.snapshot)
-    return text.command(sit.agent_url, f"pool resize --pages {pages}")
-
-
 def _before_after(sit: Situation) -> str:
     last = sit.snapshot.last_defrag
     assert last is not None
@@ -112,6 +66,11 @@ def _before_after(sit: Situation) -> str:
 
 def _in_use(sit: Situation) -> int:
     return sit.snapshot.used_pages + sit.snapshot.cached_pages
+
+
+def _held(sit: Situation) -> str:
+    """How much of the pool running requests hold: "running requests hold 97% of the pool"."""
+    return f"running requests hold {text.percent(sit.snapshot.pressure_ratio)} of the pool"
 
 
 # ---- allocation failures --------------------------------------------------------------------
@@ -123,25 +82,119 @@ ALLOCATION_FAILURES = (
             f"the pool is at its limit of {sit.snapshot.max_pool_pages} pages "
             f"({sit.snapshot.free_pages} free, {sit.snapshot.cached_pages} cached) and may not grow"
         ),
-        _raise_limit,
+        raise_limit,
     ),
     Cause(
         lambda sit: sit.snapshot.requests_waiting > 0,
         lambda sit: (
-            f"{sit.snapshot.requests_waiting} requests wait while the pool is "
-            f"{text.percent(sit.snapshot.utilization_ratio)} full: demand outgrows its "
-            f"{sit.snapshot.capacity_pages} pages"
+            f"{sit.snapshot.requests_waiting} requests wait while {_held(sit)}: demand outgrows "
+            f"its {sit.snapshot.capacity_pages} pages"
         ),
-        _grow,
+        grow,
     ),
     Cause(
         always,
         lambda sit: (
             f"the pool ({sit.snapshot.capacity_pages} pages, "
-            f"{text.percent(sit.snapshot.utilization_ratio)} in use) ran out of free and "
-            "evictable pages in a burst"
+            f"{text.percent(sit.snapshot.pressure_ratio)} held by running requests) ran out of "
+            "free and evictable pages in a burst"
         ),
-        _grow,
+        grow,
+    ),
+)
+
+# ---- the waiting queue ----------------------------------------------------------------------
+
+
+def _queue_full(sit: Situation) -> bool:
+    s = sit.snapshot
+    return s.max_waiting > 0 and s.requests_waiting >= s.max_waiting
+
+
+def _queue_note(sit: Situation) -> str:
+    """What a full queue adds to any queue alert: new requests are being turned away."""
+    if not _queue_full(sit):
+        return ""
+    return (
+        f"; the queue is full ({sit.snapshot.requests_waiting} of `--max-waiting` "
+        f"{sit.snapshot.max_waiting}), so new requests are refused with 429"
+    )
+
+
+QUEUE_STALLED = (
+    Cause(
+        lambda sit: sit.snapshot.requests_running == 0 and sit.snapshot.cached_pages > 0,
+        lambda sit: (
+            f"nothing runs while {sit.snapshot.cached_pages} cached prefix pages could be "
+            "evicted to admit the head of the queue: the scheduler is not reclaiming the cache"
+            f"{_queue_note(sit)}"
+        ),
+        unblock,
+    ),
+    Cause(
+        lambda sit: sit.snapshot.requests_running == 0 and sit.snapshot.used_pages > 0,
+        lambda sit: (
+            f"nothing runs, yet {sit.snapshot.used_pages} pages are held as if by running "
+            f"requests: pages of finished requests were not released{_queue_note(sit)}"
+        ),
+        unblock,
+    ),
+    Cause(
+        lambda sit: sit.snapshot.requests_running > 0,
+        lambda sit: (
+            f"{sit.snapshot.requests_running} requests are running but no step finished: the "
+            f"engine is stuck in a step (a hung device or kernel){_queue_note(sit)}"
+        ),
+        lambda sit: (
+            "Check `nvidia-smi` and the agent's log for a hung device or errors; "
+            f"{keep_evidence(sit)}"
+        ),
+    ),
+    Cause(
+        always,
+        lambda sit: (
+            f"nothing runs and {sit.snapshot.free_pages} of {sit.snapshot.capacity_pages} pages "
+            f"are free: the engine is not admitting requests{_queue_note(sit)}"
+        ),
+        lambda sit: f"Check the agent's log for errors; {keep_evidence(sit)}",
+    ),
+)
+
+QUEUE_WAIT_LONG = (
+    Cause(
+        lambda sit: sit.snapshot.requests_running == 0,
+        lambda sit: (
+            "nothing runs although requests wait: the queue is stalled "
+            f"(KvctlQueueStalled fires after `alerts.queue_stalled_max_s`){_queue_note(sit)}"
+        ),
+        unblock,
+    ),
+    Cause(
+        _at_limit,
+        lambda sit: (
+            f"the pool is at its limit of {sit.snapshot.max_pool_pages} pages and {_held(sit)}: "
+            f"waiting requests need room the pool may not grow to{_queue_note(sit)}"
+        ),
+        raise_limit,
+    ),
+    Cause(
+        lambda sit: _queue_full(sit) or sit.snapshot.pressure_ratio >= sit.settings.pressure_high,
+        lambda sit: (
+            f"{_held(sit)}, so waiting requests are admitted only as running ones finish"
+            f"{_queue_note(sit)}"
+        ),
+        grow,
+    ),
+    Cause(
+        always,
+        lambda sit: (
+            f"{sit.snapshot.requests_running} requests run and {_held(sit)}: memory is not what "
+            "holds the queue, the batch limit or the engine's speed is"
+        ),
+        lambda sit: (
+            "Send part of the traffic to other replicas of the model, or restart the agent with "
+            f"a larger `--max-batch-seqs`; {text.command(sit.agent_url, 'status')} shows the queue"
+        ),
     ),
 )
 
@@ -153,25 +206,21 @@ FRAGMENTATION_HIGH = (
         lambda sit: f"a defrag is running now; {_last(sit)}",
         lambda sit: (
             "Let the running defrag finish and check with "
-            f"{text.command(sit.agent_url, 'pool show')}; if it recurs, "
-            f"{text.patch(text.setting('defrag.step_max_pages', DEFRAG_STEP_PAGES))}"
+            f"{text.command(sit.agent_url, 'pool show')}; if it recurs, {longer_steps(sit)}"
         ),
     ),
     Cause(
         lambda sit: not sit.snapshot.auto_defrag_enabled,
         lambda sit: f"{_last(sit)}; auto-defrag is off",
         lambda sit: (
-            f"Run {_defrag_now(sit)}, then "
+            f"Run {defrag_now(sit)}, then "
             f"{text.patch(text.setting('defrag.enabled', True))} to keep it low"
         ),
     ),
     Cause(
         _last_incomplete,
         lambda sit: f"{_last(sit)} and stopped before finishing ({_before_after(sit)})",
-        lambda sit: (
-            f"Run {_defrag_now(sit)} for a full pass; so runs finish, "
-            f"{text.patch(text.setting('defrag.step_max_pages', DEFRAG_STEP_PAGES))}"
-        ),
+        lambda sit: f"Run {defrag_now(sit)} for a full pass; so runs finish, {longer_steps(sit)}",
     ),
     Cause(
         _last_lowered_it,
@@ -179,23 +228,38 @@ FRAGMENTATION_HIGH = (
             f"{_last(sit)} ({_before_after(sit)}), but requests ending at "
             "different times have scattered the free pages again"
         ),
-        lambda sit: f"Run {_defrag_now(sit)}; to let auto-defrag act sooner, {_sooner(sit)}",
+        lambda sit: f"Run {defrag_now(sit)}; {sooner(sit, 'to let auto-defrag act sooner')}",
+    ),
+    Cause(
+        lambda sit: (
+            sit.snapshot.last_defrag is None
+            and sit.runtime.defrag.fragmentation_threshold >= sit.snapshot.fragmentation_ratio
+        ),
+        lambda sit: (
+            "no defrag has run since the agent started: auto-defrag starts above "
+            f"`defrag.fragmentation_threshold={sit.runtime.defrag.fragmentation_threshold:g}`"
+        ),
+        lambda sit: f"Run {defrag_now(sit)}; {sooner(sit, 'to let auto-defrag act sooner')}",
     ),
     Cause(
         lambda sit: sit.snapshot.last_defrag is None,
         lambda sit: (
-            "no defrag has run since the agent started although auto-defrag is on: "
-            "`defrag.fragmentation_threshold` is above "
-            f"{text.ratio(sit.snapshot.fragmentation_ratio)} or fewer than "
-            "`defrag.min_free_pages` pages are free"
+            "no defrag has run since the agent started although fragmentation is above "
+            f"`defrag.fragmentation_threshold={sit.runtime.defrag.fragmentation_threshold:g}`; "
+            f"auto-defrag checks every `defrag.check_interval_s="
+            f"{sit.runtime.defrag.check_interval_s:g}` and skips pools with fewer than "
+            f"`defrag.min_free_pages={sit.runtime.defrag.min_free_pages}` free pages"
         ),
-        lambda sit: f"Run {_defrag_now(sit)}; {text.patch(_lower_threshold(sit))}",
+        lambda sit: (
+            f"Run {defrag_now(sit)}; if auto-defrag still does not start, look for defrag "
+            "errors in the agent's log"
+        ),
     ),
     Cause(
         always,
         lambda sit: f"{_last(sit)} and left it at {_before_after(sit)}",
         lambda sit: (
-            f"Run {_defrag_now(sit)} and compare fragmentation before and after in its output; "
+            f"Run {defrag_now(sit)} and compare fragmentation before and after in its output; "
             f"{text.patch(text.setting('defrag.fragmentation_target', 0.05))}"
         ),
     ),
@@ -205,10 +269,7 @@ DEFRAG_INEFFECTIVE = (
     Cause(
         _defrag_active,
         lambda sit: f"a defrag is running now and has not finished; {_last(sit)}",
-        lambda sit: (
-            "Let it finish; if runs keep taking this long, "
-            f"{text.patch(text.setting('defrag.step_max_pages', DEFRAG_STEP_PAGES))}"
-        ),
+        lambda sit: f"Let it finish; if runs keep taking this long, {longer_steps(sit)}",
     ),
     Cause(
         _last_moved_nothing,
@@ -217,17 +278,14 @@ DEFRAG_INEFFECTIVE = (
             f"{sit.snapshot.free_extents} free extents stayed"
         ),
         lambda sit: (
-            f"Run {_defrag_now(sit)} and read `pages_moved` in its output; if it is 0 again, "
+            f"Run {defrag_now(sit)} and read `pages_moved` in its output; if it is 0 again, "
             f"save {text.command(sit.agent_url, 'pool map --json')} for a bug report"
         ),
     ),
     Cause(
         _last_incomplete,
         lambda sit: f"{_last(sit)} but stopped before finishing ({_before_after(sit)})",
-        lambda sit: (
-            f"Run {_defrag_now(sit)} for a full pass; so runs finish, "
-            f"{text.patch(text.setting('defrag.step_max_pages', DEFRAG_STEP_PAGES))}"
-        ),
+        lambda sit: f"Run {defrag_now(sit)} for a full pass; so runs finish, {longer_steps(sit)}",
     ),
     Cause(
         _last_lowered_it,
@@ -235,13 +293,13 @@ DEFRAG_INEFFECTIVE = (
             f"{_last(sit)} ({_before_after(sit)}), but requests ending at "
             "different times scatter free pages faster than defrag runs"
         ),
-        lambda sit: f"Let auto-defrag run sooner and more often: {_sooner(sit)}",
+        lambda sit: text.sentence(sooner(sit, "Let auto-defrag run sooner and more often")),
     ),
     Cause(
         always,
         lambda sit: f"{_last(sit)} and finished at {_before_after(sit)}",
         lambda sit: (
-            f"Run {_defrag_now(sit)} and compare fragmentation before and after in its output; "
+            f"Run {defrag_now(sit)} and compare fragmentation before and after in its output; "
             f"{text.patch(text.setting('defrag.fragmentation_target', 0.05))}"
         ),
     ),
@@ -251,28 +309,20 @@ DEFRAG_INEFFECTIVE = (
 
 POOL_NEARLY_FULL = (
     Cause(
-        lambda sit: 2 * sit.snapshot.cached_pages >= _in_use(sit) > 0,
-        lambda sit: (
-            f"{sit.snapshot.cached_pages} of the {_in_use(sit)} pages in use hold only "
-            "prefix-cache entries, which are evicted on demand"
-        ),
-        lambda sit: f"No action needed while allocations succeed; for more headroom: {_grow(sit)}",
-    ),
-    Cause(
         _at_limit,
         lambda sit: (
             f"the pool is at its limit of {sit.snapshot.max_pool_pages} pages with "
             f"{sit.snapshot.requests_waiting} requests waiting"
         ),
-        _raise_limit,
+        raise_limit,
     ),
     Cause(
         always,
         lambda sit: (
-            f"{sit.snapshot.used_pages} pages held by {sit.snapshot.requests_running} running "
-            f"requests, {sit.snapshot.requests_waiting} waiting"
+            f"{sit.snapshot.requests_running} running requests hold the pages, "
+            f"{sit.snapshot.requests_waiting} more wait"
         ),
-        _grow,
+        grow,
     ),
 )
 
@@ -294,14 +344,12 @@ POOL_OVER_PROVISIONED = (
             f"{_in_use(sit)} of {sit.snapshot.capacity_pages} pages in use with "
             f"{sit.snapshot.requests_running} requests running"
         ),
-        lambda sit: (
-            f"Run {_shrink_pool(sit)}; to shrink automatically, "
-            f"{text.patch(text.setting('resize.enabled', True))}"
-        ),
+        lambda sit: f"Run {shrink_pool(sit)}; {auto_shrink(sit, text.shrink_target(sit.snapshot))}",
     ),
 )
 
 # ---- prefix cache and scheduler -------------------------------------------------------------
+
 
 PREFIX_HIT_RATE_LOW = (
     Cause(
@@ -314,11 +362,7 @@ PREFIX_HIT_RATE_LOW = (
             f"evicted {sit.snapshot.prefix_evictions_total} entries since start: prefixes are "
             "pushed out before they are reused"
         ),
-        lambda sit: (
-            "Keep often reused prefixes: "
-            f"{text.patch(text.setting('prefix_cache.eviction_policy', 'lfu'))}; or give the "
-            f"cache room: {_grow(sit)}"
-        ),
+        lambda sit: f"{keep_reused(sit)}; or give the cache room: {grow(sit)}",
     ),
     Cause(
         always,
@@ -339,7 +383,7 @@ PREEMPTION_STORM = (
     Cause(
         _at_limit,
         lambda sit: f"the pool is at its limit of {sit.snapshot.max_pool_pages} pages",
-        _raise_limit,
+        raise_limit,
     ),
     Cause(
         always,
@@ -347,7 +391,7 @@ PREEMPTION_STORM = (
             f"the {sit.snapshot.requests_running} running requests outgrow the pool's "
             f"{sit.snapshot.capacity_pages} pages, so the youngest is preempted and recomputed"
         ),
-        _grow,
+        grow,
     ),
 )
 
@@ -374,7 +418,7 @@ GPU_MEMORY_NEAR_CAPACITY = (
         ),
         lambda sit: (
             "Restart the agent with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` in its "
-            f"environment; meanwhile give back spare pages with {_trim_pool(sit)}"
+            f"environment; meanwhile give back spare pages with {trim_pool(sit)}"
         ),
     ),
     Cause(
@@ -384,7 +428,7 @@ GPU_MEMORY_NEAR_CAPACITY = (
             f"{text.size(_gpu(sit).total_bytes)} but only "
             f"{text.percent(sit.snapshot.utilization_ratio)} of it is in use"
         ),
-        lambda sit: f"Give memory back with {_shrink_pool(sit)}",
+        lambda sit: f"Give memory back with {shrink_pool(sit)}",
     ),
     Cause(
         always,

@@ -1,10 +1,12 @@
-"""The shape of an alert definition: one record the agent's evaluator and the rule file share.
+"""The shape of an alert definition: one record per alert, each owned by one evaluator.
 
-An alert is written once: a measured value (a function of the agent's snapshot, and the same
-quantity as PromQL over the agent's metrics), a threshold with a clear level (hysteresis), a
-`for` duration, the texts, and an ordered list of causes. The agent reads its own state to pick
-the first cause that applies; Prometheus, which sees only the metrics, gets the headline and a
-generic remediation. Keeping both sides in one record is what keeps them from drifting apart.
+An alert the agent owns (`AlertDefinition`) is a measured value (a function of the agent's
+snapshot), a threshold with a clear level (hysteresis), an optional minimum count of events
+behind the value, an optional escalation to a higher severity, a `for` duration, the texts, and
+an ordered list of causes. The agent reads its own state, and the settings in force, to pick the
+first cause that applies. An alert only Prometheus can raise (`RuleOnlyAlert`: an agent down or
+absent, a fleet aggregate) is a PromQL expression rendered into the rule file. No alert is both,
+so nothing reaches Alertmanager twice.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvctl.api import AlertSettings, PoolSnapshot
+from kvctl.api import AlertSettings, PoolSnapshot, RuntimeSettings
 
 Severity = Literal["info", "warning", "critical"]
 SEVERITY_RANK: dict[str, int] = {"critical": 0, "warning": 1, "info": 2}
@@ -26,13 +28,14 @@ class Threshold:
     An alert becomes active when the value crosses the trigger, and once firing it stays firing
     until the value is back past the clear level (trigger ∓ margin), so a value hovering at the
     threshold does not page, resolve and page again. A pending alert needs the trigger condition
-    to hold all through its `for` duration, as in Prometheus.
+    to hold all through its `for` duration, as in Prometheus. A trigger no value can cross (a
+    minimum of 0, a bounded maximum of 1) turns the alert off, and clears it if it was active.
     """
 
     setting: str
     above: bool
     margin: float
-    relative: bool = False  # margin is a share of the trigger, for unbounded rates
+    relative: bool = False  # margin is a share of the trigger, for unbounded values
     bounded: bool = True  # a ratio: the clear level stays within 0..1
 
     def trigger(self, settings: AlertSettings) -> float:
@@ -46,15 +49,16 @@ class Threshold:
             level = min(1.0, level)
         return round(max(0.0, level), 6)
 
-    @property
-    def op(self) -> str:
-        return ">" if self.above else "<"
+    def off(self, settings: AlertSettings) -> bool:
+        """Whether the trigger is set where no value can cross it."""
+        trigger = self.trigger(settings)
+        return trigger >= 1.0 and self.bounded if self.above else trigger <= 0.0
 
     def breached(self, value: float, settings: AlertSettings) -> bool:
-        return self._past(value, self.trigger(settings))
+        return not self.off(settings) and self._past(value, self.trigger(settings))
 
     def holds(self, value: float, settings: AlertSettings) -> bool:
-        return self._past(value, self.clear(settings))
+        return not self.off(settings) and self._past(value, self.clear(settings))
 
     def _past(self, value: float, level: float) -> bool:
         return value > level if self.above else value < level
@@ -62,10 +66,15 @@ class Threshold:
 
 @dataclass(frozen=True)
 class Reading:
-    """One measured value; `labels` tell apart several readings of one alert (one per GPU)."""
+    """One measured value; `labels` tell apart several readings of one alert (one per GPU).
+
+    `count` is the number of events behind a rate (failed allocations in the window), when the
+    alert needs a minimum of them before it fires.
+    """
 
     value: float
     labels: tuple[tuple[str, str], ...] = ()
+    count: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,12 +87,18 @@ class Observation:
 
 @dataclass(frozen=True)
 class Situation:
-    """What a cause reads: the snapshot, the reading that tripped, the thresholds, the agent."""
+    """What a cause reads: the snapshot, the reading that tripped, the settings in force (so a
+    remedy never suggests what is already set), and the agent's URL for commands."""
 
     snapshot: PoolSnapshot
     reading: Reading
-    settings: AlertSettings
+    runtime: RuntimeSettings
     agent_url: str
+
+    @property
+    def settings(self) -> AlertSettings:
+        """The alert thresholds in force."""
+        return self.runtime.alerts
 
     @property
     def labels(self) -> dict[str, str]:
@@ -105,24 +120,54 @@ def always(_: Situation) -> bool:
 
 
 @dataclass(frozen=True)
-class Fact:
-    """A number a headline quotes: read from the snapshot by the agent, queried by Prometheus.
+class MinimumCount:
+    """A rate fires only with enough events behind it, so one event never pages.
 
-    `promql` is a query with `$SEL` where the alert's `instance` and `pool` matchers go.
+    `setting` names the `AlertSettings` field with the minimum. Once firing, the alert holds
+    while at least one event is left in the window, so a count hovering at the minimum does not
+    flap.
     """
 
+    setting: str
+
+    def reached(self, reading: Reading, settings: AlertSettings) -> bool:
+        return (reading.count or 0) >= int(getattr(settings, self.setting))
+
+    @staticmethod
+    def left(reading: Reading) -> bool:
+        return (reading.count or 0) > 0
+
+
+@dataclass(frozen=True)
+class Escalation:
+    """A higher severity of an active alert, with its own trigger and hold condition.
+
+    Alertmanager identifies an alert by its labels, severity included, so an escalated alert is
+    a new alert there: the evaluator's alert changes severity and the notifier resolves the old
+    label set and fires the new one. The hold condition is looser than the trigger, so the
+    severity does not flap either.
+    """
+
+    severity: Severity
+    trigger: Callable[[PoolSnapshot, AlertSettings], bool]
+    holds: Callable[[PoolSnapshot, AlertSettings], bool]
+
+
+@dataclass(frozen=True)
+class Fact:
+    """A number a headline quotes, read from the snapshot, with the name of its format."""
+
     get: Callable[[PoolSnapshot], float]
-    promql: str
     format: str  # a key of kvctl.alerts.catalog.FORMATS
 
 
 @dataclass(frozen=True)
 class AlertDefinition:
-    """One alert, evaluated by the agent and rendered into the Prometheus rule file.
+    """One alert the agent evaluates from its own state and pushes to Alertmanager.
 
     Text fields are `str.format` templates. `summary` may use `{pool}` and `{instance}`;
-    `headline` and `rule_remediation` may also use `{value}`, `{agent}` (the agent's URL), the
-    labels of the reading and the names of `catalog.FACTS`.
+    `headline` may also use `{value}`, `{agent}` (the agent's URL), the labels of the reading
+    and the names of `catalog.FACTS`.
     """
 
     name: str
@@ -131,13 +176,12 @@ class AlertDefinition:
     threshold: Threshold
     measure: Callable[[Observation], list[Reading]]
     value_format: str
-    promql: str
     headline: str
     causes: tuple[Cause, ...]
-    rule_remediation: Callable[[AlertSettings], str]
-    promql_gate: tuple[str, ...] = ()  # also required, joined with `and on(job, instance, pool)`
     for_scale: float = 1.0  # `for` = for_scale × AlertSettings.for_s
     labels: tuple[str, ...] = field(default=())  # label names a reading adds
+    minimum: MinimumCount | None = None
+    escalation: Escalation | None = None
 
     @property
     def anchor(self) -> str:
@@ -153,9 +197,13 @@ class AlertDefinition:
 
 @dataclass(frozen=True)
 class RuleOnlyAlert:
-    """An alert only Prometheus can raise (the agent cannot report its own absence).
+    """An alert only Prometheus can raise: what an agent cannot say about itself (its own
+    absence) and what needs several agents (a fleet aggregate).
 
-    `expr` is a `str.format` template with `{job}`, the agents' scrape job.
+    `expr` is a `str.format` template with `{job}` (the agents' scrape job) and the names of
+    the `AlertSettings` fields. The texts are `str.format` templates whose fields become labels
+    of the alert in Prometheus' templates (`{instance}`, `{pool}`, `{job}`), `{value}` (in
+    `value_format`) and `{agent}` (the agent's URL, `http://` + instance).
     """
 
     name: str
@@ -165,6 +213,7 @@ class RuleOnlyAlert:
     description: str
     remediation: str
     for_scale: float = 1.0
+    value_format: str = "count"
 
     @property
     def anchor(self) -> str:

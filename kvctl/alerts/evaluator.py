@@ -1,10 +1,15 @@
 """The agent's own alert evaluation: snapshots in, pending and firing alerts out.
 
-It follows Prometheus' semantics so the agent and the rule file agree: an alert is pending from
-the first evaluation its condition holds, firing once it has held for the alert's `for`
-duration, and gone at the first evaluation it does not. Hysteresis is added on top: a firing
-alert resolves only when its value is back past the clear level. Time comes from an injected
-clock, so a test steps through minutes of alert history without sleeping.
+It follows Prometheus' semantics, so an operator reads the agent's alerts like any other: an
+alert is pending from the first evaluation its condition holds, firing once it has held for the
+alert's `for` duration, and gone at the first evaluation it does not. Hysteresis is added on top:
+a firing alert resolves only when its value is back past the clear level, a rate needs a minimum
+count of events before it fires, and an escalated severity holds down to a looser level. Time
+comes from an injected clock, so a test steps through minutes of alert history without sleeping.
+
+Every alert carries the labels Prometheus would attach to a series it scraped from this agent
+(`job`, and `instance` = the advertised host:port), so an alert about one node has one identity
+wherever it is seen, and two nodes serving one model are two alerts.
 """
 
 from __future__ import annotations
@@ -15,12 +20,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvctl import api
-from kvctl.alerts.catalog import DEFAULT_RUNBOOK_BASE, DEFINITIONS, FACTS, FORMATS, runbook_url
+from kvctl.alerts.catalog import (
+    AGENT_JOB,
+    DEFINITIONS,
+    FACTS,
+    FORMATS,
+    RUNBOOK_PATH,
+    runbook_url,
+)
 from kvctl.alerts.definition import (
     SEVERITY_RANK,
     AlertDefinition,
     Observation,
     Reading,
+    Severity,
     Situation,
 )
 
@@ -54,6 +67,7 @@ class CounterRate:
 class _State:
     active_since: float
     firing: bool = False
+    escalated: bool = False
 
 
 class _Values(dict):
@@ -68,23 +82,33 @@ class _Values(dict):
         return FORMATS[fact.format][0](fact.get(self.snapshot))
 
 
+def runtime_settings(settings: api.RuntimeSettings | api.AlertSettings) -> api.RuntimeSettings:
+    """The settings in force; thresholds alone mean every other setting is at its default."""
+    if isinstance(settings, api.AlertSettings):
+        return api.RuntimeSettings(alerts=settings)
+    return settings
+
+
 class AlertEvaluator:
     """Evaluates every alert of `definitions` on each snapshot of one pool.
 
     `evaluate` is called once per alert interval; the alerts it returns are the pending and
-    firing ones, most severe first. `settings` may be replaced between calls (PATCH /v1/config);
-    active alerts keep their state.
+    firing ones, most severe first. `settings` (the agent's runtime settings, or only the alert
+    thresholds) may be replaced between calls (PATCH /v1/config); active alerts keep their
+    state. `agent_url` is the URL in remediation commands and `instance` its host:port;
+    `runbook_base` defaults to the runbook the agent serves at `<agent_url>/runbook`.
     """
 
     def __init__(
         self,
-        settings: api.AlertSettings,
+        settings: api.RuntimeSettings | api.AlertSettings,
         pool: str,
         instance: str,
         clock: Callable[[], float] = time.time,
         *,
         agent_url: str | None = None,
-        runbook_base: str = DEFAULT_RUNBOOK_BASE,
+        job: str = AGENT_JOB,
+        runbook_base: str | None = None,
         definitions: Sequence[AlertDefinition] = DEFINITIONS,
     ) -> None:
         self.settings = settings
@@ -92,11 +116,24 @@ class AlertEvaluator:
         self.instance = instance
         self.clock = clock
         self.agent_url = agent_url or f"http://{instance}"
-        self.runbook_base = runbook_base
+        self.job = job
+        self.runbook_base = runbook_base or f"{self.agent_url}{RUNBOOK_PATH}"
         self.definitions = tuple(definitions)
         self._states: dict[tuple[str, tuple[tuple[str, str], ...]], _State] = {}
         self._preemptions = CounterRate()
         self.alerts: list[api.Alert] = []
+
+    @property
+    def settings(self) -> api.RuntimeSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: api.RuntimeSettings | api.AlertSettings) -> None:
+        self._settings = runtime_settings(settings)
+
+    @property
+    def thresholds(self) -> api.AlertSettings:
+        return self._settings.alerts
 
     def evaluate(self, snapshot: api.PoolSnapshot) -> list[api.Alert]:
         """The alerts active after this snapshot (also kept in `self.alerts`)."""
@@ -108,9 +145,10 @@ class AlertEvaluator:
             for reading in definition.measure(observation):
                 key = (definition.name, reading.labels)
                 seen.add(key)
-                state = self._advance(definition, key, reading.value, now)
+                state = self._advance(definition, key, reading, now)
                 if state is not None:
-                    alerts.append(self._alert(definition, reading, state, snapshot))
+                    severity = self._severity(definition, state, snapshot)
+                    alerts.append(self._alert(definition, reading, state, severity, snapshot))
         for key in self._states.keys() - seen:
             del self._states[key]
         alerts.sort(key=lambda a: (SEVERITY_RANK[a.severity], a.name, sorted(a.labels.items())))
@@ -118,28 +156,42 @@ class AlertEvaluator:
         return alerts
 
     def _advance(
-        self, definition: AlertDefinition, key: tuple, value: float, now: float
+        self, definition: AlertDefinition, key: tuple, reading: Reading, now: float
     ) -> _State | None:
         """Move one alert's state machine by one evaluation; None when it is not active."""
-        state, threshold = self._states.get(key), definition.threshold
+        state, threshold, minimum = self._states.get(key), definition.threshold, definition.minimum
         if state is not None and state.firing:
-            keep = threshold.holds(value, self.settings)
+            keep = threshold.holds(reading.value, self.thresholds)
+            keep = keep and (minimum is None or minimum.left(reading))
         else:
-            keep = threshold.breached(value, self.settings)
+            keep = threshold.breached(reading.value, self.thresholds)
+            keep = keep and (minimum is None or minimum.reached(reading, self.thresholds))
         if not keep:
             self._states.pop(key, None)
             return None
         if state is None:
             state = self._states[key] = _State(active_since=now)
-        if now - state.active_since >= definition.for_seconds(self.settings):
+        if now - state.active_since >= definition.for_seconds(self.thresholds):
             state.firing = True
         return state
+
+    def _severity(
+        self, definition: AlertDefinition, state: _State, snapshot: api.PoolSnapshot
+    ) -> Severity:
+        """The alert's severity now: escalated while its escalation holds."""
+        escalation = definition.escalation
+        if escalation is None:
+            return definition.severity
+        check = escalation.holds if state.escalated else escalation.trigger
+        state.escalated = check(snapshot, self.thresholds)
+        return escalation.severity if state.escalated else definition.severity
 
     def _alert(
         self,
         definition: AlertDefinition,
         reading: Reading,
         state: _State,
+        severity: Severity,
         snapshot: api.PoolSnapshot,
     ) -> api.Alert:
         situation = Situation(snapshot, reading, self.settings, self.agent_url)
@@ -155,14 +207,15 @@ class AlertEvaluator:
         headline = definition.headline.format_map(values)
         labels = {
             "alertname": definition.name,
-            "severity": definition.severity,
+            "severity": severity,
             "pool": self.pool,
             "instance": self.instance,
+            "job": self.job,
             **dict(reading.labels),
         }
         return api.Alert(
             name=definition.name,
-            severity=definition.severity,
+            severity=severity,
             state="firing" if state.firing else "pending",
             value=reading.value,
             summary=definition.summary.format_map(values),

@@ -40,13 +40,18 @@ def rate(value: float) -> str:
     return f"{value:.1f}"
 
 
-def ago(seconds: float) -> str:
-    """An age an engineer reads at a glance: "40 s ago", "14 min ago", "2.5 h ago"."""
+def span(seconds: float) -> str:
+    """A span of time an engineer reads at a glance: "40 s", "14 min", "2.5 h"."""
     if seconds < 90:
-        return f"{seconds:.0f} s ago"
+        return f"{seconds:.0f} s"
     if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min ago"
-    return f"{seconds / 3600:.1f} h ago"
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def ago(seconds: float) -> str:
+    """An age: "40 s ago", "14 min ago", "2.5 h ago"."""
+    return f"{span(seconds)} ago"
 
 
 def size(num_bytes: float) -> str:
@@ -57,6 +62,11 @@ def size(num_bytes: float) -> str:
             return f"{value:.1f} {unit}" if unit != "B" else f"{value:.0f} B"
         value /= 1024
     return f"{value:.1f} TiB"
+
+
+def sentence(phrase: str) -> str:
+    """A phrase as the start of a sentence: its first letter upper case, the rest as it is."""
+    return phrase[:1].upper() + phrase[1:]
 
 
 def setting(key: str, value: object) -> str:

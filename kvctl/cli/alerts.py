@@ -89,15 +89,58 @@ def _list_from_alertmanager(ctx: typer.Context, url: str, json_out: bool) -> Non
 
 
 @alerts_app.command("rules")
-def rules(ctx: typer.Context, json_out: JsonOption = False) -> None:
-    """Print the Prometheus rule file with the same alerts the agent evaluates.
+def rules(
+    ctx: typer.Context,
+    runbook_url: Annotated[
+        str | None,
+        typer.Option(
+            "--runbook-url",
+            metavar="BASE",
+            help="Absolute base of the alerts' runbook links, where docs/alerts.md is served "
+            "(any agent serves it at /runbook); default: a placeholder under .invalid.",
+        ),
+    ] = None,
+    job: Annotated[
+        str | None,
+        typer.Option(
+            "--job",
+            metavar="NAME",
+            help="The Prometheus job that scrapes the agents (their --prometheus-job); "
+            "default: kvctl-agent.",
+        ),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            metavar="alerts.NAME=VALUE",
+            help="An alert setting your agents use, e.g. alerts.pressure_high=0.9 (repeatable; "
+            "the file reads alerts.for_s and alerts.pressure_high).",
+        ),
+    ] = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Print the Prometheus rule file: recording rules, and the alerts only Prometheus can
+    raise (an agent down or absent, fleet aggregates); every per-node alert is the agent's own.
 
-    For Prometheus: kvctl alerts rules > kvctl-rules.yml, then list it under rule_files.
+    For Prometheus: kvctl alerts rules --runbook-url URL > kvctl-rules.yml, then list it under
+    rule_files.
     """
-    from kvctl.alerts import render_rule_file
+    from urllib.parse import urlsplit
+
+    from kvctl.alerts import RULES_RUNBOOK_BASE, render_rule_file
+    from kvctl.alerts.catalog import AGENT_JOB
 
     target = resolve(ctx, json_out=json_out)
-    text = render_rule_file()
+    base = runbook_url or RULES_RUNBOOK_BASE
+    parts = urlsplit(base)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        fail(
+            f"--runbook-url must be an absolute http(s) URL such as "
+            f"http://gpu-node-1:8477/runbook, got {base!r}",
+            ExitCode.USAGE,
+        )
+    text = render_rule_file(_alert_settings(set_ or []), runbook_base=base, job=job or AGENT_JOB)
     if target.json:
         import yaml
 
@@ -106,32 +149,72 @@ def rules(ctx: typer.Context, json_out: JsonOption = False) -> None:
         typer.echo(text, nl=not text.endswith("\n"))
 
 
+def _alert_settings(assignments: list[str]) -> Any:
+    """`alerts.*` settings from `--set` assignments, checked as the agent checks them."""
+    from kvctl.settings import SettingsError, from_text, validate
+
+    pairs = {}
+    for assignment in assignments:
+        key, sep, value = assignment.partition("=")
+        if not sep or not key.strip().startswith("alerts."):
+            fail(
+                f"--set {assignment!r}: write --set alerts.NAME=VALUE, "
+                "e.g. alerts.pressure_high=0.9",
+                ExitCode.USAGE,
+            )
+        pairs[key.strip()] = value
+    try:
+        return validate(from_text(pairs)).alerts
+    except SettingsError as error:
+        fail(f"--set {error}", ExitCode.USAGE)
+
+
 @alerts_app.command("test")
 def test_alert(
     ctx: typer.Context,
     alertmanager_url: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--alertmanager-url",
             metavar="URL",
             envvar="KVCTL_ALERTMANAGER_URL",
-            help="Alertmanager to send a test alert to, e.g. http://localhost:9093.",
+            help="Post the test alert to this Alertmanager directly, e.g. "
+            "http://localhost:9093, instead of asking the agents to send it.",
         ),
-    ],
+    ] = None,
+    agent: AgentOption = None,
+    token: TokenOption = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Send a test alert to Alertmanager, to check the route to your pager end to end."""
+    """Send a test alert, to check the route to your pager end to end.
+
+    By default each agent sends it through its own Alertmanager route, labels and credentials
+    (and logs it in its audit trail); with --alertmanager-url it is posted from here.
+    """
+    if alertmanager_url is not None:
+        _test_alertmanager(ctx, alertmanager_url, json_out)
+        return
+    target = resolve(ctx, agent, token, json_out)
+
+    def render_sent(sent: dict) -> str:
+        labels = sent.get("alert", {}).get("labels", {})
+        shown = ", ".join(f"{k}={v}" for k, v in labels.items())
+        return f"test alert sent to the agent's Alertmanager ({shown}); check your receivers"
+
+    finish(target, on_each(target, lambda client: client.send_test_alert()), render_sent)
+
+
+def _test_alertmanager(ctx: typer.Context, url: str, json_out: bool) -> None:
+    """Post the test alert from this machine straight to one Alertmanager."""
     from kvctl.alerts import AlertmanagerError, post_test_alert
 
     target = resolve(ctx, json_out=json_out)
     try:
-        alert = post_test_alert(alertmanager_url, timeout=target.timeout)
+        alert = post_test_alert(url, timeout=target.timeout)
     except AlertmanagerError as error:
         fail(str(error), ExitCode.ERROR)
     if target.json:
-        print_json({"alertmanager_url": alertmanager_url, "sent": True, "alert": alert})
+        print_json({"alertmanager_url": url, "sent": True, "alert": alert})
         return
     labels = ", ".join(f"{k}={v}" for k, v in alert.get("labels", {}).items())
-    typer.echo(
-        f"test alert sent to {alertmanager_url} ({labels}); check that your receivers got it"
-    )
+    typer.echo(f"test alert sent to {url} ({labels}); check that your receivers got it")

@@ -1,5 +1,6 @@
-"""Fixtures of the alert tests: snapshots, the Prometheus tools, and a real Prometheus +
-Alertmanager pair on loopback ports.
+"""Fixtures of the alert tests: snapshots, the Prometheus tools, a real Prometheus +
+Alertmanager pair on loopback ports, and a webhook receiver that records what Alertmanager
+notifies.
 
 The tools come from the Debian packages `prometheus` and `prometheus-alertmanager` (.ci/run
 installs them). A missing tool fails the test when CI is set and skips it elsewhere, so a
@@ -8,13 +9,16 @@ laptop without them can still run the rest.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import BinaryIO
 
@@ -70,8 +74,15 @@ QUIET_SNAPSHOT = dict(
     requests_waiting=0,
     preemptions_total=0,
     gpus=[],
+    pressure_ratio=200 / 512,
+    max_waiting=256,
+    oldest_waiting_seconds=0.0,
+    queue_stalled_seconds=0.0,
+    window_alloc_attempts=400,
+    window_alloc_failures=0,
 )
-"""A healthy pool: half used, barely fragmented, every allocation served. No alert applies."""
+"""A healthy pool: 39% held by running requests, half used with the cache, barely fragmented,
+every allocation served, nothing waiting. No alert applies."""
 
 
 @pytest.fixture
@@ -209,18 +220,23 @@ class PromStack:
         *,
         job: str = "kvctl-agent",
         interval: str = "1s",
+        token_file: Path | None = None,
     ) -> str:
-        """Prometheus scraping `targets` as `job`, evaluating `rules`, alerting the stack's
+        """Prometheus scraping `targets` as `job` (with the bearer token in `token_file`, as
+        agent/prometheus-scrape.yml does), evaluating `rules`, alerting the stack's
         Alertmanager (start that first)."""
         directory = self.workdir / "prometheus"
         directory.mkdir()
         (directory / "rules.yml").write_text(rules)
         am = self.alertmanager_url.removeprefix("http://")
+        scrape: dict = {"job_name": job, "static_configs": [{"targets": targets}]}
+        if token_file is not None:
+            scrape["authorization"] = {"type": "Bearer", "credentials_file": str(token_file)}
         config = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "rule_files": ["rules.yml"],
             "alerting": {"alertmanagers": [{"static_configs": [{"targets": [am]}]}]},
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [scrape],
         }
         (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()
@@ -264,6 +280,66 @@ def alertmanager(prom_stack: PromStack) -> PromStack:
     """A running Alertmanager (no Prometheus) in the stack."""
     prom_stack.start_alertmanager()
     return prom_stack
+
+
+class WebhookReceiver:
+    """A receiver on loopback that records Alertmanager's webhook notifications: what a pager
+    would get. `alerts_of(name)` lists (notification status, alert) for every alert `name` in
+    every notification, in order."""
+
+    def __init__(self) -> None:
+        self.notifications: list[dict] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.notifications.append(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                """Quiet."""
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+
+    def alertmanager_config(self) -> dict:
+        """An Alertmanager configuration that sends every alert here, resolved ones too, and
+        notifies each group at once and then only when it changes."""
+        return {
+            **ALERTMANAGER_CONFIG,
+            "route": {**ALERTMANAGER_CONFIG["route"], "receiver": "recorder"},
+            "receivers": [
+                {"name": "recorder", "webhook_configs": [{"url": self.url, "send_resolved": True}]}
+            ],
+        }
+
+    def alerts_of(self, name: str) -> list[tuple[str, dict]]:
+        return [
+            (alert["status"], alert)
+            for notification in list(self.notifications)
+            for alert in notification["alerts"]
+            if alert["labels"].get("alertname") == name
+        ]
+
+
+@pytest.fixture
+def webhook() -> Iterator[WebhookReceiver]:
+    receiver = WebhookReceiver()
+    thread = threading.Thread(target=receiver.server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield receiver
+    finally:
+        receiver.server.shutdown()
+        receiver.server.server_close()
+
+
+@pytest.fixture(name="free_port")
+def free_port_fixture() -> int:
+    """A loopback port free now, for a process that must know its port before it starts."""
+    return free_port()
 
 
 @pytest.fixture

@@ -48,7 +48,7 @@ def alert(name: str = "KvctlPoolNearlyFull", state: str = "firing", **changes) -
         summary=f"{name} summary",
         description="pool 97% full",
         remediation="Run `kvctl --agent http://n:8477 pool resize --pages 640`",
-        runbook_url=f"docs/alerts.md#{name.lower()}",
+        runbook_url=f"http://n:8477/runbook#{name.lower()}",
         active_since=T0 - 60,
         labels={"alertname": name, "severity": "warning", "pool": "demo", "instance": "n:8477"},
     )
@@ -82,7 +82,7 @@ def test_a_firing_alert_is_posted_with_labels_annotations_and_times(am) -> None:
                     "summary": "KvctlPoolNearlyFull summary",
                     "description": "pool 97% full",
                     "remediation": "Run `kvctl --agent http://n:8477 pool resize --pages 640`",
-                    "runbook_url": "docs/alerts.md#kvctlpoolnearlyfull",
+                    "runbook_url": "http://n:8477/runbook#kvctlpoolnearlyfull",
                 },
                 "startsAt": isoformat(T0),
                 "endsAt": isoformat(T0 + 4 * 45),  # resolves itself if the agent dies
@@ -215,3 +215,47 @@ def test_the_test_alert_is_an_info_alert_that_ends_in_minutes(am) -> None:
     am.status = 400
     with pytest.raises(AlertmanagerError, match="refused the test alert: 400"):
         post_test_alert(URL, transport=am.transport)
+
+
+def test_a_severity_change_resolves_the_old_label_set_and_fires_the_new(am) -> None:
+    """Alertmanager identifies an alert by its labels, severity included: an escalation that
+    only re-posted would leave the warning firing next to the critical one."""
+    n = notifier(am)
+    labels = {"alertname": "KvctlAllocationFailures", "pool": "demo", "instance": "n:8477"}
+    warning = alert("KvctlAllocationFailures", labels={**labels, "severity": "warning"})
+    critical = alert(
+        "KvctlAllocationFailures", severity="critical", labels={**labels, "severity": "critical"}
+    )
+    n.sync([warning], now=T0)
+    n.sync([critical], now=T0 + 15)
+    [first], second = am.posts
+    assert first["labels"]["severity"] == "warning"
+    by_severity = {x["labels"]["severity"]: x for x in second}
+    assert set(by_severity) == {"warning", "critical"}
+    assert by_severity["warning"]["endsAt"] == isoformat(T0 + 15)  # resolved now
+    assert by_severity["critical"]["startsAt"] == isoformat(T0 + 15)
+    assert by_severity["critical"]["endsAt"] == isoformat(T0 + 15 + 4 * 45)  # firing
+    n.sync([warning], now=T0 + 30)  # and back
+    back = {x["labels"]["severity"]: x for x in am.posts[2]}
+    assert back["critical"]["endsAt"] == isoformat(T0 + 30)
+    assert back["warning"]["endsAt"] == isoformat(T0 + 30 + 4 * 45)
+
+
+def test_an_agents_test_alert_carries_its_job_and_runbook(am) -> None:
+    sent = post_test_alert(
+        URL,
+        pool="demo",
+        instance="node-1:8477",
+        job="kvctl-agent",
+        runbook_base="http://node-1:8477/runbook",
+        now=T0,
+        transport=am.transport,
+    )
+    assert sent["labels"] == {
+        "alertname": "KvctlTestAlert",
+        "severity": "info",
+        "pool": "demo",
+        "instance": "node-1:8477",
+        "job": "kvctl-agent",
+    }
+    assert sent["annotations"]["runbook_url"] == "http://node-1:8477/runbook#kvctltestalert"

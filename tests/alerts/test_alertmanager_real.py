@@ -27,7 +27,7 @@ def firing_alert(**changes: object) -> api.Alert:
         summary="KV pool demo at node-1:8477 is fragmented",
         description="fragmentation 0.71 with 212 free pages in 37 extents; auto-defrag is off",
         remediation="Run `kvctl --agent http://node-1:8477 defrag --now`",
-        runbook_url="docs/alerts.md#kvctlfragmentationhigh",
+        runbook_url="http://node-1:8477/runbook#kvctlfragmentationhigh",
         active_since=time.time() - 60,
         labels={"pool": "demo", "instance": "node-1:8477"},
     )
@@ -51,7 +51,7 @@ def test_a_firing_alert_arrives_with_its_annotations_and_resolves(alertmanager) 
         "instance": "node-1:8477",
     }
     assert got["annotations"]["remediation"] == firing_alert().remediation
-    assert got["annotations"]["runbook_url"] == "docs/alerts.md#kvctlfragmentationhigh"
+    assert got["annotations"]["runbook_url"] == "http://node-1:8477/runbook#kvctlfragmentationhigh"
     assert "37 extents" in got["annotations"]["description"]
     assert got["status"]["state"] == "active"
 
@@ -67,6 +67,23 @@ def test_a_firing_alert_arrives_with_its_annotations_and_resolves(alertmanager) 
         "Alertmanager to see the alert resolved",
         timeout=10,
     )
+
+
+def test_an_escalation_leaves_one_alert_active_in_alertmanager(alertmanager) -> None:
+    notifier = AlertmanagerNotifier(alertmanager.alertmanager_url)
+    labels = {"pool": "demo", "instance": "node-1:8477", "job": "kvctl-agent"}
+    name = "KvctlAllocationFailures"
+    notifier.sync([firing_alert(name=name, labels={**labels, "severity": "warning"})])
+    notifier.sync(
+        [firing_alert(name=name, severity="critical", labels={**labels, "severity": "critical"})]
+    )
+
+    def only_critical() -> list[dict]:
+        active = named(alertmanager.am_alerts(active="true"), name)
+        return active if [a["labels"]["severity"] for a in active] == ["critical"] else []
+
+    [got] = alertmanager.wait_for(only_critical, "the warning resolved, the critical firing", 10)
+    assert got["labels"] == {**labels, "alertname": name, "severity": "critical"}
 
 
 def test_updates_reach_alertmanager_after_it_comes_back(prom_stack) -> None:

@@ -1,5 +1,6 @@
 """AlertEvaluator: pending → firing after `for`, hysteresis on the way out, rates over its own
-history, one alert per GPU, all on an injected clock."""
+history with a minimum count, severities that escalate and come back, one alert per GPU, the
+identity labels, all on an injected clock."""
 
 from __future__ import annotations
 
@@ -74,9 +75,122 @@ def test_a_pending_alert_needs_the_trigger_all_along(clock, make_snapshot) -> No
 
 def test_for_zero_fires_at_once_and_a_missing_value_clears(clock, make_snapshot) -> None:
     ev = evaluator(clock, for_s=0)
-    [alert] = ev.evaluate(make_snapshot(alloc_success_ratio=0.99, alloc_failures_total=3))
+    [alert] = ev.evaluate(make_snapshot(window_alloc_attempts=1000, window_alloc_failures=10))
     assert (alert.name, alert.state, alert.value) == ("KvctlAllocationFailures", "firing", 0.99)
-    assert ev.evaluate(make_snapshot(alloc_success_ratio=None)) == []  # nothing allocated lately
+    nothing = make_snapshot(window_alloc_attempts=0, window_alloc_failures=0)
+    assert ev.evaluate(nothing) == []  # nothing allocated lately
+
+
+def allocations(attempts: int, failures: int, **changes: object) -> dict:
+    return dict(window_alloc_attempts=attempts, window_alloc_failures=failures, **changes)
+
+
+def test_allocation_failures_need_a_count_and_a_rate_to_page(clock, make_snapshot) -> None:
+    """Warning from 5 failures in the window, critical from a 5% failure share over at least
+    100 attempts; critical holds down to 4%, the warning down to one failure left."""
+    ev = evaluator(clock, for_s=0)
+    timeline = [
+        (allocations(400, 1), None),  # one failure is not an alert
+        (allocations(400, 4), None),
+        (allocations(400, 5), "warning"),
+        (allocations(400, 19), "warning"),  # 4.75%: under the critical share
+        (allocations(50, 10), "warning"),  # 20%, but too few attempts to tell a rate
+        (allocations(400, 20), "critical"),  # 5% of 400
+        (allocations(400, 17), "critical"),  # 4.25%: held down to 4%
+        (allocations(400, 15), "warning"),  # 3.75%
+        (allocations(400, 2), "warning"),  # under the minimum, but failures are left
+        (allocations(400, 0), None),  # the window is clean: resolved
+        (allocations(400, 3), None),  # not the minimum again
+    ]
+    for changes, expected in timeline:
+        alerts = {a.name: a for a in ev.evaluate(make_snapshot(**changes))}
+        alert = alerts.get("KvctlAllocationFailures")
+        assert (alert and alert.severity) == expected, changes
+        if alert:
+            assert alert.labels["severity"] == alert.severity
+        clock.now += 15
+
+
+def test_a_severity_change_keeps_the_alert_active_since_its_start(clock, make_snapshot) -> None:
+    ev = evaluator(clock, for_s=30)
+    ev.evaluate(make_snapshot(**allocations(400, 8)))
+    clock.now += 30
+    [warning] = ev.evaluate(make_snapshot(**allocations(400, 8)))
+    clock.now += 15
+    [critical] = ev.evaluate(make_snapshot(**allocations(400, 40)))
+    assert (warning.state, warning.severity) == ("firing", "warning")
+    assert (critical.state, critical.severity) == ("firing", "critical")  # no second `for`
+    assert critical.active_since == warning.active_since == T0
+    assert critical.description.startswith(
+        "90% of the 400 page allocations of the last 5 min succeeded (40 failed); "
+    )
+
+
+def test_a_full_prefix_cache_is_not_pressure(clock, make_snapshot) -> None:
+    """An idle pool full of cached prefix pages can admit at once: they are evicted on demand."""
+    idle = make_snapshot(
+        used_pages=0,
+        cached_pages=500,
+        free_pages=12,
+        utilization_ratio=500 / 512,
+        pressure_ratio=0.0,
+        requests_running=0,
+        window_alloc_attempts=0,
+    )
+    assert evaluator(clock, for_s=0).evaluate(idle) == []
+    busy = make_snapshot(
+        used_pages=497,
+        cached_pages=3,
+        free_pages=12,
+        utilization_ratio=500 / 512,
+        pressure_ratio=497 / 512,
+    )
+    [alert] = evaluator(clock, for_s=0).evaluate(busy)
+    assert alert.name == "KvctlPoolNearlyFull"
+    assert alert.description.startswith(
+        "running requests hold 97.07% of the pool: 497 of 512 pages (3 more are cached and "
+        "reclaimable); "
+    )
+
+
+def test_a_threshold_no_value_can_cross_turns_its_alert_off(clock, make_snapshot) -> None:
+    idle = make_snapshot(utilization_ratio=0.0, used_pages=0, cached_pages=0, free_pages=512)
+    ev = evaluator(clock, for_s=0, utilization_low=0.5)
+    assert states(ev.evaluate(idle)) == {"KvctlPoolOverProvisioned": "firing"}
+    ev.settings = api.AlertSettings(for_s=0, utilization_low=0.0)  # 0 is below nothing: off
+    assert ev.evaluate(idle) == []
+    ev.settings = api.AlertSettings(for_s=0, utilization_low=0.5)
+    assert states(ev.evaluate(idle)) == {"KvctlPoolOverProvisioned": "firing"}
+    clock.now += 15
+    full = make_snapshot(fragmentation_ratio=0.9)
+    assert "KvctlFragmentationHigh" in states(evaluator(clock, for_s=0).evaluate(full))
+    assert evaluator(clock, for_s=0, fragmentation_max=1.0).evaluate(full) == []
+
+
+def test_a_stalled_queue_and_a_long_wait_fire_and_resolve_when_it_moves(
+    clock, make_snapshot
+) -> None:
+    ev = evaluator(clock, for_s=60)  # both measure a duration already: no extra `for`
+    stuck = dict(requests_waiting=8, requests_running=0, used_pages=0, cached_pages=62)
+    assert ev.evaluate(make_snapshot(**stuck, queue_stalled_seconds=25.0)) == []
+    alerts = ev.evaluate(
+        make_snapshot(**stuck, queue_stalled_seconds=31.0, oldest_waiting_seconds=61.0)
+    )
+    assert [(a.name, a.severity, a.state) for a in alerts] == [
+        ("KvctlQueueStalled", "critical", "firing"),
+        ("KvctlQueueWaitLong", "warning", "firing"),
+    ]
+    assert alerts[0].description.startswith(
+        "8 requests have waited 31 s with no token produced and none admitted or refused "
+        "(0 running); nothing runs while 62 cached prefix pages could be evicted"
+    )
+    # the queue moved once but not for long: held above the clear levels (15 s and 30 s)
+    held = ev.evaluate(
+        make_snapshot(**stuck, queue_stalled_seconds=16.0, oldest_waiting_seconds=31.0)
+    )
+    assert len(held) == 2
+    moving = dict(requests_waiting=2, requests_running=6, queue_stalled_seconds=0.0)
+    assert ev.evaluate(make_snapshot(**moving, oldest_waiting_seconds=4.0)) == []
 
 
 def test_longer_for_of_slow_alerts_scales_with_alert_for(clock, make_snapshot) -> None:
@@ -128,24 +242,28 @@ def test_one_alert_per_gpu_that_is_nearly_full(clock, make_snapshot) -> None:
 
 
 def test_changed_settings_apply_at_the_next_evaluation(clock, make_snapshot) -> None:
+    """Thresholds alone or the whole runtime settings: both are what the agent has in force."""
     ev = evaluator(clock, for_s=0)
     assert states(ev.evaluate(make_snapshot(fragmentation_ratio=0.6))) == {
         "KvctlFragmentationHigh": "firing"
     }
-    ev.settings = api.AlertSettings(for_s=0, fragmentation_max=0.8)  # clear level now 0.7
-    assert ev.evaluate(make_snapshot(fragmentation_ratio=0.6)) == []
+    ev.settings = api.RuntimeSettings(alerts=api.AlertSettings(for_s=0, fragmentation_max=0.8))
+    assert ev.evaluate(make_snapshot(fragmentation_ratio=0.6)) == []  # clear level now 0.7
 
 
-def test_labels_runbook_and_order(clock, make_snapshot) -> None:
+def test_labels_are_what_prometheus_would_attach_and_links_are_absolute(
+    clock, make_snapshot
+) -> None:
     ev = AlertEvaluator(
         api.AlertSettings(for_s=0),
         "llama-8b",
         "gpu-node-3:8477",
         clock,
-        runbook_base="https://runbooks.example/kvctl/alerts.md",
+        agent_url="https://gpu-node-3:8477",
+        job="llm-kv",
     )
     alerts = ev.evaluate(
-        make_snapshot(fragmentation_ratio=0.7, alloc_success_ratio=0.9, prefix_hit_ratio=0.01)
+        make_snapshot(fragmentation_ratio=0.7, prefix_hit_ratio=0.01, **allocations(400, 40))
     )
     assert [a.name for a in alerts] == [
         "KvctlAllocationFailures",  # critical first
@@ -157,16 +275,30 @@ def test_labels_runbook_and_order(clock, make_snapshot) -> None:
         "severity": "warning",
         "pool": "llama-8b",
         "instance": "gpu-node-3:8477",
+        "job": "llm-kv",
     }
-    assert alerts[1].runbook_url == (
-        "https://runbooks.example/kvctl/alerts.md#kvctlfragmentationhigh"
-    )
+    assert alerts[1].runbook_url == "https://gpu-node-3:8477/runbook#kvctlfragmentationhigh"
     assert alerts[1].summary == "KV pool llama-8b at gpu-node-3:8477 is fragmented"
-    assert "`kvctl --agent http://gpu-node-3:8477 defrag --now`" in alerts[1].remediation
+    assert "`kvctl --agent https://gpu-node-3:8477 defrag --now`" in alerts[1].remediation
+
+
+def test_a_runbook_base_replaces_the_agents_own(clock, make_snapshot) -> None:
+    ev = AlertEvaluator(
+        api.AlertSettings(for_s=0),
+        "demo",
+        "node-1:8477",
+        clock,
+        runbook_base="https://wiki.example.com/kvctl/alerts/",
+    )
+    [alert] = ev.evaluate(make_snapshot(fragmentation_ratio=0.7))
+    assert alert.runbook_url == "https://wiki.example.com/kvctl/alerts#kvctlfragmentationhigh"
+    assert alert.labels["job"] == "kvctl-agent"  # the default scrape job
 
 
 TRIGGERS = {
-    "KvctlAllocationFailures": dict(alloc_success_ratio=0.98, alloc_failures_total=20),
+    "KvctlAllocationFailures": dict(window_alloc_attempts=1000, window_alloc_failures=20),
+    "KvctlQueueStalled": dict(requests_waiting=3, queue_stalled_seconds=45.0),
+    "KvctlQueueWaitLong": dict(requests_waiting=3, oldest_waiting_seconds=75.0),
     "KvctlFragmentationHigh": dict(fragmentation_ratio=0.7),
     "KvctlDefragIneffective": dict(
         fragmentation_ratio=0.7,
@@ -183,7 +315,7 @@ TRIGGERS = {
             complete=True,
         ),
     ),
-    "KvctlPoolNearlyFull": dict(utilization_ratio=0.97, used_pages=480, free_pages=16),
+    "KvctlPoolNearlyFull": dict(pressure_ratio=0.97, used_pages=497, free_pages=15),
     "KvctlPoolOverProvisioned": dict(utilization_ratio=0.1),
     "KvctlPrefixHitRateLow": dict(prefix_hit_ratio=0.02),
     "KvctlPreemptionStorm": dict(preemptions_total=1000),
@@ -207,4 +339,5 @@ def test_every_alert_fires_with_a_value_a_cause_and_a_command(
     headline, cause = alert.description.split("; ", 1)
     assert headline and cause
     assert "`" in alert.remediation  # a command, setting or flag to paste
-    assert alert.runbook_url == f"docs/alerts.md#{definition.name.lower()}"
+    assert alert.runbook_url == f"http://node-1:8477/runbook#{definition.name.lower()}"
+    assert (alert.labels["job"], alert.labels["instance"]) == ("kvctl-agent", "node-1:8477")

@@ -1,9 +1,9 @@
-"""The generated rule file in a real Prometheus that scrapes a scripted exporter and alerts a real
-Alertmanager: the rules load without errors, the recording rules return values, and an alert
-arrives with its remediation and resolves when the metric recovers.
+"""The generated rule file in a real Prometheus that scrapes scripted exporters and alerts a real
+Alertmanager: the rules load without errors, the recording rules return values, and the fleet
+alert, which needs several agents, arrives with its texts and resolves when the fleet recovers.
 
-The exporter serves the agent's metric names with values the test sets, so this checks the
-rule file against Prometheus itself, independent of the agent process.
+Each exporter serves the agent's metric names with values the test sets (three "nodes" serving
+one model), so this checks the rule file against Prometheus itself, independent of the agent.
 """
 
 from __future__ import annotations
@@ -23,15 +23,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 class ScriptedExporter:
     """Serves kvctl_* series for pool "demo"; counters advance on every scrape."""
 
-    def __init__(self) -> None:
+    def __init__(self, pressure: float) -> None:
         self.gauges = {
             "kvctl_pool_capacity_pages": 512,
-            "kvctl_pool_used_pages": 200,
-            "kvctl_pool_cached_pages": 112,
-            "kvctl_pool_free_pages": 200,
-            "kvctl_pool_utilization_ratio": 0.61,
-            "kvctl_pool_fragmentation_ratio": 0.8,
-            "kvctl_pool_free_extents": 40,
+            "kvctl_pool_used_pages": round(512 * pressure),
+            "kvctl_pool_utilization_ratio": 0.98,
+            "kvctl_pool_pressure_ratio": pressure,
             "kvctl_requests_waiting": 0,
         }
         self.scrapes = 0
@@ -82,25 +79,27 @@ class ScriptedExporter:
 
 
 @pytest.fixture
-def exporter() -> Iterator[ScriptedExporter]:
-    exporter = ScriptedExporter()
-    thread = threading.Thread(target=exporter.server.serve_forever, daemon=True)
-    thread.start()
+def fleet() -> Iterator[list[ScriptedExporter]]:
+    """Three nodes serving pool "demo": two under pressure, one with room."""
+    exporters = [ScriptedExporter(0.97), ScriptedExporter(0.99), ScriptedExporter(0.5)]
+    for exporter in exporters:
+        threading.Thread(target=exporter.server.serve_forever, daemon=True).start()
     try:
-        yield exporter
+        yield exporters
     finally:
-        exporter.server.shutdown()
-        exporter.server.server_close()
+        for exporter in exporters:
+            exporter.server.shutdown()
+            exporter.server.server_close()
 
 
 def active(stack, name: str) -> list[dict]:
     return [a for a in stack.am_alerts(active="true") if a["labels"]["alertname"] == name]
 
 
-def test_rules_load_record_and_alert_through_alertmanager(prom_stack, exporter) -> None:
+def test_rules_load_record_and_raise_the_fleet_alert(prom_stack, fleet) -> None:
     prom_stack.start_alertmanager()
-    rules = render_rule_file(api.AlertSettings(for_s=1))
-    prom_stack.start_prometheus([exporter.target], rules)
+    rules = render_rule_file(api.AlertSettings(for_s=1))  # the fleet alert holds 5 s
+    prom_stack.start_prometheus([e.target for e in fleet], rules)
 
     def evaluated_rules() -> list[dict]:
         rules = [r for g in prom_stack.rule_groups() for r in g["rules"]]
@@ -108,35 +107,38 @@ def test_rules_load_record_and_alert_through_alertmanager(prom_stack, exporter) 
         return rules if done else []
 
     loaded = prom_stack.wait_for(evaluated_rules, "every rule to be evaluated")
-    assert len(loaded) == 15
+    assert len(loaded) == 9
     assert [(r["name"], r["health"]) for r in loaded if r["health"] != "ok"] == []
 
-    def recorded(name: str) -> float | None:
-        result = prom_stack.query(name)
-        return float(result[0]["value"][1]) if result else None
+    def recorded(name: str) -> list[float]:
+        return [float(r["value"][1]) for r in prom_stack.query(name)]
 
-    prom_stack.wait_for(lambda: recorded("kvctl:alloc_success:ratio_rate5m"), "the success ratio")
-    assert recorded("kvctl:alloc_success:ratio_rate5m") == 1.0
-    assert recorded("kvctl:prefix_hit:ratio_rate5m") == pytest.approx(0.5)
+    ratios = ("kvctl:alloc_success:ratio_rate5m", "kvctl:prefix_hit:ratio_rate5m")
+    prom_stack.wait_for(
+        lambda: all(len(recorded(name)) == len(fleet) for name in ratios), "every node's ratios"
+    )
+    assert recorded("kvctl:alloc_success:ratio_rate5m") == [1.0, 1.0, 1.0]
+    assert recorded("kvctl:prefix_hit:ratio_rate5m") == pytest.approx([0.5, 0.5, 0.5])
 
     [alert] = prom_stack.wait_for(
-        lambda: active(prom_stack, "KvctlFragmentationHigh"), "the alert in Alertmanager"
+        lambda: active(prom_stack, "KvctlFleetPressureHigh"), "the fleet alert in Alertmanager"
     )
     assert alert["labels"] == {
-        "alertname": "KvctlFragmentationHigh",
+        "alertname": "KvctlFleetPressureHigh",
         "severity": "warning",
         "pool": "demo",
-        "instance": exporter.target,
         "job": "kvctl-agent",
     }
-    annotations = alert["annotations"]
-    assert annotations["description"].startswith(
-        "fragmentation 0.80 with 200 free pages in 40 extents; "
+    assert alert["annotations"]["description"].startswith(
+        "running requests hold more than 95% of the pool on 66.67% of the agents of job "
+        "kvctl-agent serving demo: "
     )
-    assert f"`kvctl --agent http://{exporter.target} defrag --now`" in annotations["remediation"]
-    assert annotations["runbook_url"] == "docs/alerts.md#kvctlfragmentationhigh"
+    assert alert["annotations"]["runbook_url"] == (
+        "https://kvctl-runbook.invalid/alerts#kvctlfleetpressurehigh"
+    )
+    assert not active(prom_stack, "KvctlAgentDown") and not active(prom_stack, "KvctlAgentAbsent")
 
-    exporter.gauges["kvctl_pool_fragmentation_ratio"] = 0.05  # defragmented
+    fleet[0].gauges["kvctl_pool_pressure_ratio"] = 0.6  # one node got room: a third now
     prom_stack.wait_for(
-        lambda: not active(prom_stack, "KvctlFragmentationHigh"), "the alert to resolve"
+        lambda: not active(prom_stack, "KvctlFleetPressureHigh"), "the fleet alert to resolve"
     )

@@ -1,5 +1,6 @@
-"""The Prometheus side: the generated rule file, its promtool unit tests, the example
-Alertmanager configuration and the runbook anchors the alerts link to."""
+"""The Prometheus side: the generated rule file (recording rules, and only the alerts an agent
+cannot raise itself), its promtool unit tests, the example Alertmanager configuration and the
+runbook the alerts link to."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import re
 import subprocess
 from pathlib import Path
 from string import Formatter
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
 from kvctl import api
-from kvctl.alerts import ALL_ALERT_NAMES, DEFINITIONS, render_rule_file
-from kvctl.alerts.catalog import FACTS
+from kvctl.alerts import ALL_ALERT_NAMES, DEFINITIONS, RULE_ONLY, render_rule_file
+from kvctl.alerts.catalog import FACTS, RULES_RUNBOOK_BASE
 from kvctl.alerts.rules import RECORDING_RULES, duration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,36 +42,46 @@ def test_the_committed_rule_file_is_the_generated_one() -> None:
     )
 
 
-def test_every_alert_and_recording_rule_is_in_the_file() -> None:
+def test_the_file_owns_only_what_an_agent_cannot_say() -> None:
+    """Per-node alerts are pushed by the agents; a rule for one of them would reach
+    Alertmanager a second time."""
     rules = rules_of(render_rule_file())
-    assert [r["alert"] for r in rules if "alert" in r] == list(ALL_ALERT_NAMES)
+    alerts = [r["alert"] for r in rules if "alert" in r]
+    assert alerts == ["KvctlAgentDown", "KvctlAgentAbsent", "KvctlFleetPressureHigh"]
+    assert not set(alerts) & {d.name for d in DEFINITIONS}
+    assert set(alerts) | {d.name for d in DEFINITIONS} == set(ALL_ALERT_NAMES)
     assert [r["record"] for r in rules if "record" in r] == [name for name, _ in RECORDING_RULES]
     for rule in (r for r in rules if "alert" in r):
         assert rule["labels"]["severity"] in ("info", "warning", "critical")
         assert set(rule["annotations"]) == {"summary", "description", "remediation", "runbook_url"}
-        assert rule["annotations"]["runbook_url"] == f"docs/alerts.md#{rule['alert'].lower()}"
+        assert rule["annotations"]["runbook_url"] == (
+            f"{RULES_RUNBOOK_BASE}#{rule['alert'].lower()}"
+        )
+        link = urlsplit(rule["annotations"]["runbook_url"])
+        assert link.scheme == "https" and link.netloc.endswith(".invalid")  # plainly unset
 
 
-def test_thresholds_and_durations_follow_the_settings() -> None:
-    settings = api.AlertSettings(for_s=120, fragmentation_max=0.7, utilization_low=0.1)
+def test_durations_and_the_fleet_threshold_follow_the_settings() -> None:
+    settings = api.AlertSettings(for_s=120, pressure_high=0.9)
     rules = {r.get("alert"): r for r in rules_of(render_rule_file(settings))}
-    fragmentation = rules["KvctlFragmentationHigh"]
-    assert fragmentation["expr"].startswith("kvctl_pool_fragmentation_ratio > 0.7\n")
-    assert "kvctl_pool_fragmentation_ratio > 0.6\n" in fragmentation["expr"]  # clear level
-    assert fragmentation["for"] == "2m"
-    assert rules["KvctlPoolOverProvisioned"]["for"] == "1h"  # 30 × alert-for
-    assert "kvctl_pool_utilization_ratio < 0.1\n" in rules["KvctlPoolOverProvisioned"]["expr"]
-    # a trigger with no room for a clear level has no hysteresis branch
-    assert rules["KvctlAllocationFailures"]["expr"] == "kvctl:alloc_success:ratio_rate5m < 1"
+    assert rules["KvctlAgentDown"]["for"] == "2m"
+    assert rules["KvctlAgentAbsent"]["for"] == "10m"  # 5 × alert-for
+    fleet = rules["KvctlFleetPressureHigh"]
+    assert fleet["for"] == "10m"
+    assert 'kvctl_pool_pressure_ratio{job="kvctl-agent"} > 0.9)' in fleet["expr"]
+    assert "more than 90% of the pool" in fleet["annotations"]["description"]
 
 
 def test_runbook_base_and_job_are_parameters() -> None:
-    text = render_rule_file(runbook_base="https://runbooks.example/alerts.md", job="llm-kv")
+    text = render_rule_file(runbook_base="https://runbooks.example/kvctl/", job="llm-kv")
     rules = {r.get("alert"): r for r in rules_of(text)}
     assert rules["KvctlAgentDown"]["expr"] == 'up{job="llm-kv"} == 0'
-    assert rules["KvctlPoolNearlyFull"]["annotations"]["runbook_url"] == (
-        "https://runbooks.example/alerts.md#kvctlpoolnearlyfull"
+    assert rules["KvctlAgentAbsent"]["expr"] == 'absent(up{job="llm-kv"})'
+    assert 'kvctl_pool_pressure_ratio{job="llm-kv"}' in rules["KvctlFleetPressureHigh"]["expr"]
+    assert rules["KvctlAgentDown"]["annotations"]["runbook_url"] == (
+        "https://runbooks.example/kvctl#kvctlagentdown"
     )
+    assert 'scrape job to be named "llm-kv"' in text
 
 
 @pytest.mark.parametrize(
@@ -90,10 +102,10 @@ def test_durations(seconds, expected) -> None:
 
 def test_promtool_accepts_the_rule_file(tool, tmp_path) -> None:
     custom = tmp_path / "custom.yml"
-    custom.write_text(render_rule_file(api.AlertSettings(for_s=0, preemptions_per_minute_max=5)))
+    custom.write_text(render_rule_file(api.AlertSettings(for_s=0, pressure_high=0.5)))
     result = run(tool("promtool"), "check", "rules", str(RULES), str(custom))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 15 rules found" in result.stdout
+    assert result.stdout.count("SUCCESS: 9 rules found") == 2
 
 
 def test_promtool_unit_tests_of_every_alert_pass(tool) -> None:
@@ -101,13 +113,24 @@ def test_promtool_unit_tests_of_every_alert_pass(tool) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_unit_tests_cover_every_alert_firing_and_not_firing() -> None:
+def test_the_unit_tests_cover_every_rule_firing_and_not_firing() -> None:
     firing, quiet = set(), set()
     for group in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
         for case in group["alert_rule_test"]:
             (firing if case.get("exp_alerts") else quiet).add(case["alertname"])
-    assert firing == set(ALL_ALERT_NAMES)
-    assert quiet == set(ALL_ALERT_NAMES)
+    assert firing == {r.name for r in RULE_ONLY}
+    assert quiet == {r.name for r in RULE_ONLY}
+
+
+def test_a_down_agent_inhibits_its_own_alerts_by_instance() -> None:
+    """The agent's pushed alerts and Prometheus' KvctlAgentDown carry the same `instance`, so
+    the example can silence a down node's stale alerts."""
+    config = yaml.safe_load(AM_EXAMPLE.read_text())
+    [rule] = [
+        r for r in config["inhibit_rules"] if r["source_matchers"] == ['alertname="KvctlAgentDown"']
+    ]
+    assert rule["equal"] == ["instance"]
+    assert 'alertname=~"Kvctl.+"' in rule["target_matchers"]
 
 
 def test_amtool_accepts_the_example_alertmanager_config(tool) -> None:
@@ -143,7 +166,13 @@ def test_every_alert_has_a_runbook_section_at_its_anchor() -> None:
     anchors = {github_anchor(h) for h in headings}
     for name in (*ALL_ALERT_NAMES, "KvctlTestAlert"):
         assert name.lower() in anchors, f"docs/alerts.md has no `## {name}` section"
-    assert {d.anchor for d in DEFINITIONS} <= anchors
+    assert {d.anchor for d in DEFINITIONS} | {r.anchor for r in RULE_ONLY} <= anchors
+
+
+def test_the_runbook_names_every_alert_setting() -> None:
+    text = RUNBOOK.read_text()
+    for name in api.AlertSettings.model_fields:
+        assert f"`{name}`" in text or f"`alerts.{name}" in text, f"docs/alerts.md lacks {name}"
 
 
 def test_every_runbook_section_has_its_four_parts() -> None:
@@ -159,12 +188,20 @@ def test_every_runbook_section_has_its_four_parts() -> None:
 @pytest.mark.parametrize("definition", DEFINITIONS, ids=lambda d: d.name)
 def test_text_templates_only_use_known_fields(definition) -> None:
     known = {"value", "pool", "instance", "agent", *definition.labels, *FACTS}
-    templates = (
-        definition.summary,
-        definition.headline,
-        definition.rule_remediation(api.AlertSettings()),
-    )
-    for template in templates:
+    for template in (definition.summary, definition.headline):
+        fields = {field for _, field, _, _ in Formatter().parse(template) if field is not None}
+        assert fields <= known, f"unknown fields {fields - known} in {template!r}"
+
+
+@pytest.mark.parametrize("alert", RULE_ONLY, ids=lambda a: a.name)
+def test_rule_templates_only_use_labels_the_expression_keeps(alert) -> None:
+    """A `{label}` the expression aggregates away would render empty in a notification."""
+    kept = {"KvctlAgentDown": {"instance", "job"}, "KvctlAgentAbsent": {"job"}}
+    labels = kept.get(alert.name, {"job", "pool"})
+    known = {"value", *labels, *api.AlertSettings.model_fields}
+    if "instance" in labels:
+        known.add("agent")
+    for template in (alert.summary, alert.description, alert.remediation):
         fields = {field for _, field, _, _ in Formatter().parse(template) if field is not None}
         assert fields <= known, f"unknown fields {fields - known} in {template!r}"
 
@@ -177,8 +214,10 @@ def test_the_runbook_table_states_each_threshold_and_default(definition) -> None
         if line.startswith(f"| {definition.name} |")
     ]
     setting = definition.threshold.setting
-    match = re.search(rf"`{setting}` \(([\d.]+)\)", row)
+    match = re.search(rf"`{setting}` \(([\d.]+)", row)
     assert match, f"the runbook's row of {definition.name} does not name `{setting}`"
     default = definition.threshold.trigger(api.AlertSettings())
     assert float(match.group(1)) == default
     assert definition.severity in row
+    if definition.escalation is not None:
+        assert definition.escalation.severity in row

@@ -1,4 +1,5 @@
-"""`kvctl alerts rules` and `kvctl alerts test` (against a stand-in Alertmanager on loopback)."""
+"""`kvctl alerts rules` and `kvctl alerts test`: sent through an agent (its own route, labels and
+token) or posted directly, to a stand-in Alertmanager on loopback."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ from typing import ClassVar
 
 import pytest
 import yaml
+from agent_process import SMALL_POOL
 
 from kvctl.alerts import render_rule_file
+from kvctl.api import AlertSettings
+
+TOKEN = "alert-test-s3cret"
 
 
 class _Receiver(BaseHTTPRequestHandler):
@@ -67,3 +72,69 @@ def test_test_alert_without_alertmanager_is_one_line(kvctl) -> None:
     assert result.exit_code == 1
     assert result.stderr.startswith("kvctl: cannot reach Alertmanager at http://127.0.0.1:9")
     assert len(result.stderr.splitlines()) == 1
+
+
+def test_rules_take_a_runbook_base_and_a_job(kvctl) -> None:
+    base = "http://gpu-node-1:8477/runbook"
+    result = kvctl("alerts", "rules", "--runbook-url", base, "--job", "llm-kv")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == render_rule_file(runbook_base=base, job="llm-kv")
+    assert f"runbook_url: {base}#kvctlagentdown" in result.stdout
+    assert 'up{job="llm-kv"} == 0' in result.stdout
+
+
+def test_rules_refuse_a_relative_runbook_base(kvctl) -> None:
+    result = kvctl("alerts", "rules", "--runbook-url", "docs/alerts.md")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("kvctl: --runbook-url must be an absolute http(s) URL")
+    assert len(result.stderr.splitlines()) == 1 and result.stdout == ""
+
+
+def test_the_agent_sends_the_test_alert_with_its_labels_and_token(
+    kvctl, alertmanager, start_agent
+) -> None:
+    url, posts = alertmanager
+    agent = start_agent(*SMALL_POOL, "--alertmanager-url", url, token=TOKEN)
+    instance = agent.url.removeprefix("http://")
+
+    refused = kvctl("--agent", agent.url, "alerts", "test")
+    assert refused.exit_code == 4 and posts == []  # the route needs the token: nothing sent
+
+    result = kvctl("--agent", agent.url, "--token", TOKEN, "--json", "alerts", "test")
+    assert result.exit_code == 0, result.output
+    sent = json.loads(result.stdout)
+    ((path, body),) = posts
+    assert path == "/api/v2/alerts" and body == [sent["alert"]]
+    assert sent["alert"]["labels"] == {
+        "alertname": "KvctlTestAlert",
+        "severity": "info",
+        "pool": "demo",
+        "instance": instance,
+        "job": "kvctl-agent",
+    }
+    assert sent["alert"]["annotations"]["runbook_url"] == f"{agent.url}/runbook#kvctltestalert"
+    human = kvctl("--agent", agent.url, "--token", TOKEN, "alerts", "test")
+    assert human.stdout.startswith("test alert sent to the agent's Alertmanager (")
+
+
+def test_an_agent_without_alertmanager_says_how_to_fix_it(kvctl, agent) -> None:
+    result = kvctl("--agent", agent.url, "alerts", "test")
+    assert result.exit_code == 1
+    assert len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith(f"kvctl: agent {agent.url}: ")
+    assert "start it with --alertmanager-url" in result.stderr
+
+
+def test_rules_follow_the_alert_settings_the_agents_use(kvctl) -> None:
+    result = kvctl(
+        "alerts", "rules", "--set", "alerts.pressure_high=0.9", "--set", "alerts.for_s=2m"
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stdout == render_rule_file(AlertSettings(pressure_high=0.9, for_s=120))
+    refused = kvctl("alerts", "rules", "--set", "alerts.pressure_high=2")
+    assert refused.exit_code == 2
+    assert (
+        refused.stderr == "kvctl: --set alerts.pressure_high: must be a number in [0, 1], got 2.0\n"
+    )
+    wrong = kvctl("alerts", "rules", "--set", "defrag.enabled=false")
+    assert wrong.exit_code == 2 and "write --set alerts.NAME=VALUE" in wrong.stderr

@@ -1,16 +1,20 @@
 """The deployment artefacts under agent/ parse and agree with each other: the example config
 has every flag as a key, the Kubernetes objects select each other and bind publicly only with a
-token, and the scrape job is the one the rule file expects."""
+token, Prometheus scrapes with that token, and a node's alerts have one identity: the scrape job
+is the one the rule file expects and the agents put on their alerts, and the address Prometheus
+scrapes is the one the agent advertises."""
 
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import re
 import shutil
 import subprocess
 import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -49,27 +53,55 @@ def commented_settings(text: str) -> dict:
     return tomllib.loads("\n".join(lines))
 
 
-def validate_with_agent(values: dict) -> None:
-    """Check `values` against the agent's own configuration model, where it is installed."""
+def validate_with_agent(values: dict, tmp_path: Path, **flags: object) -> object:
+    """`values` (and `flags`) read by the agent's own configuration loader, where the agent is
+    installed: the loaded configuration, or None. A token file is replaced by a readable one."""
     try:
-        from kvctl.agent.config import AgentConfig
+        from kvctl.agent.config import load_config
     except ImportError:
-        return
-    AgentConfig.model_validate(values)
+        return None
+    values = dict(values)
+    if "token_file" in values:
+        token = tmp_path / "token"
+        token.write_text("s3cret")
+        values["token_file"] = str(token)
+    config_file = tmp_path / "agent.toml"
+    config_file.write_text(_toml(values))
+    return load_config(flags, config_file)
+
+
+def _toml(values: dict) -> str:
+    """TOML of flat keys and `[section]` tables of strings, numbers and booleans (all the
+    examples hold)."""
+    flat = [f"{key} = {_toml_value(v)}" for key, v in values.items() if not isinstance(v, dict)]
+    tables = [
+        f"[{name}]\n" + "".join(f"{key} = {_toml_value(v)}\n" for key, v in table.items())
+        for name, table in values.items()
+        if isinstance(table, dict)
+    ]
+    return "\n".join(flat) + "\n" + "".join(tables)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int | float):
+        return str(value)
+    return json.dumps(str(value))
 
 
 def k8s(name: str) -> dict:
     return yaml.safe_load((K8S / name).read_text())
 
 
-def test_the_example_config_has_every_flag_as_a_key() -> None:
+def test_the_example_config_has_every_flag_as_a_key(tmp_path) -> None:
     text = (AGENT / "kvctl-agent.example.toml").read_text()
     active, optional = tomllib.loads(text), commented_settings(text)
     assert set(active) | set(optional) >= FLAG_KEYS  # DESIGN's flags, and maybe more
     assert not set(active) & set(optional)
     assert len(SIZING_KEYS & set(active)) == 1, "exactly one way of sizing the pool"
-    validate_with_agent(active)
-    validate_with_agent({**active, "alertmanager_url": optional["alertmanager_url"]})
+    validate_with_agent(active, tmp_path)
+    validate_with_agent({**active, "alertmanager_url": optional["alertmanager_url"]}, tmp_path)
 
 
 def test_every_yaml_file_parses() -> None:
@@ -80,7 +112,7 @@ def test_every_yaml_file_parses() -> None:
         assert documents and all(isinstance(d, dict) for d in documents), path
 
 
-def test_the_kubernetes_agent_runs_on_gpu_nodes_with_a_token() -> None:
+def test_the_kubernetes_agent_runs_on_gpu_nodes_with_a_token(tmp_path) -> None:
     daemonset = k8s("daemonset.yaml")
     pod = daemonset["spec"]["template"]
     spec = pod["spec"]
@@ -95,12 +127,52 @@ def test_the_kubernetes_agent_runs_on_gpu_nodes_with_a_token() -> None:
     config_text = k8s("configmap.yaml")["data"]["agent.toml"]
     config = tomllib.loads(config_text)
     assert config["host"] == "0.0.0.0" and config["token_file"]
-    validate_with_agent(config)
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert Path(config["token_file"]).parent == Path(mounts["token"])
     assert volumes["token"]["secret"]["secretName"] == "kvctl-agent-token"
-    assert container["args"] == ["--config", f"{mounts['config']}/agent.toml"]
+    assert container["args"][:2] == ["--config", f"{mounts['config']}/agent.toml"]
+    loaded = validate_with_agent(config, tmp_path, advertise_url=pod_advertise_url(container))
+    if loaded is not None:
+        assert loaded.advertised(8477) == "http://10.1.2.3:8477"
+        assert loaded.prometheus_job == AGENT_JOB
+
+
+def pod_advertise_url(container: dict) -> str:
+    """The container's --advertise-url with the downward-API variables a pod would get."""
+    args = container["args"]
+    url = args[args.index("--advertise-url") + 1]
+    env = {e["name"]: e for e in container["env"]}
+    for name in re.findall(r"\$\((\w+)\)", url):
+        assert env[name]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", name
+        url = url.replace(f"$({name})", "10.1.2.3")
+    return url
+
+
+def test_the_agent_advertises_the_address_the_podmonitor_scrapes() -> None:
+    """`instance` on a pushed alert is the advertised host:port; on a scraped series it is the
+    pod's IP and the endpoint's port. They must be the same for one identity per node."""
+    [container] = k8s("daemonset.yaml")["spec"]["template"]["spec"]["containers"]
+    url = urlsplit(pod_advertise_url(container))
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    [endpoint] = k8s("podmonitor.yaml")["spec"]["podMetricsEndpoints"]
+    assert (url.hostname, url.port) == ("10.1.2.3", ports[endpoint["port"]])
+    config = tomllib.loads(k8s("configmap.yaml")["data"]["agent.toml"])
+    assert config["port"] == url.port
+
+
+def test_prometheus_scrapes_the_agents_with_their_token() -> None:
+    spec = k8s("daemonset.yaml")["spec"]["template"]["spec"]
+    token_secret = {v["name"]: v for v in spec["volumes"]}["token"]["secret"]["secretName"]
+    token_file = Path(tomllib.loads(k8s("configmap.yaml")["data"]["agent.toml"])["token_file"])
+    [endpoint] = k8s("podmonitor.yaml")["spec"]["podMetricsEndpoints"]
+    authorization = endpoint["authorization"]
+    assert authorization["type"] == "Bearer"
+    assert authorization["credentials"] == {"name": token_secret, "key": token_file.name}
+    scrape = yaml.safe_load((AGENT / "prometheus-scrape.yml").read_text())
+    [job] = scrape["scrape_configs"]
+    assert job["authorization"]["type"] == "Bearer"
+    assert job["authorization"]["credentials_file"]
 
 
 def test_service_and_podmonitor_find_the_agent_pods() -> None:
@@ -130,6 +202,8 @@ def test_the_scrape_config_uses_the_rule_files_job_and_promtool_accepts_it(tmp_p
         pytest.skip("promtool is not installed")
     shutil.copy(AGENT / "prometheus-scrape.yml", tmp_path / "prometheus.yml")
     (tmp_path / "kvctl-rules.yml").write_text(render_rule_file())
+    [job] = config["scrape_configs"]
+    (tmp_path / job["authorization"]["credentials_file"]).write_text("s3cret")
     result = subprocess.run(
         [promtool, "check", "config", str(tmp_path / "prometheus.yml")],
         capture_output=True,

@@ -166,3 +166,19 @@ def test_every_dashboard_query_parses_as_promql(dashboard, tmp_path) -> None:
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_dashboard_plots_what_the_agents_alerts_read(dashboard) -> None:
+    """Pressure (not utilisation) trips KvctlPoolNearlyFull, and the queue alerts read the wait
+    and the stall: an operator looking at the dashboard sees the number that fired."""
+    queries = " ".join(dashboard_queries(dashboard))
+    for series in (
+        "kvctl_pool_pressure_ratio",
+        "kvctl_oldest_waiting_seconds",
+        "kvctl_queue_stalled_seconds",
+    ):
+        assert series in queries, series
+    [queue] = [
+        p for p in panels(dashboard) if "kvctl_queue_stalled_seconds" in str(p.get("targets"))
+    ]
+    assert queue["fieldConfig"]["defaults"]["unit"] == "s"

@@ -1,0 +1,156 @@
+"""Remedies: the exact `kvctl` command or runtime setting an alert suggests, with a value to try.
+
+Every remedy reads the runtime settings in force (`Situation.runtime`) and never suggests a
+setting that already holds its value: an on-call engineer told to set what is set stops trusting
+the rest. When nothing is left to change, it says what the setting in force already does.
+"""
+
+from __future__ import annotations
+
+from kvctl.alerts import text
+from kvctl.alerts.definition import Situation
+
+RESIZE_HIGH_WATER = 0.85
+"""`resize.high_water` to suggest: grow before the pool is full, not when it is."""
+DEFRAG_STEP_PAGES = 256
+"""`defrag.step_max_pages` to suggest when runs stop before finishing (the default is 64)."""
+DEFRAG_CHECK_INTERVAL_S = 2
+"""`defrag.check_interval_s` to suggest when fragmentation regrows between checks."""
+GPU_MEMORY_FRACTION = 0.8
+"""`--gpu-memory-fraction` to suggest when the device is nearly full."""
+RESTART = "`systemctl restart kvctl-agent` (Kubernetes: delete the pod)"
+"""How to restart an agent, for the states only a restart clears."""
+
+
+def raise_limit(sit: Situation) -> str:
+    """A larger `--max-pool-pages`: at its limit the pool cannot grow at run time."""
+    return (
+        f"Restart the agent with `--max-pool-pages {text.raised_limit(sit.snapshot)}` if the "
+        "device has the memory; otherwise send fewer concurrent or shorter requests"
+    )
+
+
+def auto_grow(sit: Situation, target: int) -> str:
+    """What makes the pool grow by itself, from the resize settings in force."""
+    resize = sit.runtime.resize
+    changes = []
+    if not resize.enabled:
+        changes.append(text.setting("resize.enabled", True))
+    if resize.high_water > RESIZE_HIGH_WATER:
+        changes.append(text.setting("resize.high_water", RESIZE_HIGH_WATER))
+    if resize.max_pages is not None and resize.max_pages < target:
+        changes.append(text.setting("resize.max_pages", target))
+    if changes:
+        return f"to grow on demand, {text.patch(*changes)}"
+    return (
+        f"automatic resize is on and grows one segment once the pool stays above "
+        f"`resize.high_water={resize.high_water:g}` for `resize.window_s={resize.window_s:g}`"
+    )
+
+
+def grow(sit: Situation) -> str:
+    """A quarter more pool now, and what makes it grow by itself; at the limit, a restart."""
+    target = text.grow_target(sit.snapshot)
+    if target is None:
+        return raise_limit(sit)
+    resize = text.command(sit.agent_url, f"pool resize --pages {target}")
+    return f"Run {resize}; {auto_grow(sit, target)}"
+
+
+def auto_shrink(sit: Situation, target: int) -> str:
+    """What makes the pool shrink by itself, from the resize settings in force."""
+    resize = sit.runtime.resize
+    changes = []
+    if not resize.enabled:
+        changes.append(text.setting("resize.enabled", True))
+    if resize.min_pages is not None and resize.min_pages > target:
+        changes.append(text.setting("resize.min_pages", target))
+    if changes:
+        return f"to shrink automatically, {text.patch(*changes)}"
+    return (
+        f"automatic resize is on and shrinks one segment once the pool stays below "
+        f"`resize.low_water={resize.low_water:g}` for `resize.window_s={resize.window_s:g}`"
+    )
+
+
+def shrink_pool(sit: Situation) -> str:
+    """The resize that leaves what is in use half the pool, room for a burst."""
+    pages = text.shrink_target(sit.snapshot)
+    return text.command(sit.agent_url, f"pool resize --pages {pages}")
+
+
+def trim_pool(sit: Situation) -> str:
+    """The resize that frees device memory but keeps a tenth spare."""
+    pages = text.trim_target(sit.snapshot)
+    return text.command(sit.agent_url, f"pool resize --pages {pages}")
+
+
+def defrag_now(sit: Situation) -> str:
+    """A full defragmentation pass now, whatever the automatic thresholds say."""
+    return text.command(sit.agent_url, "defrag --now")
+
+
+def lower_fragmentation_threshold(fragmentation_max: float) -> float:
+    """A `defrag.fragmentation_threshold` that lets auto-defrag act before the alert fires."""
+    return round(max(0.1, fragmentation_max - 0.2), 2)
+
+
+def lower_threshold(sit: Situation) -> str | None:
+    """A lower `defrag.fragmentation_threshold`, unless the one in force is that low already."""
+    lower = lower_fragmentation_threshold(sit.settings.fragmentation_max)
+    if sit.runtime.defrag.fragmentation_threshold <= lower:
+        return None
+    return text.setting("defrag.fragmentation_threshold", lower)
+
+
+def sooner(sit: Situation, lead: str) -> str:
+    """`lead`, then the settings that make auto-defrag act sooner and more often, those not in
+    force yet; or what it already does when all of them are."""
+    defrag = sit.runtime.defrag
+    changes = [lower_threshold(sit)]
+    if defrag.check_interval_s > DEFRAG_CHECK_INTERVAL_S:
+        changes.append(text.setting("defrag.check_interval_s", DEFRAG_CHECK_INTERVAL_S))
+    if not defrag.enabled:
+        changes.insert(0, text.setting("defrag.enabled", True))
+    wanted = [c for c in changes if c]
+    if wanted:
+        return f"{lead}, {text.patch(*wanted)}"
+    return (
+        f"auto-defrag already checks every `defrag.check_interval_s={defrag.check_interval_s:g}`"
+        f" above `defrag.fragmentation_threshold={defrag.fragmentation_threshold:g}`; a larger "
+        "pool leaves more free room and scatters slower"
+    )
+
+
+def longer_steps(sit: Situation) -> str:
+    """A defrag step budget larger than the one in force."""
+    defrag = sit.runtime.defrag
+    if defrag.step_max_pages < DEFRAG_STEP_PAGES:
+        return text.patch(text.setting("defrag.step_max_pages", DEFRAG_STEP_PAGES))
+    longer = round(min(1.0, defrag.step_max_seconds * 2), 4)
+    return text.patch(text.setting("defrag.step_max_seconds", longer))
+
+
+def keep_reused(sit: Situation) -> str:
+    """LFU eviction keeps prefixes that many requests share, unless it is already in force."""
+    if sit.runtime.prefix_cache.eviction_policy == "lfu":
+        return "eviction already keeps the most reused prefixes (`lfu`)"
+    lfu = text.setting("prefix_cache.eviction_policy", "lfu")
+    return f"Keep often reused prefixes: {text.patch(lfu)}"
+
+
+def keep_evidence(sit: Situation) -> str:
+    """For states only a bug explains: what to save before the restart that clears them."""
+    return (
+        f"save {text.command(sit.agent_url, 'pool show --json')} and the agent's log for a bug "
+        f"report, then restart it: {RESTART}"
+    )
+
+
+def unblock(sit: Situation) -> str:
+    """Room for the head of the queue now, or a restart when the pool may not grow."""
+    target = text.grow_target(sit.snapshot)
+    if target is None:
+        return f"The pool may not grow: {keep_evidence(sit)}"
+    resize = text.command(sit.agent_url, f"pool resize --pages {target}")
+    return f"Admit the waiting requests with {resize}; {keep_evidence(sit)}"
