@@ -11,18 +11,29 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvctl.settings import AlertSettings as AlertSettings
+from kvctl.settings import DefragSettings as DefragSettings
+from kvctl.settings import PrefixSettings as PrefixSettings
+from kvctl.settings import ResizeSettings as ResizeSettings
+from kvctl.settings import RuntimeSettings as RuntimeSettings
 
 API_VERSION = "v1"
 DEFAULT_PORT = 8477
 MAX_COMPLETION_TOKENS = 4096
 """Upper bound of `max_tokens` in one completion (the agent may set a lower one)."""
+MAX_STOP_STRINGS = 16
+"""Stop strings one request may give (OpenAI allows 4; some frameworks send a few more)."""
+MAX_STOP_LENGTH = 256
+"""Characters in one stop string. With the count, this bounds the per-token cost of matching."""
 
 
 class Strict(BaseModel):
-    """Request bodies: unknown fields are an error."""
+    """Request bodies: unknown fields are an error, and types are strict (a boolean is not a
+    number, 2.0 is not an integer, numbers are finite)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Response(BaseModel):
@@ -103,6 +114,12 @@ class PoolSnapshot(Response):
     Ratios are 0..1. `*_total` fields are counters since the agent started; `*_ratio` fields
     named after a window (`alloc_success_ratio`, `prefix_hit_ratio`) cover the last
     `window_seconds`, and are null when nothing happened in it.
+
+    `utilization_ratio` is (used + cached) / capacity: how much of the pool holds K/V at all.
+    `pressure_ratio` is used / capacity: cached prefix pages are evicted on demand, so they are
+    as good as free for admission, and only this ratio says how close the pool is to refusing.
+    `queue_stalled_seconds` is how long requests have been waiting while no token was produced
+    and no request was admitted or refused (0 when nothing waits or the queue moved).
     """
 
     pool: str
@@ -144,6 +161,18 @@ class PoolSnapshot(Response):
     preemptions_total: int
     alert_notifications_dropped_total: int = 0
     gpus: list[GpuMemory]
+    # pressure: cached pages are reclaimable, so only used pages count
+    pressure_ratio: float = 0.0
+    # the queue: its cap, the age of its oldest request, and how long it has not moved
+    max_waiting: int = 0
+    oldest_waiting_seconds: float = 0.0
+    queue_stalled_seconds: float = 0.0
+    # allocations within the window (the success ratio's numerator and denominator)
+    window_alloc_attempts: int = 0
+    window_alloc_failures: int = 0
+    requests_finished_total: dict[str, int] = {}
+    requests_rejected_total: dict[str, int] = {}
+    admin_actions_total: dict[str, int] = {}
 
 
 PageStateName = Literal["free", "used", "cached"]
@@ -207,78 +236,13 @@ class AlertList(Response):
 
 
 # ---- runtime configuration ------------------------------------------------------------------
-
-Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
-PositiveSeconds = Annotated[float, Field(gt=0.0, le=86400.0)]
-
-
-class DefragSettings(Strict):
-    enabled: bool = True
-    fragmentation_threshold: Ratio = 0.5
-    fragmentation_target: Ratio = 0.1
-    max_free_extents: Annotated[int, Field(ge=1)] = 64
-    on_contiguous_miss: bool = True
-    min_free_pages: Annotated[int, Field(ge=1)] = 16
-    check_interval_s: PositiveSeconds = 5.0
-    step_max_pages: Annotated[int, Field(ge=1, le=1 << 20)] = 64
-    step_max_seconds: PositiveSeconds = 0.005
-
-    @model_validator(mode="after")
-    def _ordered(self) -> DefragSettings:
-        if self.fragmentation_target > self.fragmentation_threshold:
-            raise ValueError("fragmentation_target must not exceed fragmentation_threshold")
-        return self
-
-
-class ResizeSettings(Strict):
-    """Automatic resize: grow one segment above `high_water` utilisation held for `window_s`,
-    shrink one segment below `low_water` held for `window_s`, within [min_pages, max_pages]."""
-
-    enabled: bool = False
-    high_water: Ratio = 0.9
-    low_water: Ratio = 0.3
-    window_s: PositiveSeconds = 60.0
-    min_pages: Annotated[int, Field(ge=1)] | None = None
-    max_pages: Annotated[int, Field(ge=1)] | None = None
-
-    @model_validator(mode="after")
-    def _ordered(self) -> ResizeSettings:
-        if self.low_water >= self.high_water:
-            raise ValueError("low_water must be below high_water")
-        if self.min_pages and self.max_pages and self.min_pages > self.max_pages:
-            raise ValueError("min_pages must not exceed max_pages")
-        return self
-
-
-class PrefixSettings(Strict):
-    eviction_policy: Literal["lru", "lfu", "fifo"] = "lru"
-
-
-class AlertSettings(Strict):
-    """Thresholds of the agent's own alert evaluation (the rule file has the same defaults)."""
-
-    interval_s: PositiveSeconds = 15.0
-    for_s: Annotated[float, Field(ge=0.0, le=86400.0)] = 60.0
-    alloc_success_min: Ratio = 1.0
-    fragmentation_max: Ratio = 0.5
-    utilization_high: Ratio = 0.95
-    utilization_low: Ratio = 0.2
-    prefix_hit_min: Ratio = 0.1
-    preemptions_per_minute_max: Annotated[float, Field(ge=0.0)] = 30.0
-    gpu_memory_max: Ratio = 0.95
-
-
-class RuntimeSettings(Strict):
-    """GET/PATCH /v1/config: what can change while the agent runs."""
-
-    defrag: DefragSettings = DefragSettings()
-    resize: ResizeSettings = ResizeSettings()
-    prefix_cache: PrefixSettings = PrefixSettings()
-    alerts: AlertSettings = AlertSettings()
+# The settings are defined in kvctl.settings (one definition for the API, the TOML file, the
+# flags and the docs); they are part of the API and re-exported here.
 
 
 class RuntimeSettingsPatch(Strict):
-    """PATCH body: any subset of the sections, each any subset of its fields."""
+    """PATCH body: any subset of the sections, each any subset of its settings (`null` restores
+    a default). The agent checks the values strictly against `kvctl.settings`."""
 
     defrag: dict[str, object] | None = None
     resize: dict[str, object] | None = None
@@ -307,13 +271,39 @@ class CompletionRequest(Strict):
     return_token_ids: bool = False
     ignore_eos: bool = False
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _bounded_stop(cls, value: object) -> object:
+        """At most `MAX_STOP_STRINGS` non-empty strings of `MAX_STOP_LENGTH` characters: the
+        cost of matching them is paid on every token of every request in the batch."""
+        strings = [value] if isinstance(value, str) else value
+        if value is None or not isinstance(strings, list):
+            return value  # None, or a type error reported by the field's own validation
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        for string in strings:
+            if isinstance(string, str) and not 0 < len(string) <= MAX_STOP_LENGTH:
+                raise ValueError(
+                    f"a stop string has 1 to at most {MAX_STOP_LENGTH} characters, "
+                    f"got one of {len(string)}"
+                )
+        return value
+
+
+FinishReasonName = Literal["stop", "length", "abort", "capacity"]
+"""`stop`: EOS or a stop string; `length`: max_tokens or the model's context was reached (never
+anything else); `abort`: the client went away or the agent shut down; `capacity`: the request
+lost its pages and the pool can no longer hold it (the agent's resize and admission rules keep
+this from happening; it is reported, never silent, if it does)."""
+
 
 class CompletionChoice(Response):
     index: int = 0
     text: str
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: FinishReasonName | None
     logprobs: None = None
     token_ids: list[int] | None = None
+    finish_detail: str | None = None  # why a request ended early ("abort", "capacity")
 
 
 class PromptTokensDetails(Response):
@@ -324,7 +314,8 @@ class Usage(Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    # present when the agent runs with --report-cached-tokens (it reveals other users' prefixes)
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionResponse(Response):

@@ -1,23 +1,33 @@
 """The agent's start-up configuration: command-line flags over an optional TOML file.
 
 Every flag of `kvctl-agent` is also a key of the TOML file (`--page-size` is `page_size`); a flag
-given on the command line wins. Unknown keys, bad values and contradictory choices (two ways of
-sizing the pool, a public address without a token) are refused before anything starts, with one
-line that names the key and what to write instead.
+given on the command line wins. Runtime settings (kvctl.settings) come in three ways, in rising
+precedence: `[section]` tables of the TOML file, their named flags (`--alert-interval`, also a
+flat TOML key `alert_interval`), and `--set section.name=value`. Unknown keys, bad values and
+contradictory choices (two ways of sizing the pool, a public address without a token, a token
+written into the file) are refused before anything starts, with one line that names the key
+and what to write instead.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
+import socket
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvctl import settings as runtime
 from kvctl.api import DEFAULT_PORT, MAX_COMPLETION_TOKENS
 from kvctl.units import parse_duration, parse_size
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
+DEFAULT_MAX_WAITING = 256
 
 
 class ConfigError(ValueError):
@@ -42,26 +52,33 @@ class AgentConfig(BaseModel):
     max_pool_pages: Annotated[int, Field(ge=1)] | None = None
     prefix_cache: bool = True
     prefix_isolation: Literal["salt", "sampling"] = "salt"
-    eviction_policy: Literal["lru", "lfu", "fifo"] = "lru"
     max_batch_seqs: Annotated[int, Field(ge=1, le=4096)] = 64
     torch_threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # default: cores - 1
     max_batch_tokens: Annotated[int, Field(ge=1)] = 4096
     max_tokens_limit: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] = 1024
     max_prompt_tokens: Annotated[int, Field(ge=1)] = 8192
     max_body_bytes: Annotated[int, Field(ge=1024)] = 1 << 20
+    max_waiting: Annotated[int, Field(ge=1, le=1 << 20)] = DEFAULT_MAX_WAITING
+    header_timeout: float = 10.0  # seconds a client has to send a request's headers
+    body_timeout: float = 30.0  # seconds a client has to send a request's body
+    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection is kept
+    max_connections: Annotated[int, Field(ge=16, le=1 << 20)] = 2048
+    advertise_url: str | None = None  # default http://<hostname>:<port>
+    prometheus_job: str = "kvctl-agent"  # the `job` label of the agent's alerts
+    runbook_url: str | None = None  # base of alerts' runbook_url; default <advertise>/runbook
+    report_cached_tokens: bool = False  # usage.prompt_tokens_details.cached_tokens
     token_file: Path | None = None
     alertmanager_url: str | None = None
     alertmanager_bearer_token_file: Path | None = None
     alertmanager_basic_auth_user: str | None = None
     alertmanager_basic_auth_password_file: Path | None = None
     alertmanager_ca_file: Path | None = None
-    alert_interval: float = 15.0  # seconds; "15s" accepted
-    alert_for: float = 60.0
     stats_window: float = 300.0  # the window of the success and hit ratios; "5m" accepted
     shutdown_grace: float = 10.0
     seed: int = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    settings: dict[str, dict[str, Any]] = {}  # runtime settings given at start-up
     token: str | None = Field(default=None, exclude=True, repr=False)  # read from token_file/env
 
     @field_validator("pool_memory", mode="before")
@@ -69,17 +86,67 @@ class AgentConfig(BaseModel):
     def _size(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)
 
-    @field_validator("alert_interval", "alert_for", "shutdown_grace", "stats_window", mode="before")
+    @field_validator(
+        "shutdown_grace",
+        "stats_window",
+        "header_timeout",
+        "body_timeout",
+        "keep_alive_timeout",
+        mode="before",
+    )
     @classmethod
     def _duration(cls, value: Any) -> Any:
         return parse_duration(value)
 
-    @field_validator("alert_interval", "stats_window")
+    @field_validator("stats_window", "header_timeout", "body_timeout", "keep_alive_timeout")
     @classmethod
     def _positive_interval(cls, value: float) -> float:
-        if value <= 0:
-            raise ValueError("must be a positive duration such as 15s")
+        if not 0 < value <= 86400:
+            raise ValueError("must be a positive duration of at most a day, such as 15s")
         return value
+
+    @field_validator("settings")
+    @classmethod
+    def _runtime_settings(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        runtime.validate(value)  # the start-up limits are checked once the pool is sized
+        return value
+
+    @field_validator("runbook_url")
+    @classmethod
+    def _runbook_url(cls, value: str | None) -> str | None:
+        """Absolute: a link in a notification has no base to be relative to."""
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(
+                "must be an absolute http(s) URL such as https://wiki.example.com/kvctl/alerts, "
+                f"got {value!r}"
+            )
+        return value.rstrip("/")
+
+    @field_validator("prometheus_job")
+    @classmethod
+    def _job(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must name the job Prometheus scrapes the agents as")
+        return value
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _advertise_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"must be an http(s) URL such as http://gpu-node-1:8477, got {value!r}"
+            )
+        if parts.hostname in WILDCARD_HOSTS:
+            raise ValueError(
+                f"{value} is a wildcard address nobody can reach; give the node's name or address"
+            )
+        return value.rstrip("/")
 
     @field_validator("device")
     @classmethod
@@ -114,6 +181,15 @@ class AgentConfig(BaseModel):
                 "alertmanager_basic_auth_user and alertmanager_basic_auth_password_file go together"
             )
         return self
+
+    def advertised(self, port: int) -> str:
+        """The URL other machines reach this agent at: `--advertise-url`, or the host name
+        with the bound port (never a wildcard address)."""
+        if self.advertise_url:
+            return self.advertise_url
+        host = self.host if self.host not in WILDCARD_HOSTS else socket.gethostname()
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{port}"
 
     @property
     def is_loopback(self) -> bool:
@@ -152,6 +228,9 @@ def _read_token(config: AgentConfig) -> str | None:
 
 def _one_line(error: ValidationError, source: str) -> str:
     first = error.errors()[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, runtime.SettingsError):
+        return f"{source}: {cause}"
     where = ".".join(str(part) for part in first["loc"]) or "config"
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
@@ -159,13 +238,59 @@ def _one_line(error: ValidationError, source: str) -> str:
     return f"{source}: {where}: {message}"
 
 
-def load_config(flags: dict[str, Any], config_file: Path | None = None) -> AgentConfig:
-    """The configuration from `flags` (None means not given) over the TOML file's values."""
-    values: dict[str, Any] = _read_toml(config_file) if config_file else {}
-    values.update({k: v for k, v in flags.items() if v is not None})
+FLAG_KEYS = {
+    flag.removeprefix("--").replace("-", "_"): spec for flag, spec in runtime.FLAGS.items()
+}
+"""Runtime settings with a named flag, by the flag's config key (`alert_interval`)."""
+
+
+def _runtime_layers(
+    values: dict[str, Any], assignments: list[str] | None
+) -> dict[str, dict[str, Any]]:
+    """Pop the runtime settings out of `values` (TOML tables, flat flag keys) and add the
+    `--set KEY=VALUE` assignments: one nested set of changes, later ways winning."""
+    tables = {
+        name: values.pop(name)
+        for name in list(values)
+        if name in runtime.SECTIONS and isinstance(values[name], dict)  # not `prefix_cache = true`
+    }
+    named = {}
+    for key, spec in FLAG_KEYS.items():
+        if key in values:
+            value = values.pop(key)
+            named[spec.key] = value if isinstance(value, str) else json.dumps(value)
+    pairs = {}
+    for assignment in assignments or []:
+        key, sep, text = assignment.partition("=")
+        if not sep or not key.strip():
+            raise runtime.SettingsError(
+                assignment, "write --set SECTION.NAME=VALUE, e.g. defrag.enabled=false"
+            )
+        pairs[key.strip()] = text
+    return runtime.merge(
+        runtime.from_toml(tables), runtime.from_text(named), runtime.from_text(pairs)
+    )
+
+
+def load_config(
+    flags: dict[str, Any], config_file: Path | None = None, assignments: list[str] | None = None
+) -> AgentConfig:
+    """The configuration from `flags` (None means not given) over the TOML file's values, with
+    `--set` `assignments` of runtime settings last."""
+    from_file: dict[str, Any] = _read_toml(config_file) if config_file else {}
     source = f"config {config_file}" if config_file else "kvctl-agent"
+    if "token" in from_file:
+        raise ConfigError(
+            f"{source}: token: do not write the token into the config file; put it in a file "
+            "readable only by the agent and give token_file, or set KVCTL_TOKEN"
+        )
+    values = {**from_file, **{k: v for k, v in flags.items() if v is not None}}
+    values.pop("token", None)
     try:
+        values["settings"] = _runtime_layers(values, assignments)
         config = AgentConfig.model_validate(values)
+    except runtime.SettingsError as error:
+        raise ConfigError(f"{source}: {error}") from None
     except ValidationError as error:
         raise ConfigError(_one_line(error, source)) from None
     token = _read_token(config)

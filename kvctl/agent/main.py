@@ -19,18 +19,26 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import typer
 
 from kvctl import __version__
-from kvctl.agent.config import AgentConfig, ConfigError, load_config
-from kvctl.api import DEFAULT_PORT, AlertSettings, RuntimeSettings
+from kvctl.agent.config import DEFAULT_MAX_WAITING, AgentConfig, ConfigError, load_config
+from kvctl.api import DEFAULT_PORT
+from kvctl.settings import FLAGS, SettingsError, StartupLimits, apply_changes
 
 log = logging.getLogger("kvctl.agent")
 DEFAULT_POOL_PAGES = 1024
 DEFAULT_SEGMENTS = 8
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+def _flag_help(flag: str) -> str:
+    """A runtime setting's flag help, from its one definition in kvctl.settings."""
+    spec = FLAGS[flag]
+    return f"{spec.help} Sets {spec.key} (default {spec.default})."
 
 
 def pool_pages(config: AgentConfig, bytes_per_page: int, free_device_bytes: int | None) -> int:
@@ -101,10 +109,17 @@ def build_service(config: AgentConfig) -> Any:
     free = gpu.free_bytes(device_index) if config.device.startswith("cuda") else None
     pages = pool_pages(config, bytes_per_page, free)
     segment = config.segment_pages or max(1, -(-pages // DEFAULT_SEGMENTS))
-    settings = RuntimeSettings(
-        prefix_cache={"eviction_policy": config.eviction_policy},
-        alerts={"interval_s": config.alert_interval, "for_s": config.alert_for},
-    )
+    if config.max_pool_pages and pages > config.max_pool_pages:
+        raise ConfigError(
+            f"the pool's initial size of {pages} pages is above --max-pool-pages "
+            f"{config.max_pool_pages}; give a smaller size or a larger limit"
+        )
+    limits = StartupLimits(segment, max(config.max_pool_pages or 4 * pages, segment))
+    defaults = limits.defaults()
+    try:
+        settings = apply_changes(defaults, config.settings, defaults, limits)
+    except SettingsError as error:
+        raise ConfigError(str(error)) from None
     engine = Engine(
         model,
         tokenizer,
@@ -113,17 +128,26 @@ def build_service(config: AgentConfig) -> Any:
             page_size=config.page_size,
             pool_pages=pages,
             segment_pages=segment,
-            max_pool_pages=config.max_pool_pages or 4 * pages,
+            max_pool_pages=limits.max_pool_pages,
             max_batch_seqs=config.max_batch_seqs,
             max_batch_tokens=config.max_batch_tokens,
             defrag=DefragPolicy(**settings.defrag.model_dump()),
             prefix_cache=config.prefix_cache,
-            eviction_policy=config.eviction_policy,
+            eviction_policy=settings.prefix_cache.eviction_policy,
             prefix_isolation=config.prefix_isolation,
         ),
     )
     pool_name = mc.name or Path(config.model).name
-    return AgentService(engine, pool_name, settings, gpu=gpu, window=config.stats_window)
+    return AgentService(
+        engine,
+        pool_name,
+        settings,
+        gpu=gpu,
+        window=config.stats_window,
+        defaults=defaults,
+        limits=limits,
+        max_waiting=config.max_waiting,
+    )
 
 
 def _secret(path: Path | None, flag: str) -> str | None:
@@ -135,30 +159,51 @@ def _secret(path: Path | None, flag: str) -> str | None:
         raise ConfigError(f"cannot read {flag} {path}: {error.strerror}") from None
 
 
-def alert_loop(service: Any, config: AgentConfig, instance: str) -> Any:
-    """The alert evaluator, and the Alertmanager notifier when `--alertmanager-url` is set."""
-    from kvctl.agent.alerting import AlertLoop
-    from kvctl.alerts import AlertEvaluator, AlertmanagerNotifier
+def alert_loop(service: Any, config: AgentConfig, advertised: str) -> Any:
+    """The alert evaluator, and the Alertmanager notifier when `--alertmanager-url` is set.
 
+    `advertised` is the agent's URL as others reach it: its authority (`host:port`, what
+    Prometheus attaches as `instance` when it scrapes that address) is the `instance` label, and
+    the whole URL goes into every remediation command. With `job` = `--prometheus-job`, the
+    agent's alerts carry the labels Prometheus would give them. Runbook links are absolute:
+    `--runbook-url`, or the runbook this agent serves at `<advertised>/runbook`."""
+    from kvctl.agent.alerting import AlertLoop
+    from kvctl.alerts import AlertEvaluator, AlertmanagerNotifier, post_test_alert
+
+    runbook = config.runbook_url or f"{advertised}/runbook"
     evaluator = AlertEvaluator(
-        service.settings.alerts, service.pool_name, instance, agent_url=f"http://{instance}"
+        service.settings,
+        service.pool_name,
+        urlsplit(advertised).netloc,
+        agent_url=advertised,
+        job=config.prometheus_job,
+        runbook_base=runbook,
     )
-    notifier = None
+    notifier = send_test = None
     if config.alertmanager_url:
+        url = config.alertmanager_url
         user = config.alertmanager_basic_auth_user
         password = _secret(config.alertmanager_basic_auth_password_file, "password file")
-        notifier = AlertmanagerNotifier(
-            config.alertmanager_url,
-            basic_auth=(user, password) if user and password is not None else None,
-            bearer_token=_secret(config.alertmanager_bearer_token_file, "bearer token file"),
-            ca_file=str(config.alertmanager_ca_file) if config.alertmanager_ca_file else None,
-            generator_url=f"http://{instance}/v1/alerts",
-        )
+        credentials = {
+            "basic_auth": (user, password) if user and password is not None else None,
+            "bearer_token": _secret(config.alertmanager_bearer_token_file, "bearer token file"),
+            "ca_file": str(config.alertmanager_ca_file) if config.alertmanager_ca_file else None,
+        }
+        notifier = AlertmanagerNotifier(url, generator_url=f"{advertised}/v1/alerts", **credentials)
 
-    def settings() -> AlertSettings:
-        return service.settings.alerts
+        def send_test() -> dict:
+            return post_test_alert(
+                url,
+                pool=service.pool_name,
+                instance=evaluator.instance,
+                job=evaluator.job,
+                runbook_base=runbook,
+                **credentials,
+            )
 
-    return AlertLoop(evaluator, lambda: service.snapshot, settings, notifier)
+    return AlertLoop(
+        evaluator, lambda: service.snapshot, lambda: service.settings, notifier, send_test=send_test
+    )
 
 
 def _uvicorn_server() -> type:
@@ -179,28 +224,33 @@ def serve(config: AgentConfig) -> int:
     """Bind, build, serve; return the exit code."""
     import uvicorn
 
+    from kvctl.agent.memory import keep_large_blocks_in_mmap
+
+    keep_large_blocks_in_mmap()
+
+    from kvctl.agent.connections import bounded_protocol, listening_socket
     from kvctl.agent.server import create_app
 
-    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((config.host, config.port))
+        sock = listening_socket(config.host, config.port, config.max_connections)
     except OSError as error:
         raise ConfigError(
             f"cannot listen on {config.host}:{config.port}: {error.strerror}; use --port to pick "
             "another port"
         ) from None
-    sock.listen(128)
     port = sock.getsockname()[1]
     service = build_service(config)
-    host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
-    service.alerting = alert_loop(service, config, f"{host}:{port}")
+    host = f"[{config.host}]" if sock.family == socket.AF_INET6 else config.host
+    advertised = config.advertised(port)
+    service.alerting = alert_loop(service, config, advertised)
     api = create_app(
         service,
         config,
-        on_ready=lambda: log.info("listening on http://%s:%d", host, port),
+        on_ready=lambda: log.info(
+            "listening on http://%s:%d (advertised as %s)", host, port, advertised
+        ),
         run_engine=False,
+        advertised=advertised,
     )
     server = _uvicorn_server()(
         uvicorn.Config(
@@ -208,6 +258,12 @@ def serve(config: AgentConfig) -> int:
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=int(config.shutdown_grace) + 1,
+            http=bounded_protocol(
+                config.header_timeout, config.body_timeout, config.max_connections
+            ),
+            timeout_keep_alive=max(1, round(config.keep_alive_timeout)),
+            limit_concurrency=config.max_connections,
+            backlog=min(config.max_connections, 4096),
         )
     )
     stop = threading.Event()
@@ -258,7 +314,7 @@ def main_command(
         typer.Option(help="salt, or sampling (also key the cache by sampling settings)."),
     ] = None,
     eviction_policy: Annotated[
-        str | None, typer.Option(help="lru, lfu or fifo (default lru).")
+        str | None, typer.Option(help=_flag_help("--eviction-policy"))
     ] = None,
     torch_threads: Annotated[
         int | None, typer.Option(help="CPU threads of torch (default: cores - 1).")
@@ -266,18 +322,49 @@ def main_command(
     max_batch_seqs: Annotated[
         int | None, typer.Option(help="Most requests running at once (default 64).")
     ] = None,
+    max_waiting: Annotated[
+        int | None,
+        typer.Option(
+            help=f"Most requests queued; more are answered 429 (default {DEFAULT_MAX_WAITING})."
+        ),
+    ] = None,
+    advertise_url: Annotated[
+        str | None,
+        typer.Option(
+            help="URL others reach this agent at: the `instance` of its alerts and the URL in "
+            "their commands (default http://HOSTNAME:PORT)."
+        ),
+    ] = None,
+    prometheus_job: Annotated[
+        str | None,
+        typer.Option(
+            help="The `job` label of this agent's alerts: the job Prometheus scrapes it as "
+            "(default kvctl-agent)."
+        ),
+    ] = None,
+    runbook_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Absolute base of the alerts' runbook_url (default ADVERTISE-URL/runbook, "
+            "served by this agent)."
+        ),
+    ] = None,
+    report_cached_tokens: Annotated[
+        bool | None,
+        typer.Option(
+            "--report-cached-tokens/--no-report-cached-tokens",
+            help="Report usage.prompt_tokens_details.cached_tokens (default off: it tells one "
+            "client whether others sent the same prefix).",
+        ),
+    ] = None,
     token_file: Annotated[
         Path | None, typer.Option(help="File holding the bearer token (or set KVCTL_TOKEN).")
     ] = None,
     alertmanager_url: Annotated[
         str | None, typer.Option(help="Push alerts to this Alertmanager.")
     ] = None,
-    alert_interval: Annotated[
-        str | None, typer.Option(help="How often alerts are evaluated (default 15s).")
-    ] = None,
-    alert_for: Annotated[
-        str | None, typer.Option(help="How long a condition holds before firing (default 1m).")
-    ] = None,
+    alert_interval: Annotated[str | None, typer.Option(help=_flag_help("--alert-interval"))] = None,
+    alert_for: Annotated[str | None, typer.Option(help=_flag_help("--alert-for"))] = None,
     stats_window: Annotated[
         str | None, typer.Option(help="Window of the success and hit ratios (default 5m).")
     ] = None,
@@ -285,15 +372,24 @@ def main_command(
     config: Annotated[
         Path | None, typer.Option(help="TOML file with any of these settings.")
     ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            metavar="SECTION.NAME=VALUE",
+            help="A runtime setting, e.g. defrag.fragmentation_threshold=0.4 (repeatable; "
+            "docs/settings.md lists them).",
+        ),
+    ] = None,
     version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
 ) -> None:
     """Run the kvctl agent: a model on a paged KV pool, with its API, metrics and alerts."""
     if version:
         typer.echo(f"kvctl-agent {__version__}")
         raise typer.Exit(0)
-    flags = {k: v for k, v in locals().items() if k not in ("config", "version")}
+    flags = {k: v for k, v in locals().items() if k not in ("config", "version", "set_")}
     try:
-        settings = load_config(flags, config)
+        settings = load_config(flags, config, set_)
         logging.basicConfig(
             level=settings.log_level.upper(),
             format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",

@@ -51,6 +51,12 @@ DEFRAG_DURATION_BUCKETS: tuple[float, ...] = (
 # fmt: on
 
 RESIZE_DIRECTIONS: tuple[str, ...] = ("grow", "shrink")
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "capacity")
+REJECT_REASONS: tuple[str, ...] = ("queue_full", "too_large", "invalid", "shutting_down")
+"""`queue_full`: 429, the waiting queue is at --max-waiting; `too_large`: the prompt plus
+max_tokens can never fit the pool or the model's context; `invalid`: a limit on the input
+(prompt bytes or tokens, stop strings); `shutting_down`: 503 while the agent drains."""
+ADMIN_ACTIONS: tuple[str, ...] = ("defrag", "resize", "config", "alert_test")
 
 
 # ---- the defrag-duration accumulator ----------------------------------------------------------
@@ -157,6 +163,17 @@ def _resizes(reading: Reading) -> LabelledValues:
     return {(direction,): n for direction, n in resizes.items()}
 
 
+def _by(name: str, keys: Sequence[str]) -> Callable[[Reading], LabelledValues]:
+    """A counter by one label: every known key, even at 0, so `rate()` has a starting point."""
+
+    def values(reading: Reading) -> LabelledValues:
+        counts = dict.fromkeys(keys, 0)
+        counts.update(getattr(reading.snapshot, name))
+        return {(key,): n for key, n in counts.items()}
+
+    return values
+
+
 def _gpu_used(reading: Reading) -> LabelledValues:
     return {(str(gpu.index),): gpu.used_bytes for gpu in reading.snapshot.gpus}
 
@@ -218,6 +235,13 @@ METRICS: tuple[MetricDef, ...] = (
         "gauge",
         "(used + cached pages) / capacity pages, 0..1.",
         _field("utilization_ratio"),
+    ),
+    MetricDef(
+        "kvctl_pool_pressure_ratio",
+        "gauge",
+        "used pages / capacity pages, 0..1: cached prefix pages are reclaimable on demand, so "
+        "this, not utilization, says how close the pool is to refusing work.",
+        _field("pressure_ratio"),
     ),
     MetricDef(
         "kvctl_pool_segments",
@@ -336,6 +360,46 @@ METRICS: tuple[MetricDef, ...] = (
         "counter",
         "Requests preempted (pages released, recomputed later) because pages ran out.",
         _field("preemptions_total"),
+    ),
+    MetricDef(
+        "kvctl_requests_max_waiting",
+        "gauge",
+        "The waiting queue's capacity (--max-waiting); a full queue answers 429.",
+        _field("max_waiting"),
+    ),
+    MetricDef(
+        "kvctl_oldest_waiting_seconds",
+        "gauge",
+        "Age of the oldest waiting request; 0 when none waits.",
+        _field("oldest_waiting_seconds"),
+    ),
+    MetricDef(
+        "kvctl_queue_stalled_seconds",
+        "gauge",
+        "How long requests have waited with no token produced and none admitted or refused; "
+        "0 when none waits or the queue moved.",
+        _field("queue_stalled_seconds"),
+    ),
+    MetricDef(
+        "kvctl_requests_finished_total",
+        "counter",
+        f"Requests finished, by reason ({', '.join(FINISH_REASONS)}).",
+        _by("requests_finished_total", FINISH_REASONS),
+        labels=("reason",),
+    ),
+    MetricDef(
+        "kvctl_requests_rejected_total",
+        "counter",
+        f"Requests refused before they were queued, by reason ({', '.join(REJECT_REASONS)}).",
+        _by("requests_rejected_total", REJECT_REASONS),
+        labels=("reason",),
+    ),
+    MetricDef(
+        "kvctl_admin_actions_total",
+        "counter",
+        f"Audited mutations, by action ({', '.join(ADMIN_ACTIONS)}).",
+        _by("admin_actions_total", ADMIN_ACTIONS),
+        labels=("action",),
     ),
     # ---- alert delivery
     MetricDef(

@@ -1,57 +1,37 @@
-"""The agent's HTTP API (FastAPI), exactly the routes of DESIGN.md.
+"""The agent's HTTP API (FastAPI): the application, its errors, and the checks every request
+passes before a route sees it.
 
-Handlers validate with the models of `kvctl.api`, then either read the service's latest snapshot
-or hand a function to the engine thread and await its future: no handler touches the pool. Bad
-input gets a 4xx with `{"error": {"message", "type", "code"}}` and changes nothing; mutating
-routes need the bearer token when one is configured (compared in constant time).
+Routes live in `kvctl.agent.routes`, one module per resource. Handlers validate with the models
+of `kvctl.api`, then either read the service's latest snapshot or hand a function to the engine
+thread and await its future: no handler touches the pool. Bad input gets a 4xx with
+`{"error": {"message", "type", "code"}}` and changes nothing.
+
+Two ASGI layers wrap every route: `BodyLimit` refuses bodies over `--max-body-bytes` before they
+are read, and `TokenGate` requires the bearer token, when one is configured, on every path but
+`/healthz` and `/runbook` (the static alert runbook): pool statistics and completions say what
+other clients do, so reading them needs the token too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvctl import __version__
+from kvctl.agent.audit import ACTION_ROUTES, Action, AuditLog, Outcome
 from kvctl.agent.config import AgentConfig
-from kvctl.agent.metrics import build_registry, render
-from kvctl.agent.model.sampling import SamplingParams
-from kvctl.agent.pool import PoolError
-from kvctl.agent.runtime import Engine, TokenEvent
-from kvctl.agent.runtime import Request as EngineRequest
-from kvctl.agent.service import AgentService, RequestStream
-from kvctl.api import (
-    AlertList,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    DefragRequest,
-    DefragResult,
-    ErrorBody,
-    Health,
-    ModelCard,
-    ModelList,
-    PoolMap,
-    PoolSnapshot,
-    PromptTokensDetails,
-    ResizeRequest,
-    ResizeResult,
-    RuntimeSettings,
-    RuntimeSettingsPatch,
-    Usage,
-)
+from kvctl.agent.service import AgentService
+from kvctl.api import ErrorBody
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,15 +43,20 @@ _ERROR_TYPES = {
     409: "conflict",
     413: "request_too_large",
     422: "invalid_request_error",
+    429: "rate_limit_exceeded",
     503: "unavailable",
 }
+OPEN_PATHS = frozenset({"/healthz", "/runbook"})
+"""Paths served without the token: liveness, and the project's own static alert runbook."""
 
 
 class ApiError(HTTPException):
     """An HTTP error whose detail is a one-line message for the client."""
 
 
-def error_response(status: int, message: str) -> JSONResponse:
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
     body = ErrorBody.model_validate(
         {
             "error": {
@@ -81,8 +66,16 @@ def error_response(status: int, message: str) -> JSONResponse:
             }
         }
     )
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    headers = dict(headers or {})
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers or None)
+
+
+def caller_of(scope: Scope) -> str:
+    """The client's address as `host:port` (what the audit trail records)."""
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "unknown"
 
 
 class BodyLimit:
@@ -113,6 +106,66 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
+class TokenGate:
+    """Require `Authorization: Bearer <token>` (compared in constant time) on every path but
+    `OPEN_PATHS`; a refused mutation is written to the audit trail."""
+
+    def __init__(self, app: ASGIApp, token: str | None, audit: AuditLog) -> None:
+        self.app = app
+        self.token = token.encode() if token else None
+        self.audit = audit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.token is None or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if authenticated(scope, self.token):
+            await self.app(scope, receive, send)
+            return
+        action = ACTION_ROUTES.get((scope["method"], scope["path"]))
+        if action is not None:
+            self.audit.record(action, "unauthorized", caller_of(scope), False)
+        message = "missing or wrong bearer token; pass --token or set KVCTL_TOKEN"
+        await error_response(401, message)(scope, receive, send)
+
+
+def authenticated(scope: Scope, token: bytes | None) -> bool:
+    """Whether the request carries the token (always True when none is configured)."""
+    if token is None:
+        return True
+    header = dict(scope["headers"]).get(b"authorization", b"")
+    scheme, _, given = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(given, token)
+
+
+@dataclass
+class ServerContext:
+    """What the routes share: the service, the configuration, the agent's advertised URL (for
+    the commands in error messages) and the audit trail."""
+
+    service: AgentService
+    config: AgentConfig
+    advertised: str
+    audit: AuditLog
+
+    @property
+    def kvctl(self) -> str:
+        """The CLI command that reaches this agent, for remediation text."""
+        return f"kvctl --agent {self.advertised}"
+
+    async def on_engine(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between two steps and await its result."""
+        return await asyncio.wrap_future(self.service.call(fn))
+
+    def audit_request(
+        self, request: Request, action: Action, outcome: Outcome, **details: object
+    ) -> None:
+        """Audit a mutation a route carried out or refused (TokenGate has checked the token
+        whenever one is configured, so the caller is authenticated exactly then)."""
+        authenticated = self.config.token is not None
+        self.audit.record(action, outcome, caller_of(request.scope), authenticated, details)
+
+
 def _validation_message(error: RequestValidationError) -> str:
     first = error.errors()[0]
     where = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
@@ -126,10 +179,11 @@ def create_app(
     config: AgentConfig,
     on_ready: Callable[[], None] | None = None,
     run_engine: bool = True,
+    advertised: str | None = None,
 ) -> FastAPI:
     """The FastAPI application serving `service`. With `run_engine`, starting and stopping the
     application starts and stops the engine thread; without, the caller runs the engine."""
-    started_wall = time.time()
+    from kvctl.agent.routes import completions, ops, runbook
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -147,12 +201,16 @@ def create_app(
         description="Paged KV pool of one inference node: stats, defrag, resize, completions.",
         lifespan=lifespan,
     )
+    audit = AuditLog(service.admin_actions)
+    context = ServerContext(
+        service, config, advertised or f"http://{config.host}:{config.port}", audit
+    )
+    app.add_middleware(TokenGate, token=config.token, audit=audit)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    registry = build_registry(lambda: service.snapshot, service.defrag_durations)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
-        return error_response(error.status_code, str(error.detail))
+        return error_response(error.status_code, str(error.detail), error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -163,223 +221,7 @@ def create_app(
         log.exception("unhandled error")
         return error_response(500, f"internal error: {type(error).__name__}")
 
-    def require_token(request: Request) -> None:
-        if config.token is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.encode(), config.token.encode()
-        ):
-            raise ApiError(401, "missing or wrong bearer token; pass --token or set KVCTL_TOKEN")
-
-    async def on_engine(fn: Callable[[], T]) -> T:
-        return await asyncio.wrap_future(service.call(fn))
-
-    errors = {401: {"model": ErrorBody}, 409: {"model": ErrorBody}, 422: {"model": ErrorBody}}
-    mutating = {"dependencies": [Depends(require_token)], "responses": errors}
-
-    @app.get("/healthz", response_model=Health)
-    async def healthz() -> Health:
-        return Health(
-            status="ok",
-            pool=service.pool_name,
-            version=__version__,
-            uptime_seconds=service.uptime(),
-        )
-
-    @app.get("/v1/pool", response_model=PoolSnapshot)
-    async def pool() -> PoolSnapshot:
-        return service.snapshot
-
-    @app.get("/v1/pool/map", response_model=PoolMap)
-    async def pool_map() -> PoolMap:
-        def read() -> PoolMap:
-            pool = service.engine.pool
-            runs = [(r.state.value, r.start, r.length) for r in pool.page_map()]
-            return PoolMap(
-                capacity_pages=pool.capacity, segment_pages=pool.segment_pages, runs=runs
-            )
-
-        return await on_engine(read)
-
-    @app.post("/v1/defrag", response_model=DefragResult, **mutating)
-    async def defrag(body: DefragRequest | None = None) -> DefragResult:
-        max_pages = body.max_pages if body else None
-        return await on_engine(lambda: service.defrag_now(max_pages))
-
-    @app.post("/v1/pool/resize", response_model=ResizeResult, **mutating)
-    async def resize(body: ResizeRequest) -> ResizeResult:
-        bytes_per_page = service.snapshot.bytes_per_page
-        pages = body.pages if body.pages is not None else -(-(body.bytes or 0) // bytes_per_page)
-        try:
-            return await on_engine(lambda: service.resize(pages))
-        except PoolError as refused:
-            raise ApiError(409, f"resize refused: {refused}") from None
-
-    @app.get("/v1/alerts", response_model=AlertList)
-    async def alerts() -> AlertList:
-        return AlertList(alerts=service.alerts)
-
-    @app.get("/v1/config", response_model=RuntimeSettings)
-    async def get_config() -> RuntimeSettings:
-        return service.settings
-
-    @app.patch("/v1/config", response_model=RuntimeSettings, **mutating)
-    async def patch_config(body: RuntimeSettingsPatch) -> RuntimeSettings:
-        merged = service.settings.model_dump()
-        for section, changes in body.model_dump(exclude_none=True).items():
-            merged[section].update(changes)
-        try:
-            settings = RuntimeSettings.model_validate(merged)
-        except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ApiError(422, f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
-        return await on_engine(lambda: service.update_settings(settings))
-
-    @app.get("/v1/models", response_model=ModelList)
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=service.pool_name, created=int(started_wall))])
-
-    @app.post("/v1/completions", response_model=CompletionResponse, **mutating)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        if not service.accepting:
-            raise ApiError(503, "the agent is shutting down")
-        if body.model is not None and body.model != service.pool_name:
-            raise ApiError(
-                404,
-                f"model {body.model!r} is not served here; this agent serves {service.pool_name!r}",
-            )
-        if body.max_tokens > config.max_tokens_limit:
-            raise ApiError(
-                400,
-                f"max_tokens {body.max_tokens} is above this agent's limit of "
-                f"{config.max_tokens_limit}",
-            )
-        params = _sampling(body)
-        loop = asyncio.get_running_loop()
-        add = _adder(body, params, config.max_prompt_tokens)
-        try:
-            stream = await asyncio.wrap_future(service.open_stream(add, loop))
-        except ValueError as error:
-            raise ApiError(400, str(error)) from None
-        if body.stream:
-            return StreamingResponse(_sse(stream, body, service), media_type="text/event-stream")
-        return JSONResponse((await _collect(stream, body, service)).model_dump())
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        payload, content_type = render(registry)
-        return Response(payload, media_type=content_type)
-
+    app.include_router(ops.router(context))
+    app.include_router(completions.router(context))
+    app.include_router(runbook.router())
     return app
-
-
-def _sampling(body: CompletionRequest) -> SamplingParams:
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    try:
-        return SamplingParams(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=body.seed,
-            max_tokens=body.max_tokens,
-            stop=stop,
-            ignore_eos=body.ignore_eos,
-        )
-    except ValueError as error:
-        raise ApiError(400, str(error)) from None
-
-
-def _adder(
-    body: CompletionRequest, params: SamplingParams, max_prompt: int
-) -> Callable[[Engine], EngineRequest]:
-    """The function that queues the request on the engine thread (where the tokenizer runs)."""
-    request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
-
-    def add(engine: Engine) -> EngineRequest:
-        prompt = body.prompt
-        if isinstance(prompt, str) and engine.tokenizer is not None:
-            prompt = engine.tokenizer.encode(prompt)
-        if len(prompt) > max_prompt:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens, over this agent's limit of {max_prompt}"
-            )
-        return engine.add_request(prompt, params, request_id=request_id, cache_salt=body.cache_salt)
-
-    return add
-
-
-def _usage(request: EngineRequest) -> Usage:
-    prompt, completion = len(request.prompt_ids), len(request.output_ids)
-    return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=request.cached_tokens),
-    )
-
-
-async def _events(stream: RequestStream, service: AgentService) -> AsyncIterator[TokenEvent]:
-    """The request's events until it finishes; abandoning the iteration aborts the request."""
-    finished = False
-    try:
-        while not finished:
-            event = await stream.events.get()
-            finished = event.finish_reason is not None
-            yield event
-    finally:
-        if not finished:
-            service.abort(stream.request.request_id)
-
-
-async def _collect(
-    stream: RequestStream, body: CompletionRequest, service: AgentService
-) -> CompletionResponse:
-    text: list[str] = []
-    reason = None
-    async for event in _events(stream, service):
-        text.append(event.text)
-        reason = event.finish_reason
-    request = stream.request
-    choice = CompletionChoice(
-        text="".join(text),
-        finish_reason=reason.value if reason else None,
-        token_ids=list(request.output_ids) if body.return_token_ids else None,
-    )
-    return CompletionResponse(
-        id=request.request_id,
-        created=int(time.time()),
-        model=service.pool_name,
-        choices=[choice],
-        usage=_usage(request),
-    )
-
-
-async def _sse(
-    stream: RequestStream, body: CompletionRequest, service: AgentService
-) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per token, the last with the finish reason and usage."""
-    request = stream.request
-    created = int(time.time())
-    async for event in _events(stream, service):
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": event.text,
-            "finish_reason": event.finish_reason.value if event.finish_reason else None,
-            "logprobs": None,
-        }
-        if body.return_token_ids:
-            choice["token_ids"] = [] if event.token_id is None else [event.token_id]
-        chunk: dict[str, Any] = {
-            "id": request.request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": service.pool_name,
-            "choices": [choice],
-        }
-        if event.finish_reason is not None:
-            chunk["usage"] = _usage(request).model_dump()
-        yield f"data: {json.dumps(chunk)}\n\n"
-    yield "data: [DONE]\n\n"

@@ -11,6 +11,10 @@ queue hand-off, and the engine never waits for a handler.
 Between steps the thread also runs what must happen on the pool's time: automatic defrag ticks
 (also when idle, which is the cheapest time to compact), automatic resize, and publishing the
 snapshot with its windowed ratios.
+
+Admission control lives here too, on the engine thread where the queue's length is exact: a
+request arriving while `max_waiting` requests wait is refused (429), never queued, so a flood
+costs the agent a refusal each, not memory and latency for everyone.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from typing import TypeVar
 from kvctl.agent.alerting import AlertLoop
 from kvctl.agent.autoresize import AutoResize
 from kvctl.agent.gpu import GpuProbe
+from kvctl.agent.memory import release_free_memory
 from kvctl.agent.metrics import DurationHistogram
 from kvctl.agent.pool import DefragPolicy, DefragReport, DefragTrigger
-from kvctl.agent.runtime import Engine, Request, TokenEvent
+from kvctl.agent.pool.stats import PageStates
+from kvctl.agent.runtime import Engine, Request, RequestRefused, TokenEvent
 from kvctl.agent.window import CounterRatioWindow
 from kvctl.api import (
     Alert,
@@ -41,14 +47,45 @@ from kvctl.api import (
     ResizeResult,
     RuntimeSettings,
 )
+from kvctl.settings import StartupLimits, apply_changes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 IDLE_TICK_S = 0.05
+TRIM_INTERVAL_S = 30.0
 PUBLISH_INTERVAL_S = 0.1  # snapshots are at most this old (and fresh after every command)
 RESIZE_CHECK_INTERVAL_S = 1.0  # automatic resize looks at windows of many seconds
 DEFAULT_WINDOW_S = 300.0
+DEFAULT_MAX_WAITING = 256
+
+
+class QueueFull(RequestRefused):
+    """The waiting queue is at `max_waiting`: the client should retry later (429)."""
+
+    reason = "queue_full"
+
+
+class ShuttingDown(RequestRefused):
+    """The agent is draining after SIGTERM and takes no new requests (503)."""
+
+    reason = "shutting_down"
+
+
+class Tally:
+    """Counts by key, added to from any thread (HTTP handlers and the engine)."""
+
+    def __init__(self, keys: tuple[str, ...] = ()) -> None:
+        self._counts: Counter[str] = Counter(dict.fromkeys(keys, 0))
+        self._lock = threading.Lock()
+
+    def add(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    def read(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
 
 
 @dataclass
@@ -86,10 +123,20 @@ class AgentService:
         wall_clock: Callable[[], float] = time.time,
         gpu: GpuProbe | None = None,
         window: float = DEFAULT_WINDOW_S,
+        defaults: RuntimeSettings | None = None,
+        limits: StartupLimits | None = None,
+        max_waiting: int = DEFAULT_MAX_WAITING,
     ) -> None:
         self.engine = engine
         self.pool_name = pool_name
-        self.settings = settings or RuntimeSettings()
+        self.limits = limits or StartupLimits(
+            engine.pool.segment_pages, engine.resizer.max_pages or engine.pool.capacity
+        )
+        self.defaults = defaults or self.limits.defaults()
+        self.settings = settings or self.defaults
+        self.max_waiting = max_waiting
+        self.rejected = Tally()
+        self.admin_actions = Tally()
         self.clock = clock
         self.wall_clock = wall_clock
         self.gpu = gpu or GpuProbe()
@@ -111,6 +158,7 @@ class AgentService:
         self._last_defrag: DefragReport | None = None
         self._last_defrag_at: float | None = None
         self._gpu_reading: tuple[float, list[GpuMemory]] = (float("-inf"), [])
+        self._last_trim = clock()
         engine.auto_defrag.add_listener(self._note_defrag)
         self._apply_settings(self.settings)
         self.snapshot = self._build_snapshot()
@@ -166,11 +214,16 @@ class AgentService:
         while not done():
             self._run_commands()
             if self.engine.has_work():
-                self._dispatch(self.engine.step())
+                events = self.engine.step()
+                self._dispatch(events)
+                if not events:  # nothing could run: never spin on a stuck queue
+                    self._wake.wait(IDLE_TICK_S)
+                    self._wake.clear()
             else:
                 self._wake.wait(IDLE_TICK_S)
                 self._wake.clear()
                 self.engine.auto_defrag.tick()
+                self._trim_when_idle()
             now = self.clock()
             if now >= next_resize_check:
                 self._maybe_auto_resize()
@@ -178,6 +231,14 @@ class AgentService:
             if now >= next_publish:
                 self.snapshot = self._build_snapshot()
                 next_publish = now + PUBLISH_INTERVAL_S
+
+    def _trim_when_idle(self) -> None:
+        """Give freed heap memory back to the system, at most every `TRIM_INTERVAL_S` and only
+        while idle (a trim walks malloc's arenas; idle time is when it costs nothing)."""
+        now = self.clock()
+        if now - self._last_trim >= TRIM_INTERVAL_S:
+            self._last_trim = now
+            release_free_memory()
 
     def _run_commands(self) -> None:
         while True:
@@ -221,7 +282,7 @@ class AgentService:
     def _abort_all(self) -> None:
         events = []
         for request_id, stream in list(self._streams.items()):
-            self.engine.abort(request_id)
+            self.engine.abort(request_id, "the agent shut down before the request finished")
             events.append(TokenEvent(request_id, None, "", stream.request.finish_reason))
         self._dispatch(events)
 
@@ -230,10 +291,23 @@ class AgentService:
     def open_stream(
         self, add: Callable[[Engine], Request], loop: asyncio.AbstractEventLoop
     ) -> Future[RequestStream]:
-        """Queue a request (built by `add` on the engine thread, which may raise ValueError)."""
+        """Queue a request (built by `add` on the engine thread). Raises `RequestRefused` (queue
+        full, shutting down, too large) or ValueError (bad input) through the future."""
 
         def register() -> RequestStream:
-            request = add(self.engine)
+            try:
+                if not self._accepting:
+                    raise ShuttingDown("the agent is shutting down; send the request elsewhere")
+                waiting = len(self.engine.scheduler.waiting)
+                if waiting >= self.max_waiting:
+                    raise QueueFull(
+                        f"{waiting} requests are waiting, the most this agent queues "
+                        "(--max-waiting); retry later"
+                    )
+                request = add(self.engine)
+            except RequestRefused as refused:
+                self.rejected.add(refused.reason)
+                raise
             stream = RequestStream(request, loop)
             self._streams[request.request_id] = stream
             return stream
@@ -250,6 +324,10 @@ class AgentService:
         self.call(run)
 
     # ---- commands -----------------------------------------------------------------------
+
+    def page_states(self) -> PageStates:
+        """Run on the engine thread: a copy of every page's state, to encode elsewhere."""
+        return self.engine.pool.page_states()
 
     def defrag_now(self, max_pages: int | None) -> DefragResult:
         """Run on the engine thread: a manual defragmentation, to completion or `max_pages`."""
@@ -282,26 +360,30 @@ class AgentService:
             pages_evicted=result.pages_evicted,
         )
 
-    def update_settings(self, settings: RuntimeSettings) -> RuntimeSettings:
-        """Run on the engine thread: apply new runtime settings (already validated)."""
+    def change_settings(self, changes: object) -> tuple[RuntimeSettings, RuntimeSettings]:
+        """Run on the engine thread: merge a PATCH body into the settings in force and apply
+        them; returns the settings before and after. Merging here, not on the HTTP thread,
+        makes concurrent changes serial; a refused change (`SettingsError`) changes nothing."""
+        before = self.settings
+        settings = apply_changes(before, changes, self.defaults, self.limits)
         self._apply_settings(settings)
-        return settings
+        return before, settings
 
     def _apply_settings(self, settings: RuntimeSettings) -> None:
         self.settings = settings
         self.engine.auto_defrag.policy = defrag_policy(settings)
         self.auto_resize.update_settings(settings.resize)
         resizer = self.engine.resizer
-        if settings.resize.max_pages is not None:
-            resizer.max_pages = settings.resize.max_pages
-        if settings.resize.min_pages is not None:
-            resizer.min_pages = settings.resize.min_pages
+        resizer.max_pages = settings.resize.max_pages or self.limits.max_pool_pages
+        resizer.min_pages = settings.resize.min_pages or self.limits.segment_pages
         if self.engine.config.prefix_cache:
             self.engine.set_eviction_policy(settings.prefix_cache.eviction_policy)
 
     def _maybe_auto_resize(self) -> None:
         stats = self.engine.pool.stats()
-        target = self.auto_resize.decide(stats, self._spare_device_bytes())
+        target = self.auto_resize.decide(
+            stats, self._spare_device_bytes(), self.engine.pages_promised()
+        )
         if target is None or target == stats.capacity_pages:
             return
         try:
@@ -326,6 +408,11 @@ class AgentService:
         stats = engine.stats
         pool = engine.pool.stats()
         self._alloc_window.record(pool.alloc_attempts - pool.alloc_failures, pool.alloc_attempts)
+        successes, attempts = self._alloc_window.increases()
+        now = self.clock()
+        oldest = stats.oldest_queued_at
+        waited = 0.0 if oldest is None else max(0.0, now - oldest)
+        stalled = 0.0 if oldest is None else max(0.0, now - max(oldest, stats.last_progress_at))
         self._prefix_window.record(stats.prefix_hits_tokens, stats.prefix_queries_tokens)
         auto = engine.auto_defrag
         last_age = None if self._last_defrag_at is None else self.clock() - self._last_defrag_at
@@ -370,6 +457,15 @@ class AgentService:
             preemptions_total=stats.preemptions,
             alert_notifications_dropped_total=self.alerting.dropped_total if self.alerting else 0,
             gpus=self._gpus(),
+            pressure_ratio=pool.used_pages / pool.capacity_pages,
+            max_waiting=self.max_waiting,
+            oldest_waiting_seconds=waited,
+            queue_stalled_seconds=stalled,
+            window_alloc_attempts=attempts,
+            window_alloc_failures=attempts - successes,
+            requests_finished_total=dict(stats.finished),
+            requests_rejected_total=self.rejected.read(),
+            admin_actions_total=self.admin_actions.read(),
         )
 
     def _gpus(self) -> list[GpuMemory]:

@@ -41,9 +41,12 @@ class CounterRatioWindow:
         while len(self._samples) > 2 and self._samples[1][0] <= now - self.window:
             self._samples.popleft()
 
-    def ratio(self) -> float | None:
+    def increases(self) -> tuple[int, int]:
+        """How much the numerator and the denominator grew within the window."""
         _, num0, den0 = self._samples[0]
         _, num1, den1 = self._samples[-1]
-        if den1 == den0:
-            return None
-        return (num1 - num0) / (den1 - den0)
+        return num1 - num0, den1 - den0
+
+    def ratio(self) -> float | None:
+        numerator, denominator = self.increases()
+        return numerator / denominator if denominator else None

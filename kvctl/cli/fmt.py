@@ -66,10 +66,12 @@ def fragmentation_style(ratio: float) -> str:
     return BAD if ratio > limit else WARN if ratio > 0.6 * limit else OK
 
 
-def utilization_style(ratio: float) -> str:
-    if ratio >= limits().utilization_high:
+def pressure_style(pressure: float) -> str:
+    """The colour of utilisation, read from the pressure (used pages only): cached prefix pages
+    are reclaimable, so a pool full of them is healthy, not full."""
+    if pressure >= limits().pressure_high:
         return BAD
-    return WARN if ratio >= 0.85 * limits().utilization_high else OK
+    return WARN if pressure >= 0.85 * limits().pressure_high else OK
 
 
 def prefix_style(ratio: float | None, enabled: bool = True) -> str:
@@ -107,7 +109,7 @@ def headlines(pool: PoolSnapshot) -> tuple[Headline, ...]:
         Headline(
             "utilisation",
             percent(pool.utilization_ratio),
-            utilization_style(pool.utilization_ratio),
+            pressure_style(pool.pressure_ratio),
             pool.utilization_ratio,
         ),
         Headline(

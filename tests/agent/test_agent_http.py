@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -97,15 +99,9 @@ def test_pool_stats_move_and_defrag_and_resize_work(start_agent) -> None:
 
 
 def test_refused_resize_is_409_and_changes_nothing(start_agent) -> None:
-    agent = start_agent("--pool-pages", "32", "--segment-pages", "8", "--page-size", "4")
-    long_request = {
-        "prompt": "y" * 60,
-        "max_tokens": 60,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    # a long request holds pages while we try to shrink below them
+    # pages of one token: the 1,000-token request below runs for seconds on the demo model
+    agent = start_agent("--pool-pages", "2048", "--segment-pages", "256", "--page-size", "1")
+    long_request = {"prompt": "y" * 60, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with (
         client(agent) as http,
         httpx.Client(base_url=agent.url, timeout=60) as other,
@@ -114,9 +110,11 @@ def test_refused_resize_is_409_and_changes_nothing(start_agent) -> None:
         lines = response.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         state = pool_state(http)
-        refused = http.post("/v1/pool/resize", json={"pages": 8})
+        refused = http.post("/v1/pool/resize", json={"pages": 512})
         assert refused.status_code == 409
-        assert "pages in use above the new size 8" in refused.json()["error"]["message"]
+        message = refused.json()["error"]["message"]
+        assert "an admitted request may need 1061 pages to finish" in message
+        assert "choose a size of at least 1280 pages" in message
         assert pool_state(http)[0] == state[0]
         for _ in lines:
             pass
@@ -150,9 +148,61 @@ def test_runtime_config_patch(agent) -> None:
         assert restored.json() == original
 
 
+def test_config_shows_the_limits_in_force_and_null_restores_them(start_agent) -> None:
+    agent = start_agent("--pool-pages", "256", "--segment-pages", "32", "--max-pool-pages", "1024")
+    with client(agent) as http:
+        resize = http.get("/v1/config").json()["resize"]
+        assert (resize["min_pages"], resize["max_pages"]) == (32, 1024)
+        lowered = {"resize": {"min_pages": 64, "max_pages": 512}}
+        assert http.patch("/v1/config", json=lowered).json()["resize"]["max_pages"] == 512
+        assert http.post("/v1/pool/resize", json={"pages": 1024}).status_code == 409
+        assert http.post("/v1/pool/resize", json={"pages": 32}).status_code == 409
+        back = http.patch("/v1/config", json={"resize": {"min_pages": None, "max_pages": None}})
+        assert (back.json()["resize"]["min_pages"], back.json()["resize"]["max_pages"]) == (
+            32,
+            1024,
+        )
+        assert http.post("/v1/pool/resize", json={"pages": 32}).json()["new_pages"] == 32
+        assert http.post("/v1/pool/resize", json={"pages": 1024}).json()["new_pages"] == 1024
+
+
+def test_concurrent_patches_are_applied_one_after_another(agent) -> None:
+    """Twenty clients each change a different setting at once: every change is in force."""
+    names = ["fragmentation_threshold", "fragmentation_target", "check_interval_s"]
+    values = {
+        ("defrag", "max_free_extents"): 100,
+        ("defrag", "min_free_pages"): 20,
+        ("defrag", "step_max_pages"): 80,
+        ("alerts", "prefix_hit_min"): 0.2,
+        ("alerts", "fragmentation_max"): 0.6,
+        ("alerts", "preemptions_per_minute_max"): 40.0,
+        ("resize", "window_s"): 90.0,
+        ("defrag", "on_contiguous_miss"): False,
+    }
+    with client(agent) as http:
+        original = http.get("/v1/config").json()
+        barrier = threading.Barrier(len(values))
+
+        def patch(key: tuple[str, str], value: object) -> int:
+            with client(agent) as own:
+                barrier.wait()
+                return own.patch("/v1/config", json={key[0]: {key[1]: value}}).status_code
+
+        with ThreadPoolExecutor(len(values)) as pool:
+            codes = list(pool.map(patch, values, values.values()))
+        assert codes == [200] * len(values)
+        final = http.get("/v1/config").json()
+        assert {key: final[key[0]][key[1]] for key in values} == values
+        assert all(final["defrag"][n] == original["defrag"][n] for n in names)
+        restore = {section: original[section] for section in ("defrag", "alerts", "resize")}
+        assert http.patch("/v1/config", json=restore).json() == original
+
+
 BAD_BODIES = [
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": -1}),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**9}),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 8.0}),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": True}),
     ("POST", "/v1/completions", {"prompt": "x", "temperature": "hot"}),
     ("POST", "/v1/completions", {"prompt": "x", "bogus": 1}),
     ("POST", "/v1/completions", {"prompt": [1, -5]}),
@@ -161,20 +211,34 @@ BAD_BODIES = [
     ("POST", "/v1/completions", {"prompt": "x" * 9000}),
     ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-9"}),
     ("POST", "/v1/completions", {"prompt": "x", "n": 2}),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": ["a"] * 17}),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": [""]}),
     ("POST", "/v1/completions", {}),
     ("POST", "/v1/defrag", {"max_pages": 0}),
     ("POST", "/v1/defrag", {"max_pages": "all"}),
+    ("POST", "/v1/defrag", {"max_pages": True}),
     ("POST", "/v1/defrag", {"pages": 3}),
     ("POST", "/v1/pool/resize", {}),
     ("POST", "/v1/pool/resize", {"pages": 16, "bytes": 1024}),
     ("POST", "/v1/pool/resize", {"pages": -16}),
     ("POST", "/v1/pool/resize", {"pages": 10**15}),
     ("POST", "/v1/pool/resize", {"pages": 1.5}),
+    ("POST", "/v1/pool/resize", {"pages": 256.0}),
+    ("POST", "/v1/pool/resize", {"pages": True}),
     ("POST", "/v1/pool/resize", {"pages": 100000}),
     ("PATCH", "/v1/config", {"defrag": {"fragmentation_threshold": 2}}),
     ("PATCH", "/v1/config", {"defrag": {"nonsense": True}}),
+    ("PATCH", "/v1/config", {"defrag": {"enabled": 1}}),
+    ("PATCH", "/v1/config", {"defrag": {"step_max_pages": 64.0}}),
+    ("PATCH", "/v1/config", {"defrag": "off"}),
     ("PATCH", "/v1/config", {"resize": {"low_water": 0.9, "high_water": 0.5}}),
+    ("PATCH", "/v1/config", {"resize": {"max_pages": 2048}}),
+    ("PATCH", "/v1/config", {"resize": {"min_pages": 1e30}}),
+    ("PATCH", "/v1/config", {"resize": {"min_pages": 4096}}),
+    ("PATCH", "/v1/config", {"resize": {"enabled": "yes"}}),
+    ("PATCH", "/v1/config", {"alerts": {"interval_s": 1e-9}}),
     ("PATCH", "/v1/config", {"tuning": {}}),
+    ("PATCH", "/v1/config", ["defrag"]),
     ("PATCH", "/v1/config", {"prefix_cache": {"eviction_policy": "random"}}),
 ]
 
@@ -191,6 +255,42 @@ def test_bad_input_is_a_4xx_json_error_and_changes_nothing(agent, method, path, 
         assert pool_state(http) == before
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            b'{"resize": {"max_pages": 2048}}',
+            "resize.max_pages: must be at most 1024, the --max-pool-pages the agent was started",
+        ),
+        (
+            b'{"resize": {"min_pages": 1e30}}',
+            "resize.min_pages: must be a whole number of pages in [1, 1099511627776], or null "
+            "for the default, got 1e+30",
+        ),
+        (
+            b'{"alerts": {"interval_s": 1e-9}}',
+            "alerts.interval_s: must be a number of seconds in [1, 3600], got 1e-09",
+        ),
+        (
+            b'{"alerts": {"interval_s": 1e999}}',
+            "alerts.interval_s: must be a number of seconds in [1, 3600], got Infinity",
+        ),
+        (b'{"defrag": {"enabled": 1}}', "defrag.enabled: must be true or false, got 1"),
+        (b'{"defrag": {"nonsense": 1}}', "defrag.nonsense: unknown setting; defrag has enabled"),
+        (b'{"resize": {"low_water": 0.95}}', "resize.low_water: must be below resize.high_water"),
+    ],
+)
+def test_a_refused_patch_names_the_key_and_the_allowed_range(agent, body, message) -> None:
+    with client(agent) as http:
+        before = http.get("/v1/config").json()
+        response = http.patch(
+            "/v1/config", content=body, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 422
+        assert response.json()["error"]["message"].startswith(message)
+        assert http.get("/v1/config").json() == before
+
+
 def test_malformed_json_and_oversized_bodies(agent) -> None:
     with client(agent) as http:
         response = http.post(
@@ -203,21 +303,25 @@ def test_malformed_json_and_oversized_bodies(agent) -> None:
         assert huge.status_code == 413
 
 
-def test_auth_on_mutating_endpoints(start_agent) -> None:
+def test_the_token_guards_every_endpoint_but_health_and_the_runbook(start_agent) -> None:
     agent = start_agent(*("--pool-pages", "64", "--segment-pages", "16"), token="s3cret")
     with (
         client(agent) as anonymous,
         client(agent, "wrong") as wrong,
         client(agent, "s3cret") as right,
     ):
-        assert anonymous.get("/v1/pool").status_code == 200
-        assert anonymous.get("/metrics").status_code == 200
+        assert anonymous.get("/healthz").status_code == 200
+        assert anonymous.get("/runbook").status_code == 200
         for http in (anonymous, wrong):
-            response = http.post("/v1/defrag", json={})
-            assert response.status_code == 401
-            assert "token" in response.json()["error"]["message"]
+            for path in ("/v1/pool", "/v1/pool/map", "/metrics", "/v1/config", "/openapi.json"):
+                response = http.get(path)
+                assert response.status_code == 401, path
+                assert "token" in response.json()["error"]["message"]
+            assert http.post("/v1/defrag", json={}).status_code == 401
             assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 401
             assert http.patch("/v1/config", json={}).status_code == 401
+        assert right.get("/metrics").status_code == 200
+        assert right.get("/v1/pool").status_code == 200
         assert right.post("/v1/defrag", json={}).status_code == 200
         assert (
             right.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
@@ -243,7 +347,15 @@ def test_public_bind_without_token_is_refused() -> None:
         (["--pool-pages", "8", "--pool-memory", "1GiB"], "give one of"),
         (["--pool-memory", "lots"], "cannot read 'lots' as a size"),
         (["--model", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
-        (["--alert-interval", "soon"], "as a duration"),
+        (["--alert-interval", "soon"], "alerts.interval_s: must be a number of seconds in"),
+        (["--set", "defrag.enabled=maybe"], "defrag.enabled: must be true or false"),
+        (["--set", "defrag.bogus=1"], "defrag.bogus: unknown setting"),
+        (
+            ["--pool-pages", "64", "--max-pool-pages", "64", "--set", "resize.max_pages=128"],
+            "resize.max_pages: must be at most 64",
+        ),
+        (["--max-pool-pages", "64"], "initial size of 1024 pages is above --max-pool-pages 64"),
+        (["--advertise-url", "http://0.0.0.0:8477"], "wildcard address"),
         (["--device", "tpu"], "cpu, cuda or cuda:N"),
     ],
 )
@@ -255,8 +367,9 @@ def test_bad_flags_are_one_line_errors(flags, message) -> None:
         timeout=60,
     )
     assert result.returncode == 2, result.stderr
-    assert message in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "level=" not in line]
+    assert len(errors) == 1 and errors[0].startswith("kvctl-agent: error: "), result.stderr
+    assert message in errors[0]
 
 
 def test_sigterm_exits_cleanly(start_agent) -> None:

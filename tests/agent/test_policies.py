@@ -77,9 +77,11 @@ def test_grow_waits_for_device_memory_and_disabled_does_nothing() -> None:
 def test_flags_override_the_toml_file(tmp_path) -> None:
     path = tmp_path / "agent.toml"
     path.write_text('port = 9000\npage-size = 32\npool_memory = "64MiB"\nalert_interval = "30s"\n')
-    config = load_config({"port": 9100, "page_size": None}, path)
+    config = load_config({"port": 9100, "page_size": None, "alert_interval": None}, path)
     assert (config.port, config.page_size, config.pool_memory) == (9100, 32, 64 << 20)
-    assert config.alert_interval == 30.0
+    assert config.settings == {"alerts": {"interval_s": 30.0}}
+    flagged = load_config({"alert_interval": "45s"}, path, ["alerts.for_s=2m"])
+    assert flagged.settings == {"alerts": {"interval_s": 45.0, "for_s": 120.0}}
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,7 @@ def test_status_json_keys(kvctl, agent) -> None:
 
 def test_fleet_table_shows_an_unreachable_agent_as_a_row(kvctl, agent, token_agent) -> None:
     urls = [agent.url, token_agent.url, UNREACHABLE]
-    result = kvctl(*(f"--agent={url}" for url in urls), "status")
+    result = kvctl(*(f"--agent={url}" for url in urls), "--token", token_agent.token, "status")
     assert result.exit_code == 3
     rows = {url: line for line in result.stdout.splitlines() for url in urls if url in line}
     assert set(rows) == set(urls)
@@ -96,6 +96,14 @@ def test_bad_agent_url_is_a_usage_error(kvctl) -> None:
 
 
 # ---- tokens ------------------------------------------------------------------------------
+
+
+def test_reading_an_agent_with_a_token_needs_it(kvctl, token_agent) -> None:
+    result = kvctl("--agent", token_agent.url, "pool", "show")
+    assert result.exit_code == 4
+    one_line_error(
+        result, f"kvctl: agent {token_agent.url}: 401 unauthorized; pass --token or set KVCTL_TOKEN"
+    )
 
 
 def test_missing_token_says_how_to_pass_one(kvctl, token_agent) -> None:

@@ -1,0 +1,59 @@
+"""The audit trail: one structured log line per mutation of the agent, and a count per action.
+
+Defrag, resize, a settings change and a test alert change what the node does, so each attempt
+is written to the log (logger `kvctl.audit`) as one logfmt line: the action, the outcome, the
+caller's address, whether it presented the token, and what changed (JSON). Refused and
+unauthorized attempts are written too: they are what an investigation looks for. Accepted
+actions are counted in `kvctl_admin_actions_total{action}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from kvctl.agent.service import Tally
+
+log = logging.getLogger("kvctl.audit")
+
+Action = Literal["defrag", "resize", "config", "alert_test"]
+Outcome = Literal["ok", "refused", "unauthorized", "error"]
+
+ACTION_ROUTES: dict[tuple[str, str], Action] = {
+    ("POST", "/v1/defrag"): "defrag",
+    ("POST", "/v1/pool/resize"): "resize",
+    ("PATCH", "/v1/config"): "config",
+    ("POST", "/v1/alerts/test"): "alert_test",
+}
+"""The mutating routes and the action each one is audited as."""
+
+
+class AuditLog:
+    """Writes audit lines and counts the accepted actions."""
+
+    def __init__(self, counts: Tally, logger: logging.Logger = log) -> None:
+        self.counts = counts
+        self.logger = logger
+
+    def record(
+        self,
+        action: Action,
+        outcome: Outcome,
+        caller: str,
+        authenticated: bool,
+        details: Mapping[str, Any] | None = None,
+    ) -> None:
+        """One line: `audit action=resize outcome=ok caller=10.0.0.7:51234 authenticated=true
+        details={"old_pages": 64, "new_pages": 80}`."""
+        if outcome == "ok":
+            self.counts.add(action)
+        self.logger.info(
+            "audit action=%s outcome=%s caller=%s authenticated=%s details=%s",
+            action,
+            outcome,
+            caller,
+            "true" if authenticated else "false",
+            json.dumps(dict(details or {}), sort_keys=True, default=str),
+        )
