@@ -220,7 +220,9 @@ def test_allocation_failures_reach_alertmanager_and_the_named_command_resolves_t
         finally:
             stop.set()
             load.join(timeout=180)
-        assert set(counts) <= {1}, counts
+        # never two copies (0 is fine: with a 4 s window the alert may resolve when failures
+        # pause, which is the truth, not a duplicate)
+        assert max(counts) <= 1, f"copies in Alertmanager over time: {counts}"
         assert alert["labels"]["pool"] == "demo" and alert["labels"]["instance"] == instance
         assert alert["labels"]["severity"] in ("warning", "critical")
         command = remediation_command(alert)
