@@ -29,7 +29,7 @@ trap 'exit 130' INT TERM
 
 echo "kvctl demo: starting kvctl-agent on ${URL} (log: ${LOGS}/agent.log)"
 "$BIN/kvctl-agent" --port "$PORT" --model demo --pool-pages 384 --segment-pages 32 \
-    >"$LOGS/agent.log" 2>&1 &
+    --report-cached-tokens >"$LOGS/agent.log" 2>&1 &
 AGENT_PID=$!
 
 for _ in $(seq 1 240); do

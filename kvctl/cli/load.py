@@ -187,8 +187,14 @@ def _summary(report: LoadReport, data: dict[str, Any]) -> Table:
     table.add_row(
         "tokens",
         f"{tokens['output']:,} out ({data['output_tokens_per_s']:.1f}/s), "
-        f"{tokens['prompt']:,} prompt, {tokens['cached_prompt']:,} from the prefix cache",
+        f"{tokens['prompt']:,} prompt, {_cached_text(tokens['cached_prompt'])}",
     )
     for message, count in list(data["errors"].items())[:5]:
         table.add_row(Text(f"error ×{count}", style=fmt.BAD), message)
     return table
+
+
+def _cached_text(cached: int | None) -> str:
+    if cached is None:
+        return "prefix-cache hits not reported by the agent (--report-cached-tokens)"
+    return f"{cached:,} from the prefix cache"

@@ -2,7 +2,8 @@
 
 Keys of `LoadReport.to_json()` (documented in the README): profile, seed, mode, rate,
 concurrency, duration_s, requests {sent, completed, failed, cancelled}, ttft_s and latency_s
-{p50, p90, p99, max}, tokens {prompt, cached_prompt, output}, output_tokens_per_s,
+{p50, p90, p99, max}, tokens {prompt, cached_prompt (null when the agent does not report
+it), output}, output_tokens_per_s,
 requests_per_s, errors {message: count}.
 """
 
@@ -22,7 +23,7 @@ class RequestResult:
     latency: float
     ttft: float | None = None
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int | None = 0  # None: the agent does not report it (--report-cached-tokens)
     completion_tokens: int = 0
     error: str | None = None
     cancelled: bool = False
@@ -30,6 +31,12 @@ class RequestResult:
     @property
     def ok(self) -> bool:
         return self.error is None and not self.cancelled
+
+
+def _cached(done: Sequence[RequestResult]) -> int | None:
+    """Prompt tokens the agent found in its prefix cache; None when it does not say."""
+    counts = [r.cached_tokens for r in done]
+    return None if counts and all(c is None for c in counts) else sum(c or 0 for c in counts)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -104,7 +111,7 @@ class LoadReport:
             "latency_s": spread([r.latency for r in done]),
             "tokens": {
                 "prompt": sum(r.prompt_tokens for r in done),
-                "cached_prompt": sum(r.cached_tokens for r in done),
+                "cached_prompt": _cached(done),
                 "output": self.output_tokens,
             },
             "output_tokens_per_s": self.output_tokens / wall,

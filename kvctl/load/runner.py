@@ -94,7 +94,7 @@ async def send(
         clock() - start,
         ttft,
         prompt_tokens=usage.prompt_tokens,
-        cached_tokens=details.cached_tokens if (details := usage.prompt_tokens_details) else 0,
+        cached_tokens=details.cached_tokens if (details := usage.prompt_tokens_details) else None,
         completion_tokens=usage.completion_tokens,
     )
 

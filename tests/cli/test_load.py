@@ -79,6 +79,12 @@ def test_report_json_keys_and_counts() -> None:
     assert data["errors"] == {"agent x: boom": 1}
 
 
+def test_cached_tokens_the_agent_does_not_report_are_unknown_not_zero() -> None:
+    unreported = tuple(RequestResult(i, 0.5, 0.1, cached_tokens=None) for i in range(3))
+    data = LoadReport("chat", 0, "closed", None, 2, 2.0, unreported).to_json()
+    assert data["tokens"]["cached_prompt"] is None
+
+
 class FakeClient:
     """Streams `tokens` one-token chunks per request after `delay` seconds; records prompts."""
 
