@@ -10,9 +10,15 @@ One real agent (demo model, default pool, `--max-waiting` raised so that the who
 queued) runs in its own process; a second process holds 1,000 plain completions open against
 it; this process scrapes round-robin at `--rate` per second. Rounds alternate idle and flooded
 (paired, interleaved), each flooded round starting a fresh flood; the idle rounds are the
-baseline. The `waiting` column is the agent's own queue length during the flooded scrapes.
+baseline. The queue range printed is the agent's own count of waiting requests during the
+flooded scrapes.
+
+`--defaults` runs the agent with its default settings instead (at most 256 queued, the rest
+answered 429) and starts scraping the moment the flood starts, so the scrapes meet the burst
+of arrivals itself: 1,000 connections opened, read, parsed and answered at once.
 
     python benchmarks/flood_scrape.py [--requests 1000] [--rounds 3] [--scrapes 150] [--rate 20]
+        [--defaults]
 """
 
 from __future__ import annotations
@@ -82,9 +88,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scrapes", type=int, default=150)
     parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--defaults", action="store_true")
     args = parser.parse_args()
 
-    agent = launch_agent("--max-waiting", str(args.requests + 64))
+    agent = (
+        launch_agent() if args.defaults else launch_agent("--max-waiting", str(args.requests + 64))
+    )
     idle: dict[str, list[float]] = {route: [] for route in ROUTES}
     flooded: dict[str, list[float]] = {route: [] for route in ROUTES}
     queue: list[int] = []
@@ -98,7 +107,8 @@ def main() -> int:
                     [sys.executable, "-c", FLOOD, agent.url, str(args.requests)]
                 )
                 try:
-                    wait_until_queued(http, args.requests)
+                    if not args.defaults:
+                        wait_until_queued(http, args.requests)
                     latencies, waiting = scrape_round(http, args.scrapes, args.rate)
                 finally:
                     flood.kill()
@@ -112,6 +122,7 @@ def main() -> int:
         agent.stop()
 
     print(
+        f"{'default settings, scraping from the first arrival' if args.defaults else ''}\n"
         f"{args.rounds} paired rounds of {args.scrapes} scrapes at {args.rate:g}/s; "
         f"flooded: {args.requests} requests in flight, agent queue {min(queue)}-{max(queue)} "
         f"waiting (median {statistics.median(queue):.0f})"

@@ -290,6 +290,15 @@ class CompletionRequest(Strict):
         return value
 
 
+RejectReason = Literal["queue_full", "too_large", "invalid", "shutting_down"]
+"""Why a request was refused before it was queued (`requests_rejected_total`): `queue_full`,
+429, the queue is at --max-waiting; `too_large`, its prompt plus max_tokens can never fit the pool
+or the model's context; `invalid`, a limit on the input (prompt bytes or tokens, `max_tokens`);
+`shutting_down`, 503 while the agent drains."""
+
+AdminAction = Literal["defrag", "resize", "config", "alert_test"]
+"""The audited mutations (`admin_actions_total`)."""
+
 FinishReasonName = Literal["stop", "length", "abort", "capacity"]
 """`stop`: EOS or a stop string; `length`: max_tokens or the model's context was reached (never
 anything else); `abort`: the client went away or the agent shut down; `capacity`: the request

@@ -15,11 +15,12 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from kvctl.agent.service import Tally
+from kvctl.api import AdminAction
 
 log = logging.getLogger("kvctl.audit")
 
-Action = Literal["defrag", "resize", "config", "alert_test"]
-Outcome = Literal["ok", "refused", "unauthorized", "error"]
+Action = AdminAction
+Outcome = Literal["ok", "refused", "unauthorized"]
 
 ACTION_ROUTES: dict[tuple[str, str], Action] = {
     ("POST", "/v1/defrag"): "defrag",

@@ -224,12 +224,11 @@ def serve(config: AgentConfig) -> int:
     """Bind, build, serve; return the exit code."""
     import uvicorn
 
+    from kvctl.agent.connections import bounded_protocol, listening_socket
     from kvctl.agent.memory import keep_large_blocks_in_mmap
+    from kvctl.agent.server import create_app
 
     keep_large_blocks_in_mmap()
-
-    from kvctl.agent.connections import bounded_protocol, listening_socket
-    from kvctl.agent.server import create_app
 
     try:
         sock = listening_socket(config.host, config.port, config.max_connections)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from operator import attrgetter
-from typing import Literal
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -38,7 +38,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvctl import __version__
 from kvctl.agent.pool.defrag import DefragTrigger
-from kvctl.api import PoolSnapshot
+from kvctl.api import AdminAction, FinishReasonName, PoolSnapshot, RejectReason
 
 MetricType = Literal["gauge", "counter", "histogram"]
 
@@ -51,12 +51,9 @@ DEFRAG_DURATION_BUCKETS: tuple[float, ...] = (
 # fmt: on
 
 RESIZE_DIRECTIONS: tuple[str, ...] = ("grow", "shrink")
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "capacity")
-REJECT_REASONS: tuple[str, ...] = ("queue_full", "too_large", "invalid", "shutting_down")
-"""`queue_full`: 429, the waiting queue is at --max-waiting; `too_large`: the prompt plus
-max_tokens can never fit the pool or the model's context; `invalid`: a limit on the input
-(prompt bytes or tokens, stop strings); `shutting_down`: 503 while the agent drains."""
-ADMIN_ACTIONS: tuple[str, ...] = ("defrag", "resize", "config", "alert_test")
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReasonName)
+REJECT_REASONS: tuple[str, ...] = get_args(RejectReason)
+ADMIN_ACTIONS: tuple[str, ...] = get_args(AdminAction)
 
 
 # ---- the defrag-duration accumulator ----------------------------------------------------------

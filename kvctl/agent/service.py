@@ -32,6 +32,7 @@ from typing import TypeVar
 
 from kvctl.agent.alerting import AlertLoop
 from kvctl.agent.autoresize import AutoResize
+from kvctl.agent.config import DEFAULT_MAX_WAITING
 from kvctl.agent.gpu import GpuProbe
 from kvctl.agent.memory import release_free_memory
 from kvctl.agent.metrics import DurationHistogram
@@ -57,7 +58,6 @@ TRIM_INTERVAL_S = 30.0
 PUBLISH_INTERVAL_S = 0.1  # snapshots are at most this old (and fresh after every command)
 RESIZE_CHECK_INTERVAL_S = 1.0  # automatic resize looks at windows of many seconds
 DEFAULT_WINDOW_S = 300.0
-DEFAULT_MAX_WAITING = 256
 
 
 class QueueFull(RequestRefused):
@@ -75,8 +75,8 @@ class ShuttingDown(RequestRefused):
 class Tally:
     """Counts by key, added to from any thread (HTTP handlers and the engine)."""
 
-    def __init__(self, keys: tuple[str, ...] = ()) -> None:
-        self._counts: Counter[str] = Counter(dict.fromkeys(keys, 0))
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
 
     def add(self, key: str, n: int = 1) -> None:
@@ -213,15 +213,15 @@ class AgentService:
         next_publish = next_resize_check = 0.0
         while not done():
             self._run_commands()
-            if self.engine.has_work():
+            busy = self.engine.has_work()
+            if busy:
                 events = self.engine.step()
                 self._dispatch(events)
-                if not events:  # nothing could run: never spin on a stuck queue
-                    self._wake.wait(IDLE_TICK_S)
-                    self._wake.clear()
-            else:
+                busy = bool(events)  # nothing could run: wait rather than spin
+            if not busy:
                 self._wake.wait(IDLE_TICK_S)
                 self._wake.clear()
+            if not self.engine.has_work():
                 self.engine.auto_defrag.tick()
                 self._trim_when_idle()
             now = self.clock()
@@ -457,7 +457,7 @@ class AgentService:
             preemptions_total=stats.preemptions,
             alert_notifications_dropped_total=self.alerting.dropped_total if self.alerting else 0,
             gpus=self._gpus(),
-            pressure_ratio=pool.used_pages / pool.capacity_pages,
+            pressure_ratio=pool.pressure_ratio,
             max_waiting=self.max_waiting,
             oldest_waiting_seconds=waited,
             queue_stalled_seconds=stalled,

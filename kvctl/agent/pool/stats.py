@@ -63,6 +63,13 @@ class PoolStats:
         return (self.used_pages + self.cached_pages) / self.capacity_pages
 
     @property
+    def pressure_ratio(self) -> float:
+        """used / capacity: cached pages are evicted on demand, so they count as free."""
+        if self.capacity_pages == 0:
+            return 0.0
+        return self.used_pages / self.capacity_pages
+
+    @property
     def fragmentation_ratio(self) -> float:
         return fragmentation_ratio(self.largest_free_run, self.free_pages)
 
