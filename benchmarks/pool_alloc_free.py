@@ -1,32 +1,53 @@
-"""Allocation + free throughput of the page pool vs a linked-list free queue, on one trace.
+"""Allocation + free throughput of the page pool vs vLLM's free-queue design, on three traces.
 
-The trace: a 100,000-page pool and 200,000 operations, each either allocating 16 pages for a new
-request or freeing a random live request (at most 2,000 live), from a seed. Both sides replay the
-same trace and the figure is pages allocated plus pages freed per second.
+Traces (seeded, generated once and replayed identically by both sides):
 
-The baseline is vLLM's block pool design, ported line for line to the operations this trace
-needs: a hand-made doubly linked list of block objects with batch pop from the head and batch
-append at the tail, plus a reference count per block. It is fast, but it has no notion of
-contiguity; ours hands out contiguous runs when it can and keeps the free extents that the
-fragmentation statistics need (short freed runs are coalesced lazily, as malloc's fast bins do;
-every statistic reads them coalesced).
+- `uniform`: 200,000 operations on 100,000 pages, each either allocating 16 pages for a new
+  request or freeing a random live one (at most 2,000 live). The easy case: every request has
+  the same size.
+- `realistic`: what a serving engine does to its pool, on 100,000 pages. Requests arrive with
+  prompts of 1-512 pages (log-uniform) and will generate 1-128 pages (log-uniform). They are
+  admitted while the pool keeps a headroom of 2 % free; every live sequence then grows one page
+  per tick (one page is 16 decode steps); a sequence that reaches its output length is freed;
+  every 25 ticks a burst frees 30 % of the live sequences at random (clients that disconnect);
+  when growth finds no free page, the youngest sequence is preempted (freed, and re-queued with
+  its prompt plus what it had generated, as vLLM's recompute preemption does).
+- `pressure`: the same on 10,000 pages, where the pool is full most of the time and
+  preemption is frequent.
 
-    python benchmarks/pool_alloc_free.py [--pages 100000] [--ops 200000] [--seed 0]
+The trace is decided by page counts alone, which are the same for both sides, so both replay
+exactly the same operations. The figure is pages allocated plus pages freed per second. Our side
+also reads the pool's statistics every 0.1 s and once at the end, as the agent does: a read
+files the pages the allocator handed back loose into the free runs, deferred work that belongs
+in the figure.
+
+The baseline is vLLM's block pool design, ported line for line to the operations the traces
+need: a hand-made doubly linked list of block objects with batch pop from the head and batch
+append at the tail, a reference count per block, and blocks freed in reverse order (as vLLM's
+`free` does, so a request's tail is reused first). It has no notion of contiguity; ours hands
+out contiguous runs and keeps the free extents that the fragmentation statistics need.
+
+    python benchmarks/pool_alloc_free.py [--trace all|uniform|realistic|pressure]
+        [--rounds 7] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 
+from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
+
 from kvctl.agent.pool import PagePool
 
 PAGE_SIZE = 16
+STATS_INTERVAL_S = 0.1  # how often the agent reads the pool's statistics (its snapshots)
+ALLOC, GROW, FREE = 0, 1, 2
 
 
 @dataclass
@@ -115,98 +136,176 @@ class LinkedBlockPool:
         )
 
 
-def make_trace(ops: int, max_live: int, seed: int) -> list[int]:
-    """Per operation: -1 allocate, else the index into the live list of the request to free."""
+Op = tuple[int, int, int]  # (ALLOC, seq, pages) | (GROW, seq, 1) | (FREE, seq, pages)
+
+
+def uniform_trace(ops: int, max_live: int, per_request: int, seed: int) -> list[Op]:
+    """Allocate `per_request` pages for a new request or free a random live one, 50/50."""
     rng = random.Random(seed)
-    trace = []
-    live = 0
-    for _ in range(ops):
-        if live == 0 or (live < max_live and rng.random() < 0.5):
-            trace.append(-1)
-            live += 1
-        else:
-            trace.append(rng.randrange(live))
-            live -= 1
-    return trace
-
-
-def replay_linked(pool: LinkedBlockPool, trace: list[int], per_request: int) -> int:
-    live: list[list[KVCacheBlock]] = []
-    moved = 0
-    for op in trace:
-        if op < 0:
-            live.append(pool.get_new_blocks(per_request))
-        else:
-            victim = live[op]
-            live[op] = live[-1]
-            live.pop()
-            pool.free_blocks(victim)
-        moved += per_request
-    return moved
-
-
-def replay_pool(pool: PagePool, trace: list[int], per_request: int) -> int:
-    tokens = per_request * PAGE_SIZE
+    trace: list[Op] = []
     live: list[int] = []
-    moved = 0
     next_id = 0
-    for op in trace:
-        if op < 0:
-            pool.allocate(next_id, tokens)
+    for _ in range(ops):
+        if not live or (len(live) < max_live and rng.random() < 0.5):
+            trace.append((ALLOC, next_id, per_request))
             live.append(next_id)
             next_id += 1
         else:
-            victim = live[op]
-            live[op] = live[-1]
-            live.pop()
-            pool.free(victim)
-        moved += per_request
+            i = rng.randrange(len(live))
+            live[i], live[-1] = live[-1], live[i]
+            trace.append((FREE, live.pop(), per_request))
+    return trace
+
+
+def _log_uniform(rng: random.Random, low: int, high: int) -> int:
+    return int(math.exp(rng.uniform(math.log(low), math.log(high + 1))))
+
+
+def serving_trace(pages: int, ops: int, seed: int, headroom: float = 0.02) -> list[Op]:
+    """The `realistic` and `pressure` traces (see the module docstring), about `ops` long."""
+    rng = random.Random(seed)
+    trace: list[Op] = []
+    free = pages
+    reserve = int(pages * headroom)
+    # live sequences in admission order: seq -> [pages held, output pages still to generate]
+    live: dict[int, list[int]] = {}
+    queue: list[tuple[int, int]] = []  # (prompt pages, output pages), head first
+    next_id = 0
+    tick = 0
+
+    def release(seq: int) -> None:
+        nonlocal free
+        held = live.pop(seq)[0]
+        free += held
+        trace.append((FREE, seq, held))
+
+    while len(trace) < ops:
+        tick += 1
+        while len(queue) < 64:
+            queue.append((_log_uniform(rng, 1, 512), _log_uniform(rng, 1, 128)))
+        while queue and queue[0][0] <= free - reserve:
+            prompt, output = queue.pop(0)
+            live[next_id] = [prompt, output]
+            free -= prompt
+            trace.append((ALLOC, next_id, prompt))
+            next_id += 1
+        for seq in list(live):
+            state = live.get(seq)
+            if state is None:  # preempted earlier in this tick
+                continue
+            if not free:
+                youngest = next(reversed(live))
+                held, remaining = live[youngest]
+                release(youngest)
+                queue.insert(0, (held, remaining))
+                if youngest == seq:
+                    continue
+            state[0] += 1
+            state[1] -= 1
+            free -= 1
+            trace.append((GROW, seq, 1))
+            if state[1] <= 0:
+                release(seq)
+        if tick % 25 == 0 and live:
+            for seq in rng.sample(list(live), k=int(len(live) * 0.3)):
+                release(seq)
+    return trace
+
+
+def replay_linked(pool: LinkedBlockPool, trace: list[Op]) -> int:
+    tables: dict[int, list[KVCacheBlock]] = {}
+    moved = 0
+    for kind, seq, n in trace:
+        if kind == GROW:
+            tables[seq].extend(pool.get_new_blocks(1))
+        elif kind == ALLOC:
+            tables[seq] = pool.get_new_blocks(n)
+        else:
+            pool.free_blocks(list(reversed(tables.pop(seq))))
+        moved += n
     return moved
 
 
-def timed(replay, pool, trace: list[int], per_request: int) -> tuple[float, int]:
-    """Wall time of one replay on a freshly built pool. Building is not timed, and what it
-    built is frozen out of the cyclic GC (as long-running servers do with `gc.freeze()`); the GC
-    stays on during the replay, for both sides alike."""
+def replay_pool(pool: PagePool, trace: list[Op], stats_interval: float = STATS_INTERVAL_S) -> int:
+    """Replay on our pool, reading its statistics every `stats_interval` seconds as the agent
+    does (its snapshots): a read files the loose pages into the free runs, which is work the
+    allocator deferred, so it is timed too."""
+    append, allocate, free = pool.append, pool.allocate, pool.free
+    clock = time.perf_counter
+    next_read = clock() + stats_interval
+    moved = 0
+    for i, (kind, seq, n) in enumerate(trace):
+        if kind == GROW:
+            append(seq, PAGE_SIZE)
+        elif kind == ALLOC:
+            allocate(seq, n * PAGE_SIZE)
+        else:
+            free(seq)
+        moved += n
+        if not i & 255 and clock() >= next_read:
+            pool.stats()
+            next_read = clock() + stats_interval
+    pool.stats()
+    return moved
+
+
+def timed(replay, pool, trace: list[Op]) -> float:
+    """Pages per second of one replay on a freshly built pool. Building is not timed, and what
+    it built is frozen out of the cyclic GC (as long-running servers do with `gc.freeze()`); the
+    GC stays on during the replay, for both sides alike."""
     gc.collect()
     gc.freeze()
     try:
         start = time.perf_counter()
-        pages = replay(pool, trace, per_request)
-        return time.perf_counter() - start, pages
+        pages = replay(pool, trace)
+        return pages / (time.perf_counter() - start)
     finally:
         gc.unfreeze()
 
 
+def build_trace(name: str, args: argparse.Namespace) -> tuple[int, list[Op]]:
+    if name == "uniform":
+        return 100_000, uniform_trace(200_000, 2_000, 16, args.seed)
+    if name == "realistic":
+        return 100_000, serving_trace(100_000, args.ops, args.seed)
+    return 10_000, serving_trace(10_000, args.ops, args.seed)
+
+
+def describe(trace: list[Op]) -> str:
+    counts = [0, 0, 0]
+    pages = [0, 0, 0]
+    for kind, _, n in trace:
+        counts[kind] += 1
+        pages[kind] += n
+    return (
+        f"{counts[ALLOC]} allocations ({pages[ALLOC]} pages), {counts[GROW]} one-page growths, "
+        f"{counts[FREE]} frees ({pages[FREE]} pages)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pages", type=int, default=100_000)
-    parser.add_argument("--ops", type=int, default=200_000)
-    parser.add_argument("--pages-per-request", type=int, default=16)
-    parser.add_argument("--max-live", type=int, default=2_000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeat", type=int, default=11)
-    args = parser.parse_args(argv)
-    print("command: python benchmarks/pool_alloc_free.py " + " ".join(sys.argv[1:]))
-    trace = make_trace(args.ops, args.max_live, args.seed)
-    ours, base, ratios = [], [], []
-    for _ in range(args.repeat):  # paired rounds: the machine drifts between them
-        linked = LinkedBlockPool(args.pages)
-        seconds, pages = timed(replay_linked, linked, trace, args.pages_per_request)
-        base.append(pages / seconds)
-        del linked
-        pool = PagePool(args.pages, PAGE_SIZE)
-        seconds, pages = timed(replay_pool, pool, trace, args.pages_per_request)
-        ours.append(pages / seconds)
-        ratios.append(ours[-1] / base[-1])
-    ratios.sort()
-    print(f"trace: {args.ops} ops on {args.pages} pages, {args.pages_per_request} pages/request")
-    print(f"linked free list (baseline): {statistics.median(base) / 1e6:6.2f} M pages/s (median)")
-    print(f"kvctl PagePool:              {statistics.median(ours) / 1e6:6.2f} M pages/s (median)")
-    print(
-        f"ratio ours/baseline:         {statistics.median(ratios):6.2f}x (median of "
-        f"{args.repeat} paired rounds, {ratios[0]:.2f}x to {ratios[-1]:.2f}x; target 2x)"
+    parser.add_argument(
+        "--trace", choices=["all", "uniform", "realistic", "pressure"], default="all"
     )
+    parser.add_argument("--ops", type=int, default=400_000, help="operations per serving trace")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS)
+    args = parser.parse_args(argv)
+    print(command_line())
+    print(environment())
+    names = ["uniform", "realistic", "pressure"] if args.trace == "all" else [args.trace]
+    for name in names:
+        pages, trace = build_trace(name, args)
+        paired = paired_rounds(
+            lambda pages=pages, trace=trace: timed(replay_pool, PagePool(pages, PAGE_SIZE), trace),
+            lambda pages=pages, trace=trace: timed(replay_linked, LinkedBlockPool(pages), trace),
+            args.rounds,
+        )
+        print(f"\n{name}: {pages} pages; {describe(trace)}")
+        print(f"  vLLM free queue (baseline): {spread(paired.base, 1e-6)} M pages/s")
+        print(f"  kvctl PagePool:             {spread(paired.ours, 1e-6)} M pages/s")
+        print(f"  ratio ours/baseline:        {paired.ratio_summary()}; target 2x")
     return 0
 
 

@@ -120,6 +120,10 @@ class PoolSnapshot(Response):
     as good as free for admission, and only this ratio says how close the pool is to refusing.
     `queue_stalled_seconds` is how long requests have been waiting while no token was produced
     and no request was admitted or refused (0 when nothing waits or the queue moved).
+    `reserved_pages` are free pages set aside, right after a running sequence's last page, for
+    its next ones; they are part of `free_pages`, any allocation that needs them takes them
+    back, and `fragmentation_ratio`, `free_extents` and `largest_free_run` describe the free
+    pages apart from them.
     """
 
     pool: str
@@ -139,6 +143,7 @@ class PoolSnapshot(Response):
     fragmentation_ratio: float
     free_extents: int
     largest_free_run: int
+    reserved_pages: int = 0
     max_pool_pages: int | None
     alloc_attempts_total: int
     alloc_failures_total: int

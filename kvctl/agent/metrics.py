@@ -272,6 +272,13 @@ METRICS: tuple[MetricDef, ...] = (
         "Length of the longest run of consecutive free pages.",
         _field("largest_free_run"),
     ),
+    MetricDef(
+        "kvctl_pool_reserved_pages",
+        "gauge",
+        "Free pages set aside for running sequences' next pages (part of the free pages; "
+        "given back to any allocation that needs them).",
+        _field("reserved_pages"),
+    ),
     # ---- allocation
     MetricDef(
         "kvctl_alloc_attempts_total",

@@ -435,6 +435,7 @@ class AgentService:
             fragmentation_ratio=pool.fragmentation_ratio,
             free_extents=pool.free_extents,
             largest_free_run=pool.largest_free_run,
+            reserved_pages=pool.reserved_pages,
             max_pool_pages=engine.resizer.max_pages,
             alloc_attempts_total=pool.alloc_attempts,
             alloc_failures_total=pool.alloc_failures,

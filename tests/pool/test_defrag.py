@@ -37,12 +37,24 @@ def fragmented() -> PagePool:
     return p
 
 
-def test_plan_moves_highest_sources_into_lowest_holes() -> None:
+def test_plan_moves_highest_sources_into_lowest_holes_in_page_order() -> None:
     p = fragmented()
     assert moves_needed(p) == 4
-    assert plan_moves(p, 10) == [(11, 2), (10, 3), (9, 6), (8, 7)]
-    assert plan_moves(p, 3) == [(11, 2), (10, 3), (9, 6)]
-    assert plan_moves(p, 10, boundary=10) == [(11, 2), (10, 3)]
+    # every hole is below every source, so sources ascend with holes: a run lands as a run
+    assert plan_moves(p, 10) == [(8, 2), (9, 3), (10, 6), (11, 7)]
+    assert plan_moves(p, 3) == [(9, 2), (10, 3), (11, 6)]
+    assert plan_moves(p, 10, boundary=10) == [(10, 2), (11, 3)]
+    assert plan_moves(p, 10, boundary=4) == [(10, 2), (11, 3)]  # the only holes below 4
+
+
+def test_plan_stops_where_a_move_would_go_up() -> None:
+    p = PagePool(8, 1, segment_pages=8)
+    for name in "abcdefgh":
+        p.allocate(name, 1)
+    for name in "bdg":
+        p.free(name)  # free 1, 3, 6; occupied 0 2 4 5 7
+    # 7 -> 1, 5 -> 3; then the next source (4) is below the next hole (6)
+    assert plan_moves(p, 10) == [(5, 1), (7, 3)]
 
 
 def test_full_defrag_compacts_and_contents_follow_their_pages() -> None:
@@ -52,9 +64,10 @@ def test_full_defrag_compacts_and_contents_follow_their_pages() -> None:
         for i, page in enumerate(p.table(name).pages):
             copier.contents[page] = (name, i)
     report = Defragmenter(p, copier, batch_pages=2).run(DefragTrigger.MANUAL)
-    assert copier.batches == [([11, 10], [2, 3]), ([9, 8], [6, 7])]
-    assert p.table("f").pages == [3, 2]
-    assert p.table("e").pages == [7, 6]
+    assert copier.batches == [([10, 11], [2, 3]), ([8, 9], [6, 7])]
+    assert p.table("f").pages == [2, 3]
+    assert p.table("e").pages == [6, 7]
+    assert p.table("f").is_run and p.table("e").is_run
     assert p.free_runs() == [(8, 4)]
     for name in "acef":
         assert [copier.contents[pg] for pg in p.table(name).pages] == [(name, 0), (name, 1)]
@@ -90,8 +103,8 @@ def test_moves_update_cached_holds_and_listeners() -> None:
     seen: list[dict[int, int]] = []
     p.add_relocation_listener(seen.append)
     Defragmenter(p).run(DefragTrigger.MANUAL)
-    assert seen == [{11: 2, 10: 3, 9: 6, 8: 7}]
-    assert (p.state(2).value, p.state(3).value) == ("cached", "cached")
+    assert seen == [{8: 2, 9: 3, 10: 6, 11: 7}]
+    assert [p.state(page).value for page in (2, 3, 6, 7)] == ["used", "used", "cached", "cached"]
     assert p.cached_pages == 2
     p.check_invariants()
 

@@ -161,3 +161,64 @@ def test_bad_calls_are_refused() -> None:
     with pytest.raises(PoolError, match="is free"):
         p.hold_cached([5])
     p.check_invariants()
+
+
+def test_growth_reserves_the_pages_after_the_last_one_and_stays_a_run() -> None:
+    p = PagePool(1024, 4, segment_pages=1024, reserve_pages=8)
+    p.allocate("a", 4)  # [0]
+    p.allocate("b", 4)  # [1]: "a" cannot extend in place
+    p.append("a", 4)  # a new run of 8 for "a": one page used, seven reserved after it
+    a = p.table("a")
+    assert a.pages == [0, 2] and a.reserved == 7
+    for _ in range(7):  # the reserved pages follow, one by one
+        p.append("a", 4)
+    assert a.pages == [0, *range(2, 10)] and a.reserved == 0
+    assert a.run_starts == [0, 1]  # two runs: [0] and [2..9]
+    assert (p.free_pages, p.used_pages, p.reserved_pages) == (1014, 10, 0)
+    p.check_invariants()
+    p.free("a")
+    assert p.free_runs() == [(0, 1), (2, 1022)]
+    p.check_invariants()
+
+
+def test_reserved_pages_count_as_free_and_are_reclaimed_before_a_failure() -> None:
+    p = PagePool(64, 4, segment_pages=64, reserve_pages=8)
+    p.allocate("a", 4)
+    p.append("a", 4)  # [0, 1] and 7 reserved: [2..8]
+    assert (p.reserved_pages, p.free_pages) == (7, 62)
+    p.allocate("big", 4 * 62)  # needs every free page: the reservation is given back first
+    assert p.reserved_pages == 0 and p.free_pages == 0
+    assert p.stats().alloc_failures == 0
+    p.check_invariants()
+
+
+def test_shredded_free_space_is_handed_out_loose_and_filed_back_on_a_read() -> None:
+    p = PagePool(16, 1, segment_pages=16)
+    for i in range(16):
+        p.allocate(i, 1)
+    for i in range(0, 16, 2):
+        p.free(i)  # free: 0 2 4 ... 14, no two adjacent
+    t = p.allocate("x", 3)  # no run of 3: three loose pages
+    assert not t.is_run and t.loose_from == 0 and len(set(t.pages)) == 3
+    assert p.stats().contiguous_misses == 1
+    p.free("x")  # back loose, counted free
+    assert p.free_pages == 8
+    assert p.stats().free_extents == 8  # a read files them into the free runs
+    assert p._loose == []
+    p.check_invariants()
+
+
+def test_a_move_rewrites_only_the_tables_that_hold_the_moved_pages() -> None:
+    p = PagePool(12, 4, segment_pages=4)
+    for name in "abcdef":
+        p.allocate(name, 8)  # two pages each
+    p.fork("e", "e2")  # e's pages have two holders
+    tables = {name: p.table(name) for name in ("a", "c", "e", "e2", "f")}
+    p.free("b")
+    p.relocate([(8, 2), (9, 3)])  # e's pages, shared with e2
+    assert tables["e"].pages == tables["e2"].pages == [2, 3]
+    assert (p.refcount(2), p.refcount(8)) == (2, 0)
+    assert tables["a"].pages == [0, 1] and tables["f"].pages == [10, 11]
+    p.free("e")
+    p.free("e2")
+    p.check_invariants()

@@ -2,8 +2,9 @@
 
 Every token written gets a distinct tag in the real `KVStorage`; after every step each sequence
 must read back exactly its tokens' tags through its (possibly moved) page table, pages held by
-the prefix cache must keep their contents, and the pool's own leak check must hold. A page given
-to two owners, lost in a move, or released while held would show up as a wrong tag.
+the prefix cache must keep their contents, and the pool's own leak check must hold (it covers
+the growth reservations, the loose pages and the owner index too). A page given to two owners,
+lost in a move, or released while held would show up as a wrong tag.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import itertools
 
 import torch
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -42,9 +43,10 @@ MAX_PAGES = 6 * SEGMENT_PAGES
 class PoolMachine(RuleBasedStateMachine):
     sequences = Bundle("sequences")
 
-    @initialize(segments=st.integers(1, 3), batch=st.integers(1, 5))
-    def start(self, segments: int, batch: int) -> None:
-        self.pool = PagePool(segments * SEGMENT_PAGES, PAGE_SIZE, SEGMENT_PAGES)
+    @initialize(segments=st.integers(1, 3), batch=st.integers(1, 5), reserve=st.integers(1, 4))
+    def start(self, segments: int, batch: int, reserve: int) -> None:
+        pages = segments * SEGMENT_PAGES
+        self.pool = PagePool(pages, PAGE_SIZE, SEGMENT_PAGES, reserve_pages=reserve)
         self.storage = KVStorage(
             segments, SEGMENT_PAGES, PAGE_SIZE, 1, 1, 1, torch.float64, device=DEVICE
         )
@@ -111,6 +113,52 @@ class PoolMachine(RuleBasedStateMachine):
         if copies:
             self.storage.copy_pages([c.src for c in copies], [c.dst for c in copies])
         self._write(seq, first, tokens)
+
+    @rule(tokens=st.integers(1, PAGE_SIZE))
+    def decode_step(self, tokens: int) -> None:
+        """Every sequence grows, as in a decode step; those that cannot are left as they are."""
+        for seq in list(self.tags):
+            if self.pool.can_append(seq, tokens):
+                first = self.pool.table(seq).num_tokens
+                copies = self.pool.append(seq, tokens)
+                if copies:
+                    self.storage.copy_pages([c.src for c in copies], [c.dst for c in copies])
+                self._write(seq, first, tokens)
+
+    @rule(target=sequences, seq=sequences, data=st.data())
+    def adopt(self, seq, data):
+        """A prefix hit: a new sequence starts on pages the cache holds, then writes its own."""
+        if seq is None or seq not in self.tags:
+            return None
+        prefix = []
+        for page in self.pool.table(seq).pages:
+            if page not in self.held:
+                break
+            prefix.append(page)
+        known = len(self.tags[seq])
+        if not prefix or known == 0:
+            return None
+        pages = data.draw(st.integers(1, min(len(prefix), -(-known // PAGE_SIZE))))
+        shared = data.draw(st.integers((pages - 1) * PAGE_SIZE + 1, min(pages * PAGE_SIZE, known)))
+        extra = data.draw(st.integers(0, 6))
+        child = next(self.ids)
+        before = self._snapshot()
+        try:
+            _, copies = self.pool.adopt(child, prefix[:pages], shared, shared + extra)
+        except PoolExhausted:
+            assert self._snapshot() == before
+            return None
+        if copies:
+            self.storage.copy_pages([c.src for c in copies], [c.dst for c in copies])
+        self.tags[child] = self.tags[seq][:shared]
+        self._write(child, shared, extra)
+        return child
+
+    @rule()
+    def release_reservations(self) -> None:
+        free = self.pool.free_pages
+        self.pool.release_reservations()
+        assert self.pool.reserved_pages == 0 and self.pool.free_pages == free
 
     @rule(target=sequences, seq=sequences)
     def fork(self, seq):
@@ -182,6 +230,10 @@ class PoolMachine(RuleBasedStateMachine):
     def contents_and_bookkeeping_hold(self) -> None:
         if not hasattr(self, "pool"):
             return
+        if self.pool.reserved_pages:
+            event("pages reserved for growth")
+        if self.pool._loose:
+            event("loose pages")
         self.pool.check_invariants()
         assert self.storage.num_pages == self.pool.capacity
         for seq, expected in self.tags.items():
@@ -196,5 +248,5 @@ class PoolMachine(RuleBasedStateMachine):
             assert torch.equal(self.storage.read_pages([page])[0], contents), f"page {page}"
 
 
-PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+PoolMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
 TestPoolMachine = PoolMachine.TestCase

@@ -40,7 +40,7 @@ def test_shrink_evacuates_the_tail_then_releases_it() -> None:
     pool.free("a")
     result = resizer.resize(8)
     assert (result.new_pages, result.pages_moved) == (8, 2)
-    assert pool.table("c").pages == [1, 0]
+    assert pool.table("c").pages == [0, 1]
     assert pool.table("b").pages == [4, 5, 6, 7]
     assert (pool.capacity, store.segments) == (8, 2)
     assert pool.free_runs() == [(2, 2)]

@@ -7,7 +7,8 @@ two decode steps and the contents are identical, a model mid-generation cannot t
 Plan: with `U` occupied pages, a fully compacted pool holds them in `[0, U)`. Every occupied page
 at or above the boundary moves into a free page below it: the highest sources first (so the tail
 empties first, which is what a shrink needs) into the lowest holes first. That is the minimum
-number of moves, and after them the free space is one run: fragmentation 0.
+number of moves, and after them the free space is one run: fragmentation 0. (Pages reserved for
+a sequence's growth hold nothing: the plan releases those it meets instead of moving them.)
 
 Work is cut into batches bounded by a page count and a time budget, so the engine can interleave
 defragmentation with decode steps; each batch is complete (copied and switched) before the next,
@@ -17,7 +18,8 @@ so stopping between batches loses nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -61,33 +63,47 @@ class DefragReport:
         return data
 
 
-def _occupied_descending(
-    pool: PagePool, runs: list[tuple[int, int]], boundary: int
-) -> Iterator[int]:
-    """Occupied page ids at or above `boundary`, highest first, read off the gaps between runs."""
-    end = pool.capacity
-    for start, length in reversed(runs):
-        if end <= boundary:
-            return
-        yield from range(end - 1, max(start + length, boundary) - 1, -1)
-        end = start
-    yield from range(end - 1, boundary - 1, -1)
-
-
 def plan_moves(pool: PagePool, limit: int, boundary: int | None = None) -> list[tuple[int, int]]:
-    """Up to `limit` (src, dst) moves toward compaction below `boundary` (default: full).
+    """Up to `limit` (src, dst) moves toward compaction (below `boundary`, if given).
 
-    Destinations ascend within each free run, the order `PagePool.relocate` serves in O(1).
+    The highest occupied pages go into the lowest free pages, as long as each move goes down;
+    then every hole is below every source, so they can be paired in ascending order: a run of
+    a sequence's pages lands as a run, and destinations ascend within each free run (the order
+    `PagePool.relocate` serves in O(1)). Free runs come lowest first off a heap and sources are
+    found by walking down from the top, so the cost follows the pages moved, not the pool size
+    or the number of sequences.
     """
-    runs = pool.free_runs()
-    if boundary is None:
-        boundary = pool.capacity - pool.free_pages
+    if limit <= 0:
+        return []
+    floor = 0 if boundary is None else boundary
+    ceiling = pool.capacity if boundary is None else boundary
+    sources: list[int] = []
+    src = pool.highest_occupied(pool.capacity)
+    while src >= floor and len(sources) < limit:
+        sources.append(src)
+        src = pool.highest_occupied(src)
+    if not sources:
+        return []
     holes: list[int] = []
-    for start, length in runs:
-        if start >= boundary or len(holes) >= limit:
+    with closing(pool.lowest_free_runs()) as runs:
+        for start, length in runs:
+            for hole in range(start, start + length):
+                i = len(holes)
+                if i == len(sources) or hole >= sources[i] or hole >= ceiling:
+                    break
+                holes.append(hole)
+            else:
+                continue
             break
-        holes.extend(range(start, min(start + length, boundary, start + limit - len(holes))))
-    return list(zip(_occupied_descending(pool, runs, boundary), holes, strict=False))
+    return list(zip(reversed(sources[: len(holes)]), holes, strict=True))
+
+
+def is_compact(pool: PagePool, boundary: int | None = None) -> bool:
+    """No page left to move: nothing occupied at or above `boundary`, or (without one) no free
+    page below the highest occupied page."""
+    if boundary is not None:
+        return pool.highest_occupied(pool.capacity) < boundary
+    return not plan_moves(pool, 1)
 
 
 def moves_needed(pool: PagePool, boundary: int | None = None) -> int:
@@ -152,7 +168,7 @@ class Defragmenter:
             if max_seconds is not None and self.clock() - started >= max_seconds:
                 break
         if not complete:
-            complete = moves_needed(self.pool, boundary) == 0
+            complete = is_compact(self.pool, boundary)
         after = self.pool.stats()
         return DefragReport(
             trigger=trigger,

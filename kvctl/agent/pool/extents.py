@@ -17,10 +17,17 @@ without touching the extent maps (requests repeat sizes: a page, a typical promp
 else settles the lists first (merging every listed run with its neighbours), so every other
 answer (`len`, `largest`, `runs`, a request of another size) sees maximal, coalesced runs.
 Each listed run is settled at most once, so the deferred cost is the cost `give` saved.
+
+The defragmenter needs the free runs lowest first, on every tick. Sorting every run each time
+made a tick cost O(runs log runs) at any size of move; instead every run start that is filed goes
+onto a min-heap, and stale entries (runs since merged, split or taken) are dropped when they reach
+the top. So the lowest runs cost O(log runs) each, and the heap is rebuilt when stale entries
+outnumber live ones.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 
 _EXACT_CLASSES = 64
@@ -36,10 +43,12 @@ def size_class(length: int) -> int:
 
 
 class FreeExtents:
-    """Free page ids as maximal runs `[start, start + length)`; neighbours always coalesce.
+    """Free page ids as runs `[start, start + length)`.
 
-    Guarantees: runs never overlap and never touch (two touching runs are merged at once), so
-    `len(self)` is the number of free extents and `largest()` the largest free run.
+    Guarantees: runs never overlap. Runs filed in the maps never touch (two touching runs are
+    merged when filed); short runs freed recently wait in the fast lists and are merged by
+    `settle`, which every reader calls first, so `len(self)` is the number of maximal free
+    extents and `largest()` the largest free run.
     """
 
     __slots__ = (
@@ -49,6 +58,7 @@ class FreeExtents:
         "_mask",
         "_recent",
         "_recent_runs",
+        "_starts",
         "free_pages",
     )
 
@@ -60,6 +70,7 @@ class FreeExtents:
         # recently freed runs by exact length, not yet coalesced (see the module docstring)
         self._recent: list[list[int]] = [[] for _ in range(_EXACT_CLASSES)]
         self._recent_runs = 0
+        self._starts: list[int] = []  # min-heap of run starts, stale entries included
         self.free_pages = 0  # recent runs included
 
     def __len__(self) -> int:
@@ -76,7 +87,15 @@ class FreeExtents:
                 self.free_pages -= length
                 self._merge(starts.pop(), length)
 
+    def _file_start(self, start: int) -> None:
+        """Put a new run start on the heap; rebuild it once stale entries outnumber live ones."""
+        starts = self._starts
+        heapq.heappush(starts, start)
+        if len(starts) > 2 * len(self._by_start) + 64:
+            self._starts = sorted(self._by_start)  # a sorted list is a valid heap
+
     def _insert(self, start: int, length: int) -> None:
+        self._file_start(start)
         self._by_start[start] = length
         self._by_end[start + length] = start
         c = size_class(length)
@@ -105,6 +124,10 @@ class FreeExtents:
             return
         self._merge(start, length)
 
+    def give_now(self, start: int, length: int) -> None:
+        """`give`, merged into the runs at once (so `take_at` can find it)."""
+        self._merge(start, length)
+
     def _merge(self, start: int, length: int) -> None:
         """File a free run, merging it with its neighbours. (Hot path: written out inline.)"""
         self.free_pages += length
@@ -129,6 +152,8 @@ class FreeExtents:
             if not runs:
                 self._mask &= ~(1 << c)
             length += right_len
+        if left is None:
+            self._file_start(start)
         by_start[start] = length
         by_end[start + length] = start
         c = length if length < _EXACT_CLASSES else _BIAS + length.bit_length()
@@ -187,6 +212,7 @@ class FreeExtents:
         rest = run_len - length
         if rest:
             new_start = start + length
+            self._file_start(new_start)
             by_start[new_start] = rest
             self._by_end[new_start + rest] = new_start
             rc = rest if rest < _EXACT_CLASSES else _BIAS + rest.bit_length()
@@ -203,6 +229,109 @@ class FreeExtents:
                 self._mask &= ~(1 << c)
         self.free_pages -= length
         return start
+
+    def take_at(self, start: int, most: int) -> int:
+        """Take up to `most` pages from the low end of the free run that begins at `start`.
+
+        Returns how many were taken: 0 when no filed run begins there. This is how a sequence
+        extends its last run in place. Runs still in the fast lists are not looked at: a miss
+        only costs contiguity, never correctness.
+        """
+        run_len = self._by_start.get(start)
+        if run_len is None:
+            return 0
+        c = run_len if run_len < _EXACT_CLASSES else _BIAS + run_len.bit_length()
+        del self._classes[c][start]
+        taken = min(most, run_len)
+        self._split(start, run_len, c, taken)
+        return taken
+
+    def take_up_to(self, most: int, least: int) -> tuple[int, int] | None:
+        """Take `most` consecutive pages if a run fits, else all of the largest run if it holds
+        at least `least`; return (first page, pages taken), or None."""
+        start = self.take_run(most)
+        if start is not None:
+            return start, most
+        if not self._mask:
+            return None
+        c = self._mask.bit_length() - 1
+        runs = self._classes[c]
+        if c < _EXACT_CLASSES:
+            if c < least:
+                return None
+            start = runs.popitem()[0]
+            self._split(start, c, c, c)
+            return start, c
+        start = max(runs, key=self._by_start.__getitem__)
+        run_len = self._by_start[start]
+        if run_len < least:
+            return None
+        del runs[start]
+        self._split(start, run_len, c, run_len)
+        return start, run_len
+
+    def take_smallest(self, most: int) -> tuple[int, int] | None:
+        """Take a small free run (a recently freed one, or one of the smallest class), at most
+        `most` pages of it; return (start, length) or None. For spending the shreds first, so
+        large runs stay whole."""
+        if self._recent_runs:
+            for length, starts in enumerate(self._recent):
+                if starts and length <= most:
+                    self._recent_runs -= 1
+                    self.free_pages -= length
+                    return starts.pop(), length
+        if not self._mask:
+            return None
+        c = (self._mask & -self._mask).bit_length() - 1
+        runs = self._classes[c]
+        start = runs.popitem()[0]
+        if not runs:
+            self._mask &= ~(1 << c)
+        length = self._by_start.pop(start)
+        del self._by_end[start + length]
+        if length > most:
+            self._insert(start + most, length - most)
+            length = most
+        self.free_pages -= length
+        return start, length
+
+    def covers(self, start: int, length: int) -> bool:
+        """Whether the pages `[start, start + length)` are all in one free run."""
+        run_start = self.run_containing(start)
+        return run_start is not None and start + length <= run_start + self._by_start[run_start]
+
+    def run_ending_at(self, end: int) -> int | None:
+        """The start of the filed free run that ends just before page `end`, or None."""
+        return self._by_end.get(end)
+
+    def lowest_runs(self) -> Iterator[tuple[int, int]]:
+        """Free runs as (start, length), lowest first, read off the heap of run starts.
+
+        Settles the fast lists first. Lazy: a caller that needs only the first few runs pays
+        O(log runs) for each, not a sort of them all. The free space must not change while the
+        iterator is in use.
+        """
+        self.settle()
+        starts = self._starts
+        by_start = self._by_start
+        while starts and starts[0] not in by_start:
+            heapq.heappop(starts)
+        if not starts:
+            return
+        seen: list[int] = []
+        try:
+            last = -1
+            while starts:
+                start = heapq.heappop(starts)
+                seen.append(start)
+                if start == last or start not in by_start:
+                    continue
+                last = start
+                yield start, by_start[start]
+        finally:
+            for start in seen:
+                if start in by_start:
+                    heapq.heappush(starts, start)
 
     def take_scattered(self, length: int) -> list[tuple[int, int]]:
         """Take `length` free pages as few runs as possible (largest runs first).

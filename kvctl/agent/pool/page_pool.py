@@ -9,6 +9,18 @@ Page states: a page is `used` while some page table references it (its reference
 number of tables), `cached` while only the prefix cache holds it, and `free` otherwise. Shared pages
 are read-only: appending into a shared, partly filled last page first copies it (copy-on-write).
 
+Growth reservations: decoding grows every running sequence one page at a time. When a sequence
+needs a page, it takes a short run of free pages, preferably the run right after its last page,
+uses the first and keeps the rest *reserved*: its next pages are then a counter bump, and they
+follow its last page, so the sequence stays one contiguous run (cheap to free, cheap to read).
+Reserved pages hold nothing: they count as free, and whoever needs them gets them back at once
+(an allocation that finds too few free pages reclaims reservations before it evicts cached
+pages or fails; the defragmenter releases the reservations in its way; a shrink releases all).
+
+The owner index: for every page one table holds, `_owner` names that table; pages several
+tables hold list them in `_sharers`. A move (defragmentation) then rewrites exactly the tables
+that hold the moved pages, so its cost follows the pages moved, not the number of sequences.
+
 No torch and no I/O here, so the whole pool can be exercised in microseconds by tests and by the
 simulator.
 """
@@ -17,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from kvctl.agent.pool.errors import PoolError, PoolExhausted, UnknownSequence
 from kvctl.agent.pool.extents import FreeExtents
@@ -28,24 +41,73 @@ Evictor = Callable[[int], int]
 RelocationListener = Callable[[dict[int, int]], None]
 """Told `{old page: new page}` after pages moved, so holders outside page tables can follow."""
 
+DEFAULT_RESERVE_PAGES = 128
+"""Pages a growing sequence takes at once (one used now, the rest reserved for its next ones)."""
+_LOOSE_REFILL = 64
+"""Pages moved at once from the free runs to the loose pages when these run out."""
+_RESERVE_SHARE = 8
+"""A reservation is at most 1/8 of the pool, so tiny pools keep their pages in plain view."""
+
 
 class PoolCorrupted(PoolError, AssertionError):
     """An invariant of the pool does not hold: a bug, never a user error."""
 
 
-@dataclass(slots=True)
 class PageTable:
     """The pages of one sequence, in token order, and how many tokens they hold.
 
-    `is_run` records that the pages are one ascending run of consecutive ids that no other table
-    was given by `fork`, which lets `free` return them to the free space as one extent instead of
-    page by page (pages the prefix cache holds are checked separately).
+    The flags let the hot paths skip checks; each is conservative (False is always safe):
+    `writable`: the last page, if any, is held by this table alone and not by the prefix cache,
+    so tokens can be written into it without a copy. `private`: every page is held by this table
+    alone and none by the prefix cache, so `free` can return the pages run by run, where
+    `run_starts` holds the index in `pages` of each run's first page. `reserve_next` and
+    `reserve_end` bound the pages reserved for this sequence's growth, which follow its last page.
+    Pages from `loose_from` on came one at a time from the loose pages and go back there.
+    (A plain slotted class: one is built per request, on the allocation fast path.)
     """
 
-    seq_id: SeqId
-    pages: list[int]
-    num_tokens: int
-    is_run: bool
+    __slots__ = (
+        "loose_from",
+        "num_tokens",
+        "pages",
+        "private",
+        "reserve_end",
+        "reserve_next",
+        "room",
+        "run_starts",
+        "seq_id",
+        "writable",
+    )
+
+    def __init__(
+        self,
+        seq_id: SeqId,
+        pages: list[int],
+        num_tokens: int,
+        room: int,
+        shared: bool = False,
+        run_starts: Sequence[int] = (0,),
+    ) -> None:
+        self.seq_id = seq_id
+        self.pages = pages
+        self.num_tokens = num_tokens
+        self.room = room  # tokens the pages can hold: len(pages) * page_size
+        self.writable = self.private = not shared
+        self.run_starts = run_starts  # a tuple until a second run begins
+        self.reserve_next = self.reserve_end = 0
+        self.loose_from = -1  # pages from this index on were taken one by one (-1: none)
+
+    def __repr__(self) -> str:
+        return f"PageTable({self.seq_id!r}, pages={self.pages}, num_tokens={self.num_tokens})"
+
+    @property
+    def is_run(self) -> bool:
+        """The pages are one ascending run of consecutive ids that no one else holds."""
+        return self.private and self.loose_from < 0 and len(self.run_starts) <= 1
+
+    @property
+    def reserved(self) -> int:
+        return self.reserve_end - self.reserve_next
 
 
 @dataclass(frozen=True)
@@ -71,12 +133,22 @@ def _runs_of(pages: Sequence[int]) -> Iterator[tuple[int, int]]:
         yield start, length
 
 
+def _run_starts(pages: Sequence[int]) -> list[int]:
+    """Indexes in `pages` where a maximal ascending run of consecutive ids begins."""
+    starts = [0]
+    for i in range(1, len(pages)):
+        if pages[i] != pages[i - 1] + 1:
+            starts.append(i)
+    return starts
+
+
 class PagePool:
     """Pages, page tables and the free space of one KV pool.
 
     Guarantees, checked by `check_invariants`: free + used + cached == capacity; a page's reference
     count equals the number of page tables that hold it; no table holds a page twice; free pages
-    are exactly the pages with no reference and no cache hold.
+    are exactly the pages with no reference and no cache hold, either in the free extents or
+    reserved for one sequence's growth.
     """
 
     def __init__(
@@ -85,6 +157,7 @@ class PagePool:
         page_size: int,
         segment_pages: int | None = None,
         bytes_per_page: int = 0,
+        reserve_pages: int = DEFAULT_RESERVE_PAGES,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
@@ -93,9 +166,12 @@ class PagePool:
         segment_pages = segment_pages or num_pages
         if segment_pages < 1:
             raise ValueError(f"segment_pages must be at least 1, got {segment_pages}")
+        if reserve_pages < 1:
+            raise ValueError(f"reserve_pages must be at least 1, got {reserve_pages}")
         self.page_size = page_size
         self.segment_pages = segment_pages
         self.bytes_per_page = bytes_per_page
+        self.reserve_pages = reserve_pages
         capacity = -(-num_pages // segment_pages) * segment_pages
         self.capacity = capacity
         self._ref = [0] * capacity
@@ -103,9 +179,14 @@ class PagePool:
         # `list(range(...))` would allocate one object per page id above 256.
         self._ids = list(range(capacity))
         self._cached = bytearray(capacity)
+        self._owner: list[PageTable | None] = [None] * capacity
+        self._sharers: dict[int, list[PageTable]] = {}  # page -> its tables, while 2 or more
         self._free = FreeExtents()
         self._free.give(0, capacity)
         self._tables: dict[SeqId, PageTable] = {}
+        self._reserving: dict[SeqId, PageTable] = {}  # tables with reserved pages
+        self._loose: list[int] = []  # free pages outside the free runs, handed out one by one
+        self._reserved = 0
         self.cached_pages = 0
         self.alloc_attempts = 0
         self.alloc_failures = 0
@@ -113,6 +194,8 @@ class PagePool:
         self._evictor: Evictor | None = None
         self._listeners: list[RelocationListener] = []
         self._held = 0  # pages the prefix cache holds (used or not)
+        self._reserve = 1
+        self._size_reservations()
         self._ones = [[1] * n for n in range(65)]
         self._zeros = [[0] * n for n in range(65)]
 
@@ -130,12 +213,17 @@ class PagePool:
 
     @property
     def free_pages(self) -> int:
-        return self._free.free_pages
+        """Pages holding nothing: in the free runs, loose, or reserved for a sequence's growth."""
+        return self._free.free_pages + len(self._loose) + self._reserved
+
+    @property
+    def reserved_pages(self) -> int:
+        return self._reserved
 
     @property
     def used_pages(self) -> int:
         """Pages some page table references (free + used + cached == capacity)."""
-        return self.capacity - self._free.free_pages - self.cached_pages
+        return self.capacity - self.free_pages - self.cached_pages
 
     @property
     def segments(self) -> int:
@@ -167,11 +255,20 @@ class PagePool:
             return PageState.CACHED
         return PageState.FREE
 
+    def is_occupied(self, page: int) -> bool:
+        """Used or cached: what a defragmentation or a shrink has to move."""
+        return bool(self._ref[page] or self._cached[page])
+
     def free_runs(self) -> list[tuple[int, int]]:
-        """Free extents as (start, length), in increasing page order."""
+        """Free extents as (start, length), in increasing page order (reserved pages apart)."""
+        self._settle_loose()
         return list(self._free.runs())
 
     def stats(self) -> PoolStats:
+        """One reading; loose pages are filed into the free runs first, so the fragmentation
+        figures describe the free space as it is."""
+        self._settle_loose()
+        free = self._free
         return PoolStats(
             page_size=self.page_size,
             bytes_per_page=self.bytes_per_page,
@@ -180,13 +277,14 @@ class PagePool:
             capacity_pages=self.capacity,
             used_pages=self.used_pages,
             cached_pages=self.cached_pages,
-            free_pages=self._free.free_pages,
-            free_extents=len(self._free),
-            largest_free_run=self._free.largest(),
+            free_pages=free.free_pages + self._reserved,
+            free_extents=len(free),
+            largest_free_run=free.largest(),
             sequences=len(self._tables),
             alloc_attempts=self.alloc_attempts,
             alloc_failures=self.alloc_failures,
             contiguous_misses=self.contiguous_misses,
+            reserved_pages=self._reserved,
         )
 
     def page_map(self) -> list[PageRun]:
@@ -201,7 +299,7 @@ class PagePool:
 
     def available_pages(self) -> int:
         """Pages an allocation can get: free ones, plus cached ones if they can be evicted."""
-        return self._free.free_pages + (self.cached_pages if self._evictor else 0)
+        return self.free_pages + (self.cached_pages if self._evictor else 0)
 
     def evict(self, num_pages: int) -> int:
         """Ask the prefix cache to free at least `num_pages` cached pages; return how many."""
@@ -222,7 +320,7 @@ class PagePool:
 
         Prefers one contiguous run of pages and falls back to scattered pages. Raises
         `PoolExhausted` (and counts a failure) when the pages cannot be found even after
-        evicting cached pages; the pool is then unchanged.
+        reclaiming reservations and evicting cached pages; the pool is then unchanged.
         """
         tables = self._tables
         if seq_id in tables:
@@ -230,17 +328,27 @@ class PagePool:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         n = -(-num_tokens // self.page_size)
-        start = self._take_run(n) if n else None
+        start = self._free.take_run(n) if n else None
         if start is not None:  # the common case, kept short: one run of fresh pages
-            table = PageTable(seq_id, self._ids[start : start + n], num_tokens, True)
+            self.alloc_attempts += 1
+            self._ref[start : start + n] = self._ones[n] if n <= 64 else [1] * n
+            table = PageTable(seq_id, self._ids[start : start + n], num_tokens, n * self.page_size)
+            self._owner[start : start + n] = [table] * n
         else:
-            pages, is_run = self._take(n, prefer_run=True) if n else ([], True)
-            table = PageTable(seq_id, pages, num_tokens, is_run)
+            table = PageTable(seq_id, [], num_tokens, n * self.page_size)
+            if n:
+                pages, starts = self._take(n, table, prefer_run=True)
+                table.pages = pages
+                if starts is None:
+                    table.loose_from = 0
+                else:
+                    table.run_starts = starts
         tables[seq_id] = table
         return table
 
     def can_append(self, seq_id: SeqId, num_tokens: int = 1) -> bool:
-        return self._pages_to_append(self.table(seq_id), num_tokens) <= self.available_pages()
+        table = self.table(seq_id)
+        return self._pages_to_append(table, num_tokens) <= self.available_pages()
 
     def append(self, seq_id: SeqId, num_tokens: int = 1) -> list[CopyOnWrite]:
         """Make room for `num_tokens` more tokens in a sequence.
@@ -249,38 +357,146 @@ class PagePool:
         shared (or held by the prefix cache), it is replaced by a private copy. Raises
         `PoolExhausted` with nothing changed when the pages cannot be found.
         """
-        table = self.table(seq_id)
+        try:
+            table = self._tables[seq_id]
+        except KeyError:
+            raise UnknownSequence(f"sequence {seq_id!r} is not in the pool") from None
+        total = table.num_tokens + num_tokens
+        if table.writable and num_tokens >= 0:
+            if total <= table.room:  # room in the last page
+                table.num_tokens = total
+                return []
+            page = table.reserve_next
+            if page < table.reserve_end and total <= table.room + self.page_size:
+                # the next reserved page: it follows the last one, so the run goes on
+                table.reserve_next = page + 1
+                if page + 1 == table.reserve_end:
+                    del self._reserving[seq_id]
+                self._reserved -= 1
+                self._ref[page] = 1
+                table.pages.append(page)
+                table.room += self.page_size
+                table.num_tokens = total
+                self.alloc_attempts += 1
+                return []
+            loose = self._loose
+            if loose and table.loose_from >= 0 and total <= table.room + self.page_size:
+                # under pressure: a loose page, as cheap as a free list's
+                page = loose.pop()
+                self._ref[page] = 1
+                self._owner[page] = table
+                table.pages.append(page)
+                table.room += self.page_size
+                table.num_tokens = total
+                self.alloc_attempts += 1
+                return []
+        return self._append_slow(table, num_tokens)
+
+    def _append_slow(self, table: PageTable, num_tokens: int) -> list[CopyOnWrite]:
+        """`append` when it needs a copy, more than one page, or a new reservation."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         needed = self._pages_to_append(table, num_tokens)
         if needed == 0:
             table.num_tokens += num_tokens
             return []
-        new_pages, new_is_run = self._take(needed, prefer_run=False)
         copies: list[CopyOnWrite] = []
-        if self._last_page_is_shared(table):
-            old = table.pages[-1]
-            new = new_pages.pop(0)
-            table.pages[-1] = new
-            self._release([old])
-            copies.append(CopyOnWrite(old, new))
-            table.is_run = len(table.pages) == 1
-            new_is_run = _is_run(new_pages)
-        if new_pages:
-            follows = not table.pages or new_pages[0] == table.pages[-1] + 1
-            table.is_run = table.is_run and new_is_run and follows
-            table.pages.extend(new_pages)
-        table.num_tokens += num_tokens
+        cow = self._last_page_is_shared(table) if num_tokens else False
+        if table.reserve_next < table.reserve_end:
+            # back to the free runs at once (not the fast lists), where `_take` finds it again
+            lo, hi = table.reserve_next, table.reserve_end
+            self._reserving.pop(table.seq_id)
+            table.reserve_next = table.reserve_end = 0
+            self._reserved -= hi - lo
+            self._free.give_now(lo, hi - lo)
+        if needed == 1 and not cow and table.private and self._grow_one(table) is not None:
+            table.num_tokens += num_tokens
+            table.writable = True
+            return []
+        new_pages, new_starts = self._take(needed, table, prefer_run=False, extend=not cow)
+        self._add_pages(table, new_pages, new_starts, num_tokens, copies, cow)
         return copies
+
+    def _grow_one(self, table: PageTable) -> int | None:
+        """One more page for a private, growing table, the cheap way; None to take the long way.
+
+        A run for a new reservation if one fits (right after the last page first), else a loose
+        page (refilling the loose pages from the free runs, or from other reservations).
+        """
+        free = self._free
+        want = self._reserve
+        pages = table.pages
+        if table.loose_from < 0:
+            if pages:
+                got = free.take_at(pages[-1] + 1, want)
+                if got:
+                    self.alloc_attempts += 1
+                    self._add_pages(table, self._claim(pages[-1] + 1, 1, got, table), [0], 0, [])
+                    return pages[-1]
+            start = free.take_run(want) if want > 1 and free.free_pages >= want else None
+            if start is not None:
+                self.alloc_attempts += 1
+                self._add_pages(table, self._claim(start, 1, want, table), [0], 0, [])
+                return pages[-1]
+        loose = self._loose
+        if not loose:
+            taken = free.take_smallest(_LOOSE_REFILL)
+            if taken is None:
+                self._reclaim(1)
+                taken = free.take_smallest(_LOOSE_REFILL)
+                if taken is None:
+                    return None
+            start, got = taken
+            loose.extend(self._ids[start + got - 1 : start - 1 if start else None : -1])
+        page = loose.pop()
+        self.alloc_attempts += 1
+        self._ref[page] = 1
+        self._owner[page] = table
+        if table.loose_from < 0:
+            table.loose_from = len(pages)
+        pages.append(page)
+        table.room += self.page_size
+        return page
+
+    def _add_pages(
+        self,
+        table: PageTable,
+        new_pages: list[int],
+        new_starts: list[int] | None,
+        num_tokens: int,
+        copies: list[CopyOnWrite],
+        cow: bool = False,
+    ) -> None:
+        """Append taken pages to a table (replacing a shared last page first when `cow`)."""
+        pages = table.pages
+        if cow:
+            old = pages.pop()
+            self._release_one(old, table)
+            if not pages:
+                table.run_starts = (0,)
+            copies.append(CopyOnWrite(old, new_pages[0]))
+        base = len(pages)
+        if new_starts is None:
+            if table.loose_from < 0:
+                table.loose_from = base
+        elif table.loose_from < 0:  # past `loose_from`, every page goes back loose anyway
+            starts = list(table.run_starts)
+            if base and new_pages[0] != pages[-1] + 1:
+                starts.append(base)
+            starts.extend(base + i for i in new_starts[1:])
+            table.run_starts = starts
+        pages.extend(new_pages)
+        table.room = len(pages) * self.page_size
+        table.num_tokens += num_tokens
+        table.writable = True  # the last page is a fresh one now
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> PageTable:
         """Start `child_id` sharing every page of `parent_id` (reference counted, read-only)."""
         parent = self.table(parent_id)
         if child_id in self._tables:
             raise PoolError(f"sequence {child_id!r} already has a page table")
-        self._acquire(parent.pages)
-        parent.is_run = False
-        child = PageTable(child_id, list(parent.pages), parent.num_tokens, False)
+        child = PageTable(child_id, list(parent.pages), parent.num_tokens, parent.room, True)
+        self._acquire(parent.pages, child)
         self._tables[child_id] = child
         return child
 
@@ -298,46 +514,113 @@ class PagePool:
             raise PoolError(f"sequence {seq_id!r} already has a page table")
         if self.pages_for(shared_tokens) != len(shared_pages) or shared_tokens > num_tokens:
             raise PoolError("adopt: shared pages do not match the shared token count")
-        self._acquire(shared_pages)
-        table = PageTable(seq_id, list(shared_pages), shared_tokens, len(shared_pages) <= 1)
+        table = PageTable(
+            seq_id, list(shared_pages), shared_tokens, len(shared_pages) * self.page_size, True
+        )
+        self._acquire(shared_pages, table)
         self._tables[seq_id] = table
         try:
             copies = self.append(seq_id, num_tokens - shared_tokens)
         except PoolExhausted:
             del self._tables[seq_id]
-            self._release(shared_pages)
+            self._release(shared_pages, table)
             raise
         return table, copies
 
     def free(self, seq_id: SeqId) -> None:
         """Drop a sequence: its pages become free, or cached while the prefix cache holds them."""
-        try:
-            table = self._tables.pop(seq_id)
-        except KeyError:
-            raise UnknownSequence(f"sequence {seq_id!r} is not in the pool") from None
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            raise UnknownSequence(f"sequence {seq_id!r} is not in the pool")
+        if table.reserve_end:
+            self._drop_reservation(table)
         pages = table.pages
-        n = len(pages)
-        if (
-            table.is_run
-            and 0 < n <= 64
-            and (not self._held or not any(self._cached[pages[0] : pages[0] + n]))
-        ):
-            start = pages[0]
-            self._ref[start : start + n] = self._zeros[n]
-            self._free.give(start, n)
+        if not table.private:
+            self._release(pages, table)
             return
-        self._release(pages)
+        ref, give = self._ref, self._free.give
+        starts = table.run_starts
+        n = len(pages)
+        if table.loose_from >= 0:
+            n = table.loose_from
+            tail = pages[n:]
+            for p in tail:
+                ref[p] = 0
+            self._loose.extend(tail)
+        if len(starts) == 1:
+            if n:
+                start = pages[0]
+                ref[start : start + n] = self._zeros[n] if n <= 64 else [0] * n
+                give(start, n)
+            return
+        for lo, hi in zip(starts, [*starts[1:], n], strict=True):
+            if hi > lo:
+                length = hi - lo
+                start = pages[lo]
+                ref[start : start + length] = self._zeros[length] if length <= 64 else [0] * length
+                give(start, length)
+
+    # ---- growth reservations ------------------------------------------------------------
+
+    def _size_reservations(self) -> None:
+        self._reserve = max(1, min(self.reserve_pages, self.capacity // _RESERVE_SHARE))
+
+    def release_reservations(self) -> int:
+        """Return every reserved page to the free extents (before a shrink); how many."""
+        released = self._reserved
+        while self._reserving:
+            self._drop_reservation(self._reserving.popitem()[1])
+        return released
+
+    def _drop_reservation(self, table: PageTable) -> None:
+        lo, hi = table.reserve_next, table.reserve_end
+        if lo < hi:
+            self._reserving.pop(table.seq_id, None)
+            table.reserve_next = table.reserve_end = 0
+            self._reserved -= hi - lo
+            self._free.give(lo, hi - lo)
+
+    def _settle_loose(self) -> None:
+        """File the loose pages into the free runs (sorted, as runs)."""
+        loose = self._loose
+        if loose:
+            loose.sort()
+            give = self._free.give_now
+            for start, length in _runs_of(loose):
+                give(start, length)
+            loose.clear()
+
+    def _reclaim(self, pages: int) -> None:
+        """Return reservations, newest first, until the free extents hold `pages` pages."""
+        free = self._free
+        reserving = self._reserving
+        while free.free_pages < pages and reserving:
+            self._drop_reservation(reserving.popitem()[1])
+
+    def _reserve_after(self, table: PageTable, page: int, length: int) -> None:
+        """Keep `[page, page + length)`, already out of the free extents, for `table`'s growth."""
+        table.reserve_next, table.reserve_end = page, page + length
+        self._reserved += length
+        self._reserving[table.seq_id] = table
+        self._owner[page : page + length] = [table] * length
 
     # ---- prefix-cache holds -------------------------------------------------------------
 
     def hold_cached(self, pages: Sequence[int]) -> None:
         """Mark in-use pages as also held by the prefix cache, so they outlive their sequences."""
+        ref, cached, owner = self._ref, self._cached, self._owner
         for p in pages:
-            if not self._ref[p] and not self._cached[p]:
+            if not ref[p] and not cached[p]:
                 raise PoolError(f"page {p} is free; the prefix cache can only hold pages in use")
-            if not self._cached[p]:
-                self._held += 1
-            self._cached[p] = 1
+            if cached[p]:
+                continue
+            self._held += 1
+            cached[p] = 1
+            if ref[p] == 1:
+                holder = owner[p]
+                assert holder is not None
+                holder.private = holder.writable = False
+            # pages two tables hold are not private to either, nor writable in place
 
     def release_cached(self, pages: Sequence[int]) -> None:
         """Drop the prefix cache's hold; pages no sequence uses become free."""
@@ -355,32 +638,81 @@ class PagePool:
 
     # ---- moving pages (defragmentation) -------------------------------------------------
 
+    def highest_occupied(self, below: int) -> int:
+        """The highest used or cached page under `below`, or -1 if there is none.
+
+        Walks down from `below - 1`, jumping whole free runs; a reservation met on the way is
+        released (its pages hold nothing), so the cost follows what is stepped over.
+        """
+        free = self._free
+        self._settle_loose()
+        free.settle()
+        ref, cached, owner = self._ref, self._cached, self._owner
+        p = below - 1
+        while p >= 0:
+            if ref[p] or cached[p]:
+                return p
+            start = free.run_ending_at(p + 1)
+            if start is not None:
+                p = start - 1
+                continue
+            holder = owner[p]
+            if holder is None or not holder.reserve_next <= p < holder.reserve_end:
+                raise PoolCorrupted(f"page {p} is neither occupied, free nor reserved")
+            p = holder.reserve_next - 1  # its pages are free now, like everything above them
+            self._drop_reservation(holder)
+        return -1
+
+    def lowest_free_runs(self) -> Iterator[tuple[int, int]]:
+        """Free extents lowest first, lazily (see `FreeExtents.lowest_runs`)."""
+        self._settle_loose()
+        return self._free.lowest_runs()
+
     def relocate(self, moves: Sequence[tuple[int, int]]) -> None:
         """Switch every reference from each `src` page to its `dst` page, then free the `src`.
 
         The caller has already copied the contents (`KVStorage.copy_pages`). Each `dst` must be
-        free and each `src` occupied; best applied in ascending `dst` order within a free run,
-        which makes each reservation O(1).
+        in the free extents and each `src` occupied. Only the tables holding a moved page are
+        touched (the owner index names them).
         """
         mapping = dict(moves)
         if len(mapping) != len(moves) or len(set(mapping.values())) != len(moves):
             raise PoolError("relocate: a page appears twice in the moves")
-        ref, cached = self._ref, self._cached
+        ref, cached, owner, sharers = self._ref, self._cached, self._owner, self._sharers
         for src, dst in moves:
             if not (ref[src] or cached[src]):
                 raise PoolError(f"relocate: source page {src} is free")
             if ref[dst] or cached[dst] or dst in mapping:
                 raise PoolError(f"relocate: destination page {dst} is not free")
-        for start, length in _runs_of(sorted(mapping.values())):
+        dst_runs = list(_runs_of(sorted(mapping.values())))
+        for start, length in dst_runs:
+            if not self._free.covers(start, length):
+                raise PoolError(f"relocate: destination pages from {start} are not free")
+        for start, length in dst_runs:
             self._free.take_range(start, length)
+        touched: dict[int, PageTable] = {}
         for src, dst in moves:
-            ref[dst], ref[src] = ref[src], 0
+            r = ref[src]
+            ref[dst], ref[src] = r, 0
             cached[dst], cached[src] = cached[src], 0
-        moved = set(mapping)
-        for table in self._tables.values():
-            if not moved.isdisjoint(table.pages):
-                table.pages[:] = [mapping.get(p, p) for p in table.pages]
-                table.is_run = table.is_run and _is_run(table.pages)
+            if r == 1:
+                holder = owner[src]
+                assert holder is not None
+                owner[dst] = holder
+                touched[id(holder)] = holder
+            elif r:
+                holders = sharers.pop(src)
+                sharers[dst] = holders
+                for holder in holders:
+                    touched[id(holder)] = holder
+        for table in touched.values():
+            last = table.pages[-1]
+            table.pages[:] = [mapping.get(p, p) for p in table.pages]
+            if table.private:
+                table.run_starts = _run_starts(table.pages)
+                table.loose_from = -1
+            if table.pages[-1] != last:
+                self._drop_reservation(table)
         for start, length in _runs_of(sorted(mapping)):
             self._free.give(start, length)
         for listener in self._listeners:
@@ -398,11 +730,18 @@ class PagePool:
         self._ref.extend([0] * num_pages)
         self._ids.extend(range(old, old + num_pages))
         self._cached.extend(bytes(num_pages))
+        self._owner.extend([None] * num_pages)
         self.capacity = old + num_pages
         self._free.give(old, num_pages)
+        self._size_reservations()
 
     def occupied_above(self, boundary: int) -> int:
-        """Pages at or above `boundary` that are used or cached (what a shrink must move)."""
+        """Pages at or above `boundary` that are used or cached (what a shrink must move).
+
+        Releases the reservations first: they hold nothing and a shrink drops them anyway.
+        """
+        self.release_reservations()
+        self._settle_loose()
         free_above = sum(
             min(length, start + length - boundary)
             for start, length in self._free.runs()
@@ -422,29 +761,46 @@ class PagePool:
         del self._ref[new_capacity:]
         del self._ids[new_capacity:]
         del self._cached[new_capacity:]
+        del self._owner[new_capacity:]
         self.capacity = new_capacity
+        self._size_reservations()
 
     # ---- invariants ---------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """Raise `PoolCorrupted` if any bookkeeping disagrees with any other (a leak check)."""
         counts = [0] * self.capacity
+        holders: dict[int, list[PageTable]] = {}
+        reserved = bytearray(self.capacity)
+        for p in self._loose:
+            if reserved[p]:
+                raise PoolCorrupted(f"page {p} is loose twice")
+            reserved[p] = 1
         for table in self._tables.values():
-            if len(set(table.pages)) != len(table.pages):
-                raise PoolCorrupted(f"sequence {table.seq_id!r} holds a page twice")
-            if len(table.pages) != self.pages_for(table.num_tokens):
-                raise PoolCorrupted(f"sequence {table.seq_id!r}: pages do not match its tokens")
-            if table.is_run and not (
-                _is_run(table.pages)
-                and all(self._ref[p] == 1 or self._cached[p] for p in table.pages)
-            ):
-                raise PoolCorrupted(f"sequence {table.seq_id!r} is marked as a private run")
+            self._check_table(table)
             for p in table.pages:
                 if not 0 <= p < self.capacity:
                     raise PoolCorrupted(f"sequence {table.seq_id!r} holds page {p} beyond the pool")
                 counts[p] += 1
+                holders.setdefault(p, []).append(table)
+            for p in range(table.reserve_next, table.reserve_end):
+                if counts[p] or reserved[p] or self._cached[p]:
+                    raise PoolCorrupted(f"reserved page {p} is also held")
+                reserved[p] = 1
         if counts != self._ref:
             raise PoolCorrupted("reference counts differ from the page tables")
+        for p, tables in holders.items():
+            if len(tables) == 1 and self._owner[p] is not tables[0]:
+                raise PoolCorrupted(f"page {p}: the owner index names the wrong table")
+            if len(tables) > 1 and sorted(map(id, self._sharers.get(p, []))) != sorted(
+                map(id, tables)
+            ):
+                raise PoolCorrupted(f"page {p}: the sharers differ from the tables holding it")
+        if any(self._ref[p] < 2 for p in self._sharers):
+            raise PoolCorrupted("a page listed as shared is held by fewer than two tables")
+        reserving = {t.seq_id for t in self._tables.values() if t.reserve_next < t.reserve_end}
+        if reserving != set(self._reserving) or sum(reserved) != self._reserved + len(self._loose):
+            raise PoolCorrupted("the reservations are miscounted")
         free = bytearray(self.capacity)
         previous_end = -1
         for start, length in self._free.runs():
@@ -457,7 +813,8 @@ class PagePool:
         used = sum(1 for c in counts if c)
         cached = sum(1 for p in range(self.capacity) if self._cached[p] and not counts[p])
         for p in range(self.capacity):
-            if bool(free[p]) == bool(counts[p] or self._cached[p]):
+            held = counts[p] or self._cached[p] or reserved[p]
+            if bool(free[p]) == bool(held):
                 raise PoolCorrupted(f"page {p} is free and held, or neither")
         if self._held != sum(self._cached):
             raise PoolCorrupted("the count of cache-held pages is wrong")
@@ -465,6 +822,33 @@ class PagePool:
             raise PoolCorrupted(f"{self.cached_pages} pages counted as cached, {cached} are")
         if self.free_pages + used + cached != self.capacity:
             raise PoolCorrupted("free + used + cached != capacity")
+
+    def _check_table(self, table: PageTable) -> None:
+        name = f"sequence {table.seq_id!r}"
+        pages = table.pages
+        if len(set(pages)) != len(pages):
+            raise PoolCorrupted(f"{name} holds a page twice")
+        if len(pages) != self.pages_for(table.num_tokens):
+            raise PoolCorrupted(f"{name}: pages do not match its tokens")
+        if table.room != len(pages) * self.page_size:
+            raise PoolCorrupted(f"{name}: its room is miscounted")
+        if pages and table.writable and (self._ref[pages[-1]] != 1 or self._cached[pages[-1]]):
+            raise PoolCorrupted(f"{name} is marked writable but its last page is shared")
+        if table.private and pages:
+            if not all(self._ref[p] == 1 and not self._cached[p] for p in pages):
+                raise PoolCorrupted(f"{name} is marked private but shares a page")
+            end = len(pages) if table.loose_from < 0 else table.loose_from
+            bounds = [*table.run_starts, end]
+            ordered = all(a < b for a, b in pairwise(bounds))
+            if end and (bounds[0] != 0 or not ordered):
+                raise PoolCorrupted(f"{name}: its run starts are out of order")
+            for lo, hi in pairwise(bounds):
+                if pages[lo:hi] != list(range(pages[lo], pages[lo] + hi - lo)):
+                    raise PoolCorrupted(f"{name}: a recorded run is not contiguous")
+        if table.reserve_next < table.reserve_end and (
+            not pages or table.reserve_next != pages[-1] + 1
+        ):
+            raise PoolCorrupted(f"{name}: its reservation does not follow its last page")
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -481,64 +865,109 @@ class PagePool:
         last = table.pages[-1]
         return self._ref[last] > 1 or bool(self._cached[last])
 
-    def _take_run(self, n: int) -> int | None:
-        """Take `n` consecutive free pages with one reference each, if a free run fits.
+    def _take(
+        self, n: int, table: PageTable, prefer_run: bool, extend: bool = False
+    ) -> tuple[list[int], list[int] | None]:
+        """Take `n` free pages for `table`, one reference each; count the attempt and failures.
 
-        Counts an attempt when it succeeds; on None the caller goes on to `_take`, which counts.
-        """
-        start = self._free.take_run(n)
-        if start is not None:
-            self.alloc_attempts += 1
-            self._ref[start : start + n] = self._ones[n] if n <= 64 else [1] * n
-        return start
-
-    def _take(self, n: int, prefer_run: bool) -> tuple[list[int], bool]:
-        """Take `n` free pages with one reference each; counts the attempt and any failure.
-
-        Evicts cached pages when short, then prefers one run, then scattered pages. Returns the
-        pages and whether they form one ascending run.
+        Reclaims reservations, then evicts cached pages when short. A growing sequence
+        (`extend`) first tries the run right after its last page and reserves a few more pages
+        from the run it takes. Otherwise prefers one run. Returns the pages and the indexes where
+        a run of consecutive ids begins; when no run fits, loose pages and None (the free space
+        is in shreds: taking and returning them one by one is then cheaper than splitting and
+        merging runs, and the smallest runs are spent first, so large ones stay whole).
         """
         free = self._free
-        if n > free.free_pages:
-            self.evict(n - free.free_pages)
-            if n > free.free_pages:
+        loose = self._loose
+        if n > free.free_pages + len(loose):
+            if n <= self.available_pages():
+                self._reclaim(n - len(loose))
+                if n > free.free_pages + len(loose):
+                    self.evict(n - free.free_pages - len(loose))
+            if n > free.free_pages + len(loose):
                 self.alloc_attempts += 1
                 self.alloc_failures += 1
                 raise PoolExhausted(
-                    f"need {n} pages, {free.free_pages} free and {self.cached_pages} cached of "
-                    f"{self.capacity}; grow the pool or wait for requests to finish"
+                    f"need {n} pages, {self.free_pages} free and {self.cached_pages} "
+                    f"cached of {self.capacity}; grow the pool or wait for requests to finish"
                 )
-        start = self._take_run(n)
-        if start is not None:
-            return self._ids[start : start + n], True
         self.alloc_attempts += 1
-        if prefer_run:
-            self.contiguous_misses += 1
-        pages: list[int] = []
-        ref = self._ref
-        for run_start, length in free.take_scattered(n):
-            ref[run_start : run_start + length] = [1] * length
-            pages.extend(self._ids[run_start : run_start + length])
-        return pages, False
+        if extend:
+            want = n + self._reserve - 1
+            pages = table.pages
+            if pages:
+                got = free.take_at(pages[-1] + 1, want)
+                if got >= n:
+                    return self._claim(pages[-1] + 1, n, got, table), [0]
+                if got:
+                    free.give_now(pages[-1] + 1, got)
+            taken = free.take_up_to(want, n)
+            if taken is not None:
+                return self._claim(taken[0], n, taken[1], table), [0]
+        else:
+            start = free.take_run(n)
+            if start is not None:
+                return self._claim(start, n, n, table), [0]
+            if prefer_run:
+                self.contiguous_misses += 1
+        ids = self._ids
+        while len(loose) < n:
+            shred = free.take_smallest(_LOOSE_REFILL)
+            assert shred is not None, "free pages are miscounted"
+            start, got = shred
+            loose.extend(ids[start + got - 1 : start - 1 if start else None : -1])
+        taken = loose[-n:]
+        del loose[-n:]
+        ref, owner = self._ref, self._owner
+        for p in taken:
+            ref[p] = 1
+            owner[p] = table
+        return taken, None
 
-    def _acquire(self, pages: Sequence[int]) -> None:
-        ref, cached = self._ref, self._cached
+    def _claim(self, start: int, n: int, got: int, table: PageTable) -> list[int]:
+        """Give `table` the first `n` of `got` pages taken from `start`; reserve the rest."""
+        self._ref[start : start + n] = self._ones[n] if n <= 64 else [1] * n
+        self._owner[start : start + n] = [table] * n
+        if got > n:
+            self._reserve_after(table, start + n, got - n)
+        return self._ids[start : start + n]
+
+    def _acquire(self, pages: Sequence[int], table: PageTable) -> None:
+        """Add `table` as a holder of each page (fork, prefix hit)."""
+        ref, cached, owner, sharers = self._ref, self._cached, self._owner, self._sharers
         for p in pages:
-            if ref[p] == 0:
+            r = ref[p]
+            if r == 0:
                 if not cached[p]:
                     raise PoolError(f"page {p} is free and cannot be shared")
                 self.cached_pages -= 1
-            ref[p] += 1
+                owner[p] = table
+            elif r == 1:
+                holder = owner[p]
+                assert holder is not None
+                holder.private = holder.writable = False
+                sharers[p] = [holder, table]
+            else:
+                sharers[p].append(table)
+            ref[p] = r + 1
 
-    def _release(self, pages: Sequence[int]) -> None:
-        """Drop one reference from each page; return the pages nobody holds to the free space."""
-        ref, cached = self._ref, self._cached
+    def _release_one(self, page: int, table: PageTable) -> None:
+        self._release((page,), table)
+
+    def _release(self, pages: Sequence[int], table: PageTable) -> None:
+        """Drop `table`'s reference to each page; return pages nobody holds to the free space."""
+        ref, cached, sharers = self._ref, self._cached, self._sharers
         run_start, run_len = -1, 0
         give = self._free.give
         for p in pages:
             r = ref[p] - 1
             ref[p] = r
             if r:
+                holders = sharers[p]
+                holders.remove(table)
+                if r == 1:
+                    self._owner[p] = holders[0]
+                    del sharers[p]
                 continue
             if cached[p]:
                 self.cached_pages += 1
@@ -550,8 +979,3 @@ class PagePool:
                 run_start, run_len = p, 1
         if run_len:
             give(run_start, run_len)
-
-
-def _is_run(pages: Sequence[int]) -> bool:
-    """Whether `pages` is one ascending run of consecutive ids."""
-    return not pages or list(pages) == list(range(pages[0], pages[0] + len(pages)))

@@ -123,6 +123,7 @@ class PoolResizer:
 
     def _shrink(self, target: int) -> tuple[int, int]:
         pool = self.pool
+        pool.release_reservations()
         evicted = 0
         overflow = pool.used_pages + pool.cached_pages - target
         if overflow > 0:

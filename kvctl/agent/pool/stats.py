@@ -46,6 +46,7 @@ class PoolStats:
     alloc_attempts: int
     alloc_failures: int
     contiguous_misses: int
+    reserved_pages: int = 0  # free pages set aside for running sequences' next pages
 
     @property
     def capacity_bytes(self) -> int:
@@ -71,7 +72,9 @@ class PoolStats:
 
     @property
     def fragmentation_ratio(self) -> float:
-        return fragmentation_ratio(self.largest_free_run, self.free_pages)
+        """Over the free extents: reserved pages follow their sequences by design, and any
+        allocation that needs them reclaims them first."""
+        return fragmentation_ratio(self.largest_free_run, self.free_pages - self.reserved_pages)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain fields plus the derived ratios and byte counts, for JSON."""
