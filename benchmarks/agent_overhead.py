@@ -8,25 +8,29 @@ publishes a `PoolSnapshot` after every step, and a scraper reads `/metrics` and 
 evaluates every second. The clients run in a
 separate process, as they do in production. Both sides time the
 period from one `Engine.step()` to the next while requests decode, which includes whatever the
-agent does between steps; the ratio of medians is the machinery's overhead per decode step.
+agent does between steps. Rounds are paired and interleaved (agent, alone, alone, agent, ...);
+each round keeps each side's median ms/step, and the overhead is the median (min-max) of the
+per-round ratios agent / alone, minus one.
 
-    python benchmarks/agent_overhead.py [--prompt-tokens 256] [--max-tokens 64] [--rounds 3]
+    python benchmarks/agent_overhead.py [--prompt-tokens 256] [--max-tokens 64] [--rounds 8]
+        [--torch-threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import socket
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 import httpx
 import torch
 import uvicorn
+from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
 
 from kvctl.agent.config import AgentConfig
 from kvctl.agent.main import alert_loop, default_torch_threads
@@ -87,11 +91,10 @@ def in_agent(model, tokenizer, args: argparse.Namespace) -> list[float]:
     sock.listen(64)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     # the alert loop too, evaluating every second (15 s by default)
-    settings = AgentConfig(alert_interval=1.0)
     service.settings = service.settings.model_copy(
         update={"alerts": service.settings.alerts.model_copy(update={"interval_s": 1.0})}
     )
-    service.alerting = alert_loop(service, settings, url.removeprefix("http://"))
+    service.alerting = alert_loop(service, AgentConfig(), url)
     app = create_app(service, AgentConfig(), run_engine=False)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
@@ -146,28 +149,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--scrape-interval", type=float, default=0.1)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=8, help=f"at least {MIN_ROUNDS}")
     parser.add_argument("--torch-threads", type=int, default=None)
     args = parser.parse_args(argv)
-    print("command: python benchmarks/agent_overhead.py " + " ".join(sys.argv[1:]))
+    if args.rounds < MIN_ROUNDS:
+        parser.error(f"--rounds must be at least {MIN_ROUNDS}: fewer pairs say little")
     threads = args.torch_threads or default_torch_threads()
     torch.set_num_threads(threads)  # as kvctl-agent does; the same for both sides
+    print(command_line())
+    print(environment())
     print(f"torch threads: {threads} (kvctl-agent's default: cores - 1)")
     _, model, tokenizer = build_demo_model()
-    sides: dict[str, Callable] = {"alone": alone, "agent": in_agent}
-    medians: dict[str, list[float]] = {"alone": [], "agent": []}
-    for _ in range(args.rounds):  # alternate, and compare within each round: the machine drifts
-        for name, side in sides.items():
-            medians[name].append(median_ms(side(model, tokenizer, args)))
-    ratios = sorted(b / a for a, b in zip(medians["alone"], medians["agent"], strict=True))
-    overhead = 100 * (statistics.median(ratios) - 1)
-    print(f"batch {BATCH}, prompt {args.prompt_tokens}, {args.max_tokens} new tokens each")
-    print(f"engine alone: {statistics.median(medians['alone']):6.2f} ms/step (median of rounds)")
-    print(f"inside agent: {statistics.median(medians['agent']):6.2f} ms/step (median of rounds)")
-    print(
-        f"overhead: {overhead:+5.1f} % (median of {args.rounds} rounds; per round "
-        f"{100 * (ratios[0] - 1):+.1f} % to {100 * (ratios[-1] - 1):+.1f} %; target under 2 %)"
+    paired = paired_rounds(
+        lambda: median_ms(in_agent(model, tokenizer, args)),
+        lambda: median_ms(alone(model, tokenizer, args)),
+        args.rounds,
     )
+    overheads = [100 * (r - 1) for r in paired.ratios]
+    print(f"batch {BATCH}, prompt {args.prompt_tokens}, {args.max_tokens} new tokens each")
+    print(f"engine alone: {spread(paired.base)} ms/step (median (min-max) of rounds)")
+    print(f"inside agent: {spread(paired.ours)} ms/step (median (min-max) of rounds)")
+    print(
+        f"overhead: {statistics.median(overheads):+5.1f} % (median of {args.rounds} paired "
+        f"rounds; per round {min(overheads):+.1f} % to {max(overheads):+.1f} %; target under 2 %)"
+    )
+    print(f"# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 

@@ -20,15 +20,20 @@ for dir in tests/pool tests/model tests/runtime tests/prefix; do
     KVCTL_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider "$dir"
 done
 
-step "decode step benchmarks"
+step "decode step benchmarks (paged vs contiguous, paired rounds)"
 $PY benchmarks/decode_step.py --device cuda
-$PY benchmarks/decode_step.py --device cuda --model llama-1b
+$PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 8 --context 512
+$PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 32 --context 512
 $PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 32 --context 2048
 
 step "defrag bandwidth"
 $PY benchmarks/defrag_bandwidth.py --device cuda
 $PY benchmarks/defrag_bandwidth.py --device cuda --layers 16 --kv-heads 8 --head-dim 64 \
     --dtype bfloat16 --pages 16384 --segment-pages 2048
+
+step "host-side pool work on this machine's CPU (allocation traces, defrag ticks)"
+$PY benchmarks/pool_alloc_free.py
+$PY benchmarks/defrag_tick.py
 
 step "agent on cuda"
 PORT=18477

@@ -4,15 +4,23 @@ Both sides run the same model on the same batch (8 sequences, 512 tokens of cont
 prefill once, then time decode steps, each adding one token to every sequence. The contiguous
 side is `ContiguousKVCache` (one preallocated region per sequence, written in place); the paged
 side is what the engine does per step: reserve the token's slot in the pool, build the page
-index, write K/V into pages and gather them back by page table. Sampling is left out of both
-(it is the same code).
+index, write K/V into pages and read them back by page table (`PagedKVCache` picks the read
+path). Sampling is left out of both (it is the same code).
+
+Rounds are paired and interleaved (paged, contiguous, contiguous, paged, ...): each round prefills
+both sides afresh and times `--steps` decode steps of each, and the figure is the per-round ratio
+of their median step times, so drift on a shared machine cancels within a round. The report gives
+the median ratio with its min and max, both sides' absolute ms/step and tokens/s, the torch thread
+count and the load average.
 
 `--model llama-1b` swaps the demo model for Llama 3.2 1B shapes (16 layers, 32 query and 8 KV
 heads of 64, hidden 2048, vocab 128256) with random weights, for GPU runs; `--dtype` sets the
-weight and KV dtype (default float32 for the demo model, bfloat16 for llama-1b).
+weight and KV dtype (default float32 for the demo model, bfloat16 for llama-1b). `--threads`
+sets torch's CPU thread count (default: torch's own); `--read-path` how paged decode reads K/V
+(`PagedKVCache`: auto, gather or flex).
 
     python benchmarks/decode_step.py [--device cpu] [--model demo|llama-1b] [--batch 8]
-        [--context 512] [--steps 32]
+        [--context 512] [--steps 32] [--rounds 9] [--threads N] [--read-path auto]
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import sys
 import time
 
 import torch
+from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
 
 from kvctl.agent.model import (
     BatchLayout,
@@ -33,7 +42,10 @@ from kvctl.agent.model import (
 )
 from kvctl.agent.pool import PagePool
 from kvctl.agent.pool.storage import KVStorage
-from kvctl.agent.runtime.paged_cache import PagedKVCache
+from kvctl.agent.runtime.paged_cache import PagedKVCache, ReadPath
+
+WARMUP_STEPS = 2
+"""Decode steps of each round left out of its median (first-touch of buffers, allocator)."""
 
 
 def sync(device: torch.device) -> None:
@@ -42,6 +54,7 @@ def sync(device: torch.device) -> None:
 
 
 def contiguous_steps(model: LlamaModel, prompts: torch.Tensor, steps: int) -> list[float]:
+    """Seconds of each decode step on `ContiguousKVCache`, after one prefill."""
     batch, context = prompts.shape
     device = prompts.device
     cache = ContiguousKVCache(
@@ -63,8 +76,13 @@ def contiguous_steps(model: LlamaModel, prompts: torch.Tensor, steps: int) -> li
 
 
 def paged_steps(
-    model: LlamaModel, prompts: torch.Tensor, steps: int, page_size: int
+    model: LlamaModel,
+    prompts: torch.Tensor,
+    steps: int,
+    page_size: int,
+    read_path: ReadPath = "auto",
 ) -> list[float]:
+    """Seconds of each decode step on the page pool (pool bookkeeping included), after a prefill."""
     batch, context = prompts.shape
     device = prompts.device
     config = model.config
@@ -80,7 +98,7 @@ def paged_steps(
         device,
     )
     pool = PagePool(pages, page_size, bytes_per_page=storage.bytes_per_page)
-    cache = PagedKVCache(pool, storage)
+    cache = PagedKVCache(pool, storage, read_path)
     seqs = list(range(batch))
     for s in seqs:
         pool.allocate(s, context)
@@ -145,7 +163,7 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype | None) -> L
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", choices=("demo", "llama-1b"), default="demo")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
@@ -153,33 +171,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--read-path",
+        choices=("auto", "gather", "flex"),
+        default="auto",
+        help="how paged decode reads K/V (auto: flex on CUDA, gather elsewhere)",
+    )
     args = parser.parse_args(argv)
-    print("command: python benchmarks/decode_step.py " + " ".join(sys.argv[1:]))
+    if args.rounds < MIN_ROUNDS:
+        parser.error(f"--rounds must be at least {MIN_ROUNDS}: fewer pairs say little")
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must be more than {WARMUP_STEPS}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(command_line())
     device = torch.device(args.device)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = build_model(args.model, device, dtype)
     vocab = min(model.config.vocab_size, 256)
     prompts = torch.randint(0, vocab, (args.batch, args.context), device=device)
-    contiguous, paged, round_ratios = [], [], []
-    for _ in range(args.rounds):  # alternate so both sides see the same machine state
-        c_round = contiguous_steps(model, prompts, args.steps)[2:]
-        p_round = paged_steps(model, prompts, args.steps, args.page_size)[2:]
-        round_ratios.append(statistics.median(p_round) / statistics.median(c_round))
-        contiguous += c_round
-        paged += p_round
-    c_ms, p_ms = statistics.median(contiguous) * 1e3, statistics.median(paged) * 1e3
-    tokens = args.batch
+
+    def paged() -> float:
+        return statistics.median(
+            paged_steps(model, prompts, args.steps, args.page_size, args.read_path)[WARMUP_STEPS:]
+        )
+
+    def contiguous() -> float:
+        return statistics.median(contiguous_steps(model, prompts, args.steps)[WARMUP_STEPS:])
+
+    paged(), contiguous()  # warm-up: first-use allocations and lazy initialisation
+    result = paired_rounds(paged, contiguous, args.rounds)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(environment())
     print(
         f"device {device} ({where}), model {args.model} {prompts_dtype(model)}, "
-        f"batch {args.batch}, context {args.context}, page size {args.page_size}"
+        f"batch {args.batch}, context {args.context}, page size {args.page_size}, "
+        f"decode read path {args.read_path}, {args.steps - WARMUP_STEPS} timed steps per round"
     )
-    print(f"contiguous KV cache: {c_ms:7.2f} ms/step  {tokens / c_ms * 1e3:8.0f} tokens/s")
-    print(f"paged KV pool:       {p_ms:7.2f} ms/step  {tokens / p_ms * 1e3:8.0f} tokens/s")
-    print(f"ratio paged/contiguous: {p_ms / c_ms:.2f}x (target <= 1.3x on CPU)")
-    print("per-round ratios: " + " ".join(f"{r:.2f}" for r in round_ratios))
+    tokens = args.batch
+    for name, times in (("contiguous KV cache", result.base), ("paged KV pool", result.ours)):
+        rates = [tokens / t for t in times]
+        print(
+            f"{name + ':':21s}{spread(times, 1e3)} ms/step  {spread(rates, 1, '.0f')} tokens/s"
+            "  median (min-max) over rounds"
+        )
+    print(f"ratio paged/contiguous: {result.ratio_summary()}")
+    print("per-round ratios: " + " ".join(f"{r:.2f}" for r in result.ratios))
     return 0
 
 

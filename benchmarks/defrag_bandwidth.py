@@ -9,8 +9,11 @@ defragmentation gets; the split between time in `copy_pages` and the rest says w
 or the pool's bookkeeping (planning, relocation) is the bottleneck.
 
 The pool is fragmented by a seeded churn of allocations and frees of random lengths, rebuilt
-identically before every repetition; each figure is the median over the repetitions, with the
-plain copies interleaved between the defragmentations so that a noisy machine shifts both alike.
+identically before every defragmentation. Rounds are paired and interleaved (defragmentations,
+then baselines, then baselines, then defragmentations, ...): every ratio is taken within a round,
+so drift on a shared machine hits both sides of it alike, and is reported as the median of the
+per-round ratios with their min and max. Torch's CPU thread count defaults to the agent's
+(`default_torch_threads`), since it changes the figures more than most code changes do.
 """
 
 from __future__ import annotations
@@ -19,14 +22,15 @@ import argparse
 import os
 import random
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from paired import MIN_ROUNDS, Paired, command_line, environment, paired_rounds, spread
 
+from kvctl.agent.main import default_torch_threads
 from kvctl.agent.pool.defrag import Defragmenter, DefragReport, DefragTrigger
 from kvctl.agent.pool.page_pool import PagePool
 from kvctl.agent.pool.storage import KVStorage
@@ -51,10 +55,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="64,256,1024,4096",
         help="comma-separated Defragmenter batch sizes to compare",
     )
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument(
+        "--rounds", "--repeats", type=int, default=15, help=f"paired rounds (at least {MIN_ROUNDS})"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=default_torch_threads(),
+        help="torch CPU threads (default: the agent's, cores - 1; 0: torch's own default)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.rounds < MIN_ROUNDS:
+        p.error(f"--rounds must be at least {MIN_ROUNDS}: fewer pairs say little")
     args.batch_sizes = [int(b) for b in args.batch_pages.split(",")]
     return args
 
@@ -65,7 +78,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
         "--device", args.device, "--pages", args.pages, "--segment-pages", args.segment_pages,
         "--page-size", args.page_size, "--layers", args.layers, "--kv-heads", args.kv_heads,
         "--head-dim", args.head_dim, "--dtype", args.dtype, "--max-seq-pages", args.max_seq_pages,
-        "--fill", args.fill, "--batch-pages", args.batch_pages, "--repeats", args.repeats,
+        "--fill", args.fill, "--batch-pages", args.batch_pages, "--rounds", args.rounds,
         "--seed", args.seed, "--threads", args.threads,
     ]  # fmt: skip
     return shlex.join(["python", "benchmarks/defrag_bandwidth.py", *map(str, options)])
@@ -127,7 +140,7 @@ def defragment(
     reports: list[DefragReport] = []
     seconds = timed(lambda: reports.append(defrag.run(DefragTrigger.MANUAL)), sync)
     report = reports[0]
-    assert report.complete and report.fragmentation_after == 0.0
+    assert report.complete and report.fragmentation_after == 0.0, report
     return seconds, report
 
 
@@ -168,34 +181,53 @@ class Baselines:
 
 @dataclass
 class Row:
+    """One batch size's paired rounds; rates in bytes/s, times in seconds, one entry per round."""
+
     batch: int
-    defrag_s: float
-    plain_s: float
-    gather_s: float
-    copy_s: float  # of a defragmentation, time inside copy_pages
-    other_s: float  # of a defragmentation, the rest: planning and page-table bookkeeping
+    moved: int  # bytes one full defragmentation moves
+    vs_plain: Paired  # defrag rate / plain copy rate
+    gather: list[float] = field(default_factory=list)
+    copy_s: list[float] = field(default_factory=list)  # of a defragmentation, in copy_pages
+    other_s: list[float] = field(default_factory=list)  # the rest: planning, page tables
+
+    @property
+    def vs_gather(self) -> Paired:
+        return Paired(self.vs_plain.ours, self.gather)
+
+    @property
+    def copy_vs_plain(self) -> Paired:
+        """copy_pages' own rate against the plain copy: the copy side judged apart from the pool."""
+        return Paired([self.moved / s for s in self.copy_s], self.vs_plain.base)
 
 
 def measure(
-    args: argparse.Namespace, storage: KVStorage, base: Baselines, sync: Callable[[], None]
-) -> list[Row]:
-    """Medians over `--repeats` rounds; each round runs every batch size and the baselines, so
-    a burst of load from elsewhere on the machine hits all of them alike."""
-    names = ("defrag", "plain", "gather", "copy", "other")  # the order of Row's fields
-    samples = {batch: {name: [] for name in names} for batch in args.batch_sizes}
-    for _ in range(args.repeats):
-        for batch, sample in samples.items():
-            sample["defrag"].append(defragment(args, storage, batch, sync)[0])
-            sample["plain"].append(timed(base.plain_copy, sync))
-            sample["gather"].append(timed(base.gather_copy, sync))
-            copier = TimedCopier(storage, sync)
-            seconds, _ = defragment(args, copier, batch, sync)
-            sample["copy"].append(copier.seconds)
-            sample["other"].append(seconds - copier.seconds)
-    return [
-        Row(batch, *(statistics.median(sample[name]) for name in names))
-        for batch, sample in samples.items()
-    ]
+    args: argparse.Namespace,
+    storage: KVStorage,
+    base: Baselines,
+    moved: int,
+    batch: int,
+    sync: Callable[[], None],
+) -> Row:
+    """Paired rounds for one batch size. Our side is a defragmentation (timed whole) and a second
+    one with `copy_pages` timed apart; the baseline side is a plain copy and a page gather."""
+    gather: list[float] = []
+    copy_s: list[float] = []
+    other_s: list[float] = []
+
+    def ours() -> float:
+        seconds = defragment(args, storage, batch, sync)[0]
+        copier = TimedCopier(storage, sync)
+        total = defragment(args, copier, batch, sync)[0]
+        copy_s.append(copier.seconds)
+        other_s.append(total - copier.seconds)
+        return moved / seconds
+
+    def baseline() -> float:
+        gather.append(moved / timed(base.gather_copy, sync))
+        return moved / timed(base.plain_copy, sync)
+
+    paired = paired_rounds(ours, baseline, args.rounds)
+    return Row(batch, moved, paired, gather, copy_s, other_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -211,11 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    print(f"# {reproduce_command(args)}")
-    print(
-        f"# torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
-    )
+    print(command_line())
+    print(f"# reproduce: {reproduce_command(args)}")
+    print(environment())
     segments = -(-args.pages // args.segment_pages)
     storage = KVStorage(
         segments, args.segment_pages, args.page_size, args.layers, args.kv_heads,
@@ -229,34 +259,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"pool: {storage.num_pages} pages of {storage.bytes_per_page} B "
         f"({storage.nbytes / 2**20:.0f} MiB, {storage.num_segments} segments) on {device}; "
-        f"fragmentation {first.fragmentation_before:.3f} before, 0 after; "
+        f"fragmentation {first.fragmentation_before:.3f} before, "
+        f"{first.fragmentation_after:.3f} after; "
         f"{first.pages_moved} pages moved = {moved / 2**20:.1f} MiB"
     )
     print(
-        f"{'batch_pages':>11} {'defrag_ms':>9} {'defrag_GB/s':>11} {'plain_GB/s':>10} "
-        f"{'gather_GB/s':>11} {'defrag/plain':>12} {'defrag/gather':>13} "
-        f"{'copy_ms':>8} {'other_ms':>8}"
+        f"{args.rounds} paired rounds per batch size; each figure is the median (min-max) of the "
+        "rounds, each ratio the median (min-max) of the per-round ratios"
     )
-    rows = measure(args, storage, base, sync)
-    for r in rows:
-        print(
-            f"{r.batch:>11} {r.defrag_s * 1e3:>9.2f} {gbps(moved, r.defrag_s):>11.2f} "
-            f"{gbps(moved, r.plain_s):>10.2f} {gbps(moved, r.gather_s):>11.2f} "
-            f"{r.plain_s / r.defrag_s:>12.2f} {r.gather_s / r.defrag_s:>13.2f} "
-            f"{r.copy_s * 1e3:>8.2f} {r.other_s * 1e3:>8.2f}"
-        )
-    best = max(rows, key=lambda r: r.plain_s / r.defrag_s)
+    header = (
+        "batch_pages", "defrag_GB/s", "plain_GB/s", "gather_GB/s", "defrag/plain",
+        "defrag/gather", "copy_pages/plain", "copy_ms", "other_ms",
+    )  # fmt: skip
+    widths = (11, 19, 19, 19, 16, 16, 16, 16, 16)
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
+    rows = []
+    for batch in args.batch_sizes:
+        r = measure(args, storage, base, moved, batch, sync)
+        rows.append(r)
+        cells = (
+            str(batch), spread(r.vs_plain.ours, 1e-9), spread(r.vs_plain.base, 1e-9),
+            spread(r.gather, 1e-9), spread(r.vs_plain.ratios), spread(r.vs_gather.ratios),
+            spread(r.copy_vs_plain.ratios), spread(r.copy_s, 1e3), spread(r.other_s, 1e3),
+        )  # fmt: skip
+        print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)), flush=True)
+    best = max(rows, key=lambda r: r.vs_plain.median_ratio)
     print(
-        f"best batch_pages {best.batch}: defrag/plain {best.plain_s / best.defrag_s:.2f} "
-        "(target >= 0.5). defrag/plain = plain-copy seconds / defrag seconds for the same bytes; "
-        "copy_ms = time in KVStorage.copy_pages, other_ms = planning and page-table bookkeeping "
-        "(measured in separate, otherwise identical runs)"
+        f"best batch_pages {best.batch}: defrag/plain {best.vs_plain.ratio_summary()} "
+        "(target >= 0.5). defrag/plain = defrag bytes/s over plain-copy bytes/s for the same "
+        "bytes, in the same round; copy_pages/plain the same for the time inside "
+        "KVStorage.copy_pages alone; copy_ms = time in copy_pages, other_ms = planning and "
+        "page-table bookkeeping (measured in a second, otherwise identical defragmentation)"
     )
+    print(f"# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
-
-
-def gbps(num_bytes: int, seconds: float) -> float:
-    return num_bytes / seconds / 1e9
 
 
 if __name__ == "__main__":

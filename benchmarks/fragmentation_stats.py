@@ -12,12 +12,18 @@ pages, all in the top size class, the worst case for reading the largest run). `
 first read after the layout was built: it also settles the short runs freed last, whose
 coalescing the pool defers (at most 256 runs), so it is the worst case of a read.
 
-    python benchmarks/fragmentation_stats.py [--pages 1000000] [--seed 0]
+Rounds are paired and interleaved (kvctl, numpy, numpy, kvctl, ...); each round times `--repeat`
+reads of each side and keeps the median. Times are the median (min-max) over the rounds, and the
+speedup the median (min-max) of the per-round ratios numpy ms / kvctl ms.
+
+    python benchmarks/fragmentation_stats.py [--pages 1000000] [--seed 0] [--rounds 9]
+        [--repeat 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -25,6 +31,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
 
 from kvctl.agent.pool import PagePool
 from kvctl.agent.pool.stats import PageState
@@ -84,46 +91,64 @@ def numpy_stats(free_mask: np.ndarray) -> tuple[int, int, float]:
     return len(lengths), largest, (1 - largest / free) if free else 0.0
 
 
-def median_ms(fn: Callable[[], object], repeat: int) -> float:
+def median_seconds(fn: Callable[[], object], repeat: int) -> float:
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=9, help=f"at least {MIN_ROUNDS}")
+    parser.add_argument("--repeat", type=int, default=20, help="reads per side and round")
     args = parser.parse_args(argv)
-    print("command: python benchmarks/fragmentation_stats.py " + " ".join(sys.argv[1:]))
+    if args.rounds < MIN_ROUNDS:
+        parser.error(f"--rounds must be at least {MIN_ROUNDS}: fewer pairs say little")
+    print(command_line())
+    print(environment())
+    if "torch" not in sys.modules:
+        print("# torch threads: none (this benchmark runs no torch code)")
     layouts = {
         "random": lambda: random_layout(args.pages, args.seed),
         "checkerboard": lambda: checkerboard_layout(args.pages),
         "large-runs": lambda: large_runs_layout(args.pages, args.seed),
     }
     print(
-        f"{'layout':<13}{'extents':>9}{'frag':>7}{'first ms':>10}{'kvctl ms':>10}"
-        f"{'numpy ms':>10}{'ratio':>8}"
+        f"{args.rounds} paired rounds of {args.repeat} reads a side; "
+        "ms: median (min-max) over rounds; speedup: median (min-max) of per-round numpy/kvctl"
+    )
+    print(
+        f"{'layout':<13}{'extents':>9}{'frag':>7}{'first ms':>10}{'kvctl ms':>24}"
+        f"{'numpy ms':>22}{'speedup':>22}"
     )
     for name, build in layouts.items():
         pool = build()
         mask = np.array([pool.state(p) is PageState.FREE for p in range(pool.capacity)])
-        first = median_ms(pool.stats, 1)
-        ours = median_ms(pool.stats, args.repeat)
-        base = median_ms(lambda m=mask: numpy_stats(m), args.repeat)
+        first = median_seconds(pool.stats, 1)
+        # rates (reads per second), so that the per-round ratio kvctl / numpy is the speedup
+        paired = paired_rounds(
+            lambda pool=pool: 1 / median_seconds(pool.stats, args.repeat),
+            lambda m=mask: 1 / median_seconds(lambda: numpy_stats(m), args.repeat),
+            args.rounds,
+        )
         stats = pool.stats()
         extents, largest, frag = numpy_stats(mask)
         assert (extents, largest) == (stats.free_extents, stats.largest_free_run)
         assert abs(frag - stats.fragmentation_ratio) < 1e-12
+        ours_ms = [1e3 / r for r in paired.ours]
+        base_ms = [1e3 / r for r in paired.base]
         print(
             f"{name:<13}{stats.free_extents:>9}{stats.fragmentation_ratio:>7.3f}"
-            f"{first:>10.3f}{ours:>10.4f}{base:>10.3f}{base / ours:>7.0f}x"
+            f"{first * 1e3:>10.3f}{spread(ours_ms, fmt='.4f'):>24}{spread(base_ms, fmt='.3f'):>22}"
+            f"{spread(paired.ratios, fmt='.0f') + 'x':>22}"
         )
     print("target: kvctl under 5 ms per computation at 1,000,000 pages")
+    print(f"# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 

@@ -11,12 +11,19 @@ Both renders go through the same registry code (`build_registry` + `render`, pro
 included); only the `snapshot_fn` differs. The layout: random allocate/free of 1..64-page
 requests from a seed until a quarter of the pool is free, then half the sequences freed.
 
-    python benchmarks/metrics_scrape.py [--pages 100000 1000000] [--seed 0] [--repeat 200]
+Rounds are paired and interleaved (kvctl, naive, naive, kvctl, ...); each round times `--repeat`
+renders (and as many bare `snapshot_fn` calls) of each side and keeps the medians. Times are the
+median (min-max) over the rounds, the speedup the median (min-max) of the per-round ratios naive
+render / kvctl render.
+
+    python benchmarks/metrics_scrape.py [--pages 100000 1000000] [--seed 0] [--rounds 9]
+        [--repeat 25]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -24,6 +31,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
 
 from kvctl.agent.metrics import DurationHistogram, build_registry, render
 from kvctl.agent.pool import PagePool, PoolStats
@@ -126,7 +134,6 @@ def state_array(pool: PagePool) -> np.ndarray:
 
 
 def median_ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm-up
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -135,7 +142,7 @@ def median_ms(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(pages: int, seed: int, repeat: int) -> None:
+def measure(pages: int, seed: int, rounds: int, repeat: int) -> None:
     pool = fragmented_pool(pages, seed)
     states = state_array(pool)
 
@@ -152,15 +159,29 @@ def measure(pages: int, seed: int, repeat: int) -> None:
     kvctl_registry = build_registry(kvctl_fn, durations)
     naive_registry = build_registry(naive_fn, durations)
     assert len(render(kvctl_registry)[0]) > 0
-    ours = median_ms(lambda: render(kvctl_registry), repeat)
-    ours_snapshot = median_ms(kvctl_fn, repeat)
-    naive = median_ms(lambda: render(naive_registry), repeat)
-    naive_snapshot = median_ms(naive_fn, repeat)
+    render(naive_registry)  # warm-up
+    snaps: dict[str, list[float]] = {"kvctl": [], "naive": []}
+
+    def side(name: str, registry: object, snapshot_fn: Callable[[], object]) -> float:
+        """One round of one side: renders per second (so kvctl / naive is the speedup)."""
+        ms = median_ms(lambda: render(registry), repeat)
+        snaps[name].append(median_ms(snapshot_fn, repeat))
+        return 1e3 / ms
+
+    paired = paired_rounds(
+        lambda: side("kvctl", kvctl_registry, kvctl_fn),
+        lambda: side("naive", naive_registry, naive_fn),
+        rounds,
+    )
     stats = pool.stats()
     print(
         f"{pages:>9,}{stats.free_extents:>9,}{stats.fragmentation_ratio:>7.3f}"
-        f"{ours:>10.3f}{ours_snapshot:>10.3f}{naive:>10.3f}{naive_snapshot:>10.3f}"
-        f"{naive / ours:>8.1f}x"
+        f"{spread([1e3 / r for r in paired.ours], fmt='.3f'):>22}"
+        f"{spread(snaps['kvctl'], fmt='.3f'):>22}"
+        f"{spread([1e3 / r for r in paired.base], fmt='.3f'):>22}"
+        f"{spread(snaps['naive'], fmt='.3f'):>22}"
+        f"{spread(paired.ratios, fmt='.1f') + 'x':>20}",
+        flush=True,
     )
 
 
@@ -168,17 +189,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=9, help=f"at least {MIN_ROUNDS}")
+    parser.add_argument("--repeat", type=int, default=25, help="calls per side and round")
     args = parser.parse_args(argv)
-    print("command: python benchmarks/metrics_scrape.py " + " ".join(sys.argv[1:]))
-    print("median ms per call; 'render' is the whole /metrics body, 'snap' the snapshot_fn in it")
+    if args.rounds < MIN_ROUNDS:
+        parser.error(f"--rounds must be at least {MIN_ROUNDS}: fewer pairs say little")
+    print(command_line())
+    print(environment())
+    if "torch" not in sys.modules:
+        print("# torch threads: none (this benchmark runs no torch code)")
     print(
-        f"{'pages':>9}{'extents':>9}{'frag':>7}{'kvctl':>10}{'snap':>10}"
-        f"{'naive':>10}{'snap':>10}{'ratio':>9}"
+        f"ms per call, median (min-max) over {args.rounds} paired rounds of {args.repeat} calls; "
+        "'render' is the whole /metrics body, 'snap' the snapshot_fn in it; speedup: per-round "
+        "naive render / kvctl render"
+    )
+    print(
+        f"{'pages':>9}{'extents':>9}{'frag':>7}{'kvctl render':>22}{'kvctl snap':>22}"
+        f"{'naive render':>22}{'naive snap':>22}{'speedup':>20}"
     )
     for pages in args.pages:
-        measure(pages, args.seed, args.repeat)
+        measure(pages, args.seed, args.rounds, args.repeat)
     print("target: kvctl render under 10 ms at 1,000,000 pages")
+    print(f"# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 

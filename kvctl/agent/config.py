@@ -54,6 +54,7 @@ class AgentConfig(BaseModel):
     prefix_isolation: Literal["salt", "sampling"] = "salt"
     max_batch_seqs: Annotated[int, Field(ge=1, le=4096)] = 64
     torch_threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # default: cores - 1
+    decode_read_path: Literal["auto", "gather", "flex"] = "auto"
     max_batch_tokens: Annotated[int, Field(ge=1)] = 4096
     max_tokens_limit: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] = 1024
     max_prompt_tokens: Annotated[int, Field(ge=1)] = 8192

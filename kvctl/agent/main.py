@@ -135,6 +135,7 @@ def build_service(config: AgentConfig) -> Any:
             prefix_cache=config.prefix_cache,
             eviction_policy=settings.prefix_cache.eviction_policy,
             prefix_isolation=config.prefix_isolation,
+            decode_read_path=config.decode_read_path,
         ),
     )
     pool_name = mc.name or Path(config.model).name
@@ -317,6 +318,14 @@ def main_command(
     ] = None,
     torch_threads: Annotated[
         int | None, typer.Option(help="CPU threads of torch (default: cores - 1).")
+    ] = None,
+    decode_read_path: Annotated[
+        str | None,
+        typer.Option(
+            help="How decode reads K/V pages: flex (FlexAttention through the page table), "
+            "gather (copy them together first), or auto (flex on CUDA, else gather; "
+            "default)."
+        ),
     ] = None,
     max_batch_seqs: Annotated[
         int | None, typer.Option(help="Most requests running at once (default 64).")

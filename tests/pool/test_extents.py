@@ -138,3 +138,38 @@ def test_random_takes_and_gives_keep_runs_exact(ops: list[tuple[bool, int, bool]
                 expected_runs.append([p, 1])
         assert runs(ext) == [tuple(r) for r in expected_runs]
         assert ext.largest() == max((r[1] for r in expected_runs), default=0)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["take", "give", "at", "smallest"]), st.integers(1, 40)),
+        min_size=50,
+        max_size=400,
+    )
+)
+def test_lowest_runs_read_every_run_in_order_through_heap_rebuilds(
+    ops: list[tuple[str, int]],
+) -> None:
+    """The heap of run starts the defragmenter reads must never lose a run: long random
+    sequences (long enough that stale entries force rebuilds) against the sorted runs."""
+    ext = FreeExtents()
+    ext.give(0, 2000)
+    taken: list[tuple[int, int]] = []
+    for op, n in ops:
+        if op == "take" or (op == "give" and not taken):
+            start = ext.take_run(n)
+            if start is not None:
+                taken.append((start, n))
+        elif op == "give":
+            start, length = taken.pop(n % len(taken))
+            ext.give(start, length)
+        elif op == "at" and taken:
+            start, length = taken[n % len(taken)]
+            got = ext.take_at(start + length, n)
+            if got:
+                taken.append((start + length, got))
+        elif op == "smallest":
+            shred = ext.take_smallest(n)
+            if shred is not None:
+                taken.append(shred)
+        assert list(ext.lowest_runs()) == runs(ext)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from kv_device import DEVICE
@@ -15,7 +16,7 @@ from kv_device import DEVICE
 from kvctl.agent.pool.defrag import Defragmenter, DefragTrigger
 from kvctl.agent.pool.page_pool import PagePool, PageTable
 from kvctl.agent.pool.resize import PoolResizer
-from kvctl.agent.pool.storage import KVStorage
+from kvctl.agent.pool.storage import KVStorage, _plan_copy
 
 # A small page: 2 layers, K and V, 2 tokens, 2 kv heads, head_dim 3 -> 48 elements.
 SHAPE = {"page_size": 2, "num_layers": 2, "num_kv_heads": 2, "head_dim": 3}
@@ -235,6 +236,107 @@ def test_half_precision_copy_write_and_gather(dtype: torch.dtype) -> None:
     assert torch.equal(got_k[0, 0], torch.full((2, 3), 4, dtype=dtype))  # page 3 offset 0: tag
 
 
+# ---- reading in place ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pages", "expected"),
+    [
+        ([5], (1, 1)),
+        ([4, 5, 6, 7], (1, 0)),  # a whole segment
+        ([9, 10], (2, 1)),
+        ([2, 3, 4], None),  # consecutive ids, but across the boundary of segments 0 and 1
+        ([3, 4], None),
+        ([1, 2, 4], None),  # a gap
+        ([2, 1, 0], None),  # descending
+        ([6, 7, 6], None),
+        ([1, 1], None),
+        ([], None),
+    ],
+)
+def test_run_of_is_decided_from_the_ids(pages: list[int], expected: tuple | None) -> None:
+    storage = make_storage(3, 4)  # pages 0-3 | 4-7 | 8-11
+    assert storage.run_of(pages) == expected
+
+
+def test_run_of_refuses_a_first_page_beyond_the_pool() -> None:
+    storage = make_storage(2, 4)
+    with pytest.raises(IndexError):
+        storage.run_of([8])
+    with pytest.raises(IndexError):
+        storage.run_of([-1, 0])
+    assert storage.run_of([7, 8]) is None  # runs off the top: not a run of this pool
+
+
+def shares_memory(view: torch.Tensor, storage: KVStorage) -> bool:
+    """Whether `view` lies inside one of the storage's segments (a view, not a copy)."""
+    start = view.data_ptr()
+    for segment in storage._segments:
+        low = segment.data_ptr()
+        if low <= start < low + segment.numel() * segment.element_size():
+            return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "pages",
+    [[5, 6, 7], [4], [0, 1, 2, 3], [6, 7, 8, 9], [11, 2, 7], [3, 3], [9, 8]],
+    ids=["run", "one", "segment", "across", "scattered", "repeated", "descending"],
+)
+def test_read_sequence_is_a_view_for_runs_and_equals_the_gather(pages: list[int]) -> None:
+    storage = make_storage(3, 4)
+    fill_distinct(storage)
+    for layer in range(2):
+        k, v = storage.read_sequence(layer, pages)
+        assert k.shape == v.shape == (len(pages), 2, 2, 3)
+        is_run = storage.run_of(pages) is not None
+        assert shares_memory(k, storage) == shares_memory(v, storage) == is_run
+        for i, page in enumerate(pages):
+            assert torch.equal(k[i], page_contents(page)[layer, 0]), (layer, i)
+            assert torch.equal(v[i], page_contents(page)[layer, 1]), (layer, i)
+        gathered_k, gathered_v = storage.gather(layer, torch.tensor([pages]))
+        assert torch.equal(k.reshape(1, -1, 2, 3), gathered_k)
+        assert torch.equal(v.reshape(1, -1, 2, 3), gathered_v)
+
+
+def test_a_run_view_sees_later_writes_and_copies() -> None:
+    """Zero-copy: a view taken before a write or a copy reads what they stored."""
+    storage = make_storage(2, 4)
+    fill_distinct(storage)
+    k, v = storage.read_sequence(1, [1, 2, 3])
+    new_k, new_v = token_kv(1, start=5000)
+    storage.write(1, torch.tensor([2]), torch.tensor([1]), new_k, new_v)
+    storage.copy_pages([6], [3])
+    assert torch.equal(k[1, 1], new_k[0]) and torch.equal(v[1, 1], new_v[0])
+    assert torch.equal(k[2], page_contents(6)[1, 0]) and torch.equal(v[2], page_contents(6)[1, 1])
+
+
+def test_pages_view_bounds() -> None:
+    storage = make_storage(2, 4)
+    k, v = storage.pages_view(0, 1, 1, 3)
+    assert k.shape == v.shape == (3, 2, 2, 3)
+    for row, count in ((3, 2), (-1, 1), (0, 0), (0, 5)):
+        with pytest.raises(IndexError):
+            storage.pages_view(0, 0, row, count)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_token_rows_hold_every_token_of_every_page_of_a_segment(layer: int) -> None:
+    storage = make_storage(3, 4)
+    fill_distinct(storage)
+    per_page = storage.rows_per_page
+    assert per_page == 2 * 2 * 2  # layers * (K, V) * page_size
+    for segment in range(3):
+        k_rows, v_rows = storage.token_rows(segment, layer)
+        assert shares_memory(k_rows, storage) and shares_memory(v_rows, storage)
+        assert k_rows.shape == v_rows.shape == (3 * per_page + 2, 2, 3)
+        for row in range(4):
+            page = page_contents(segment * 4 + row)
+            tokens = slice(row * per_page, row * per_page + 2)
+            assert torch.equal(k_rows[tokens], page[layer, 0]), (segment, row)
+            assert torch.equal(v_rows[tokens], page[layer, 1]), (segment, row)
+
+
 # ---- segments -----------------------------------------------------------------------------
 
 
@@ -385,3 +487,125 @@ def test_defrag_grow_and_shrink_keep_every_sequence_readable(direct_run_bytes: i
     pool.check_invariants()
     for seq, tag in tags.items():
         check_tags(storage, pool.table(seq), tag)
+
+
+# ---- copy_pages: every copy path against a page-by-page reference -------------------------
+#
+# Random batches, each checked against copying one page at a time: scattered and defrag-like
+# (ascending runs) destinations, runs that cross segment boundaries on either side, runs whose
+# destinations lie inside their own sources' span, one source copied many times.
+
+COPY_PATHS = {
+    # name: (direct_run_bytes, parallel_run_bytes, staging_bytes, numpy on CPU)
+    "numpy-runs": (1, 1 << 30, None, True),
+    "torch-runs": (1, 1, None, True),
+    "mixed-runs": (3 * PAGE_ELEMENTS * 4, 6 * PAGE_ELEMENTS * 4, None, True),
+    "staged": (1 << 30, 1, None, True),
+    "staged-page-at-a-time": (1 << 30, 1, 1, True),
+    "device-runs": (1, 1, None, False),  # what every device but the CPU runs: torch only
+    "device-staged": (1 << 30, 1, 1, False),
+}
+
+
+def random_batch(
+    rng: random.Random, num_pages: int, segment_pages: int
+) -> tuple[list[int], list[int]]:
+    """A batch `copy_pages` accepts: distinct destinations, none of them a source."""
+    kind = rng.choice(["scattered", "runs", "boundary", "inside"])
+    pages = list(range(num_pages))
+    if kind == "boundary" and num_pages > segment_pages:  # both runs cross a segment boundary
+        edge = segment_pages * rng.randint(1, num_pages // segment_pages - 1)
+        half = max(1, min(segment_pages, num_pages // 4))
+        dst = list(range(edge - rng.randint(1, half), edge + rng.randint(1, half)))
+        rest = [p for p in pages if p not in dst]
+        first = rng.randint(0, len(rest) - len(dst))
+        return rest[first : first + len(dst)], dst
+    if kind == "inside":  # destinations in the middle of their sources' span, one segment
+        base = segment_pages * rng.randrange(num_pages // segment_pages)
+        if segment_pages >= 4:
+            dst = list(range(base + 1, base + segment_pages - 1, 2))
+            src = [base, base + segment_pages - 1] * len(dst)
+            return src[: len(dst)], dst
+    count = rng.randint(1, num_pages // 2)
+    if kind == "runs":  # highest pages into the lowest holes, like a defragmentation
+        holes = sorted(rng.sample(pages, count))
+        rest = [p for p in pages if p not in holes]
+        return rest[-count:], holes
+    rng.shuffle(pages)
+    dst, rest = pages[:count], pages[count:]
+    return [rng.choice(rest) for _ in range(count)], dst
+
+
+@pytest.mark.parametrize("path", list(COPY_PATHS))
+def test_copy_pages_matches_a_page_by_page_copy(path: str) -> None:
+    direct_run_bytes, parallel_run_bytes, staging_bytes, numpy_copies = COPY_PATHS[path]
+    rng = random.Random(path)
+    for _ in range(60):
+        segments, segment_pages = rng.randint(1, 4), rng.randint(2, 9)
+        storage = make_storage(
+            segments,
+            segment_pages,
+            direct_run_bytes=direct_run_bytes,
+            parallel_run_bytes=parallel_run_bytes,
+            staging_bytes=staging_bytes,
+        )
+        if not numpy_copies:
+            storage._numpy_copies = False
+        fill_distinct(storage)
+        num_pages = storage.num_pages
+        src, dst = random_batch(rng, num_pages, segment_pages)
+        storage.copy_pages(src, dst)
+        assert torch.equal(
+            storage.read_pages(range(num_pages)), expected_after(num_pages, src, dst)
+        ), (path, segments, segment_pages, src, dst)
+
+
+@pytest.mark.parametrize("path", list(COPY_PATHS))
+def test_copy_runs_that_cross_segment_boundaries_or_lie_inside_their_sources(path: str) -> None:
+    direct_run_bytes, parallel_run_bytes, staging_bytes, numpy_copies = COPY_PATHS[path]
+    storage = make_storage(
+        3,
+        4,  # pages 0-3 | 4-7 | 8-11
+        direct_run_bytes=direct_run_bytes,
+        parallel_run_bytes=parallel_run_bytes,
+        staging_bytes=staging_bytes,
+    )
+    if not numpy_copies:
+        storage._numpy_copies = False
+    fill_distinct(storage)
+    src = [2, 3, 4, 5, 11]  # 2-5 crosses the boundary 3|4 ...
+    dst = [6, 7, 8, 9, 0]  # ... into 6-9, across the boundary 7|8
+    storage.copy_pages(src, dst)
+    assert torch.equal(storage.read_pages(range(12)), expected_after(12, src, dst))
+    inside = make_storage(1, 8, direct_run_bytes=direct_run_bytes, staging_bytes=staging_bytes)
+    if not numpy_copies:
+        inside._numpy_copies = False
+    fill_distinct(inside)
+    inside.copy_pages([0, 7, 1], [3, 4, 5])  # the run 3-5 lies inside its sources' span 0-7
+    assert torch.equal(inside.read_pages(range(8)), expected_after(8, [0, 7, 1], [3, 4, 5]))
+
+
+def test_copy_takes_arrays_in_any_order_and_refuses_a_repeat_anywhere() -> None:
+    storage = make_storage(2, 4)
+    fill_distinct(storage)
+    src, dst = np.array([7, 6, 0]), np.array([5, 1, 3])  # destinations not in order
+    storage.copy_pages(src, dst)
+    assert torch.equal(storage.read_pages(range(8)), expected_after(8, [7, 6, 0], [5, 1, 3]))
+    with pytest.raises(ValueError, match="distinct"):
+        storage.copy_pages([7, 6, 0], [3, 1, 3])  # the repeat is not next to itself
+    with pytest.raises(ValueError, match="among the sources"):
+        storage.copy_pages([7, 6, 2], [5, 2, 3])
+    assert torch.equal(storage.read_pages(range(8)), expected_after(8, [7, 6, 0], [5, 1, 3]))
+
+
+def test_the_copy_plan_grows_with_runs_not_pages() -> None:
+    # 1,000 pages from the top segment into two holes, one of which crosses a segment boundary
+    dst = np.concatenate((np.arange(100, 700), np.arange(900, 1300)))
+    src = np.arange(3072, 4072)
+    plan = _plan_copy(src, dst, segment_pages=1024, num_segments=4, direct_pages=4)
+    assert [(s, d, start, end) for s, d, *_, start, end in plan.direct] == [
+        (3, 0, 0, 600),
+        (3, 0, 600, 724),  # 900-1023
+        (3, 1, 724, 1000),  # 1024-1299
+    ]
+    assert plan.staged == [] and plan.index.shape == (1000,)

@@ -154,3 +154,63 @@ def test_the_unused_rest_of_a_partly_used_leaf_goes_before_older_leaves() -> Non
     )
     # the rest of "long" was last used at tick 1, before "other" (tick 2); its first page at 3
     assert eviction_order(pool, cache, key) == [2, 1, 4, 3, 0]
+
+
+def test_a_leaf_used_after_it_was_queued_moves_back_in_the_order() -> None:
+    pool, cache, key = scenario("lru")
+    cache.record(cache.match(key, X + END), len(X) + 1)  # tick 8: X and page 0 used again
+    assert eviction_order(pool, cache, key) == [5, 4, 3, 1, 0]
+
+
+def test_a_leaf_a_request_uses_is_set_aside_and_comes_back_when_it_is_free() -> None:
+    pool, cache, key = scenario("fifo")
+    match = cache.match(key, X + END)
+    pool.adopt("r", match.pages, match.tokens, len(X) + 1)  # X (first in fifo order) in use
+    cache.record(match, len(X) + 1)
+    assert cache.evict(1) == 1 and held_pages(cache, key) == {0, 1, 4, 5}  # Y's 3 went
+    cache.check()
+    pool.free("r")
+    assert cache.evict(1) == 1 and held_pages(cache, key) == {0, 4, 5}  # X's 1, first again
+    cache.check()
+
+
+def test_evicting_pops_a_few_entries_per_leaf_freed_not_every_leaf(monkeypatch) -> None:
+    """The order is kept up to date, not rebuilt per eviction: freeing k one-page leaves out of
+    500 computes O(k) priorities."""
+    calls = 0
+    priority = EVICTION_POLICIES["lru"].priority
+
+    def counted(self, node):
+        nonlocal calls
+        calls += 1
+        return priority(self, node)
+
+    monkeypatch.setattr(EVICTION_POLICIES["lru"], "priority", counted)
+    pool = PagePool(600, page_size=4)
+    cache = PrefixCache(pool, "lru")
+    key = cache.key_for()
+    for i in range(500):
+        computed(pool, cache, key, f"r{i}", [i] * 4)
+    assert calls == 500  # one per new leaf
+    calls = 0
+    assert cache.evict(10) == 10
+    assert calls <= 2 * 10
+    assert held_pages(cache, key) == set(range(10, 500))  # the 10 least recently used
+    cache.check()
+
+
+@pytest.mark.parametrize("in_use", range(8))
+def test_a_leaf_gives_up_only_the_pages_after_those_a_request_uses(in_use) -> None:
+    """Between adopting a match and recording it the request uses a prefix of a leaf's pages
+    (an allocation can evict right then); the pages after them can go, the others cannot."""
+    pool = PagePool(16, page_size=1)
+    cache = PrefixCache(pool, "lru")
+    key = cache.key_for()
+    assert computed(pool, cache, key, "a", list(range(8))) == list(range(8))
+    if in_use:
+        pool.adopt("r", list(range(in_use)), in_use, in_use)
+    assert cache.evictable_pages() == 8 - in_use
+    assert cache.evict(100) == 8 - in_use
+    assert held_pages(cache, key) == set(range(in_use))
+    cache.check()
+    pool.check_invariants()

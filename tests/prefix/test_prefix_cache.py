@@ -94,13 +94,13 @@ def test_the_tree_follows_the_defragmenter_and_stays_consistent() -> None:
     pool.free("filler")
     cache.pin([7])
     report = Defragmenter(pool).run("manual")
-    # 4 occupied pages compact into 0-3, the highest first into the lowest hole: 9→0, 8→1,
-    # 7→2, 6→3; the request's table, the tree and the pin all follow
+    # 4 occupied pages compact into 0-3, paired in ascending order so runs stay runs: 6→0,
+    # 7→1, 8→2, 9→3; the request's table, the tree and the pin all follow
     assert (report.complete, report.pages_moved) == (True, 4)
-    assert pool.table("b").pages == [3, 1, 0]
+    assert pool.table("b").pages == [0, 2, 3]
     # b's use split the node where its match ended (position 6)
-    assert cache.render(key) == "[0, 6) 0 1 2 3 4 5 -> 3\n  [6, 8) 6 7 -> 2"
-    assert cache.evictable_pages() == 0  # the pinned page 7 is page 2 now
+    assert cache.render(key) == "[0, 6) 0 1 2 3 4 5 -> 0\n  [6, 8) 6 7 -> 1"
+    assert cache.evictable_pages() == 0  # the pinned page 7 is page 1 now
     cache.unpin_all()
     assert cache.evictable_pages() == 1
     cache.check()
@@ -138,3 +138,25 @@ def test_check_finds_a_used_page_below_a_cached_one() -> None:
     pool.adopt("b", [1], 4, 4)  # page 1 without page 0: no request can do that by matching
     with pytest.raises(PrefixCacheCorrupted, match="a cached page comes before a used one"):
         cache.check()
+
+
+def test_at_page_size_1_the_tree_follows_moves_after_evictions_reused_its_pages() -> None:
+    """Pages that left the tree keep stale index entries until read; a move of such a page
+    (now another sequence's) must not touch the tree."""
+    pool = PagePool(24, page_size=1)
+    cache = PrefixCache(pool)
+    key = cache.key_for()
+    admit(pool, cache, key, "a", list(range(10)))  # pages 0-9
+    finish(pool, cache, key, "a", list(range(10)))
+    admit(pool, cache, key, "b", [*range(4), 50, 51, 52, 53])  # adopts 0-3, pages 10-13
+    finish(pool, cache, key, "b", [*range(4), 50, 51, 52, 53])
+    assert cache.evict(6) == 6  # a's tail, pages 4-9 (b was used later)
+    pool.allocate("filler", 6)  # takes pages 4-9 back, now outside the tree
+    assert cache.stats().held_pages == 8
+    report = Defragmenter(pool).run("manual")
+    assert report.complete
+    cache.check()
+    pool.check_invariants()
+    match = cache.match(key, [*range(4), 50, 51, 52, 53, 0])
+    assert match.tokens == 8 and sorted(match.pages) == sorted(cache.tree(key).pages())
+    assert not set(match.pages) & set(pool.table("filler").pages)

@@ -24,6 +24,8 @@ def test_common_prefix_len_finds_the_first_difference_in_long_edges() -> None:
     assert common_prefix_len([*range(200), -1], 0, edge) == 200
     assert common_prefix_len([9, *range(130)], 1, edge) == 130  # the query ends first
     assert common_prefix_len([*range(65), 7], 0, edge) == 65
+    assert common_prefix_len(edge, 0, edge, end=100) == 100  # the query's first 100 tokens
+    assert common_prefix_len(edge, 10, edge[10:], end=500) == 290  # an end past it is its end
 
 
 def test_inserting_sequences_that_diverge_mid_page_splits_and_gives_each_branch_its_page() -> None:
@@ -141,3 +143,46 @@ def test_check_reports_a_broken_tree() -> None:
     tree = tree_with(([1, 2, 3, 4, 5, 6, 7, 8], [10, 11]))
     tree.root.children[1].pages.append(12)
     assert any("owns 3 pages" in problem for problem in tree.check())
+
+
+def test_insert_can_take_the_first_whole_pages_of_a_longer_sequence() -> None:
+    tree = RadixTree(page_size=4)
+    assert tree.insert([1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12], now=1, whole=2) == [10, 11]
+    assert tree.render() == "[0, 8) 1 2 3 4 5 6 7 8 -> 10 11"
+    with pytest.raises(ValueError, match="whole pages"):
+        tree.insert([1, 2, 3, 4, 5], [10, 11], now=2, whole=2)
+    assert tree.match([1, 2, 3, 4, 5, 6, 7, 8, 9], length=6).tokens == 6
+    assert tree.check() == []
+
+
+def test_the_page_index_names_each_page_of_the_tree_and_forgets_those_that_left() -> None:
+    """It is brought up to date when read: pages of nodes that were dropped, split or moved are
+    found where they are now, whatever happened in between."""
+    tree = RadixTree(page_size=1)
+    tree.insert([1, 2, 3, 4], [7, 5, 9, 2], now=1)  # scattered pages
+    tree.insert([1, 2, 8, 8, 8], [7, 5, 20, 21, 22], now=2)  # splits after 2 tokens
+    leaf = tree.root.children[1].children[8]
+    assert tree.drop_last_pages(leaf, 2) == ([21, 22], leaf)
+    assert dict(tree.owners.items()) == {
+        7: tree.root.children[1],
+        5: tree.root.children[1],
+        9: tree.root.children[1].children[3],
+        2: tree.root.children[1].children[3],
+        20: leaf,
+    }
+    assert 21 not in tree.owners and tree.owners.get(22) is None
+    assert relocate_pages(tree.owners, {22: 30, 9: 31}) == 1  # 22 left the tree
+    assert tree.render() == "[0, 2) 1 2 -> 7 5\n  [2, 4) 3 4 -> 31 2\n  [2, 3) 8 -> 20"
+    assert tree.check() == []
+
+
+def test_the_page_index_stays_right_through_many_changes_it_is_not_read_during() -> None:
+    tree = RadixTree(page_size=1)
+    for i in range(3000):
+        pages = [2 * i, 2 * i + 1] if i % 2 else [2 * i + 1, 2 * i]
+        tree.insert([i, i + 1], pages, now=i)
+        if i >= 10:
+            old = tree.root.children[i - 10]
+            tree.drop_last_pages(old, 2)
+    assert sorted(tree.owners) == sorted(tree.pages())
+    assert tree.check() == []

@@ -115,14 +115,29 @@ def attend_one(q: Tensor, k_all: Tensor, v_all: Tensor, cached_len: int) -> Tens
         qg = q.view(kvh, h // kvh, d)  # [kvh, g, d]
         out = F.scaled_dot_product_attention(qg, k_all.transpose(0, 1), v_all.transpose(0, 1))
         return out.reshape(1, h, d)
-    keys = k_all.repeat_interleave(h // kvh, dim=1).transpose(0, 1)  # [h, L, d]
-    values = v_all.repeat_interleave(h // kvh, dim=1).transpose(0, 1)  # [h, L, d]
+    keys = k_all.repeat_interleave(h // kvh, dim=1)  # [L, h, d]
+    values = v_all.repeat_interleave(h // kvh, dim=1)  # [L, h, d]
+    return attend_causal(q, keys, values, cached_len)
+
+
+def attend_causal(q: Tensor, keys: Tensor, values: Tensor, cached_len: int) -> Tensor:
+    """`attend_one` for several new tokens once K/V hold one head per query head.
+
+    q [t, h, d]; keys, values [L, h, d] with L = cached_len + t. Separate so that a cache whose
+    K/V must be copied anyway (pages of a paged pool) can repeat them straight into this layout.
+    """
+    t = q.shape[0]
+    length = keys.shape[0]
     mask = None
     if cached_len:
         rows = torch.arange(t, device=q.device)[:, None] + cached_len  # [t, 1]
         mask = torch.arange(length, device=q.device)[None, :] <= rows  # [t, L]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=not cached_len
+        q.transpose(0, 1),
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=not cached_len,
     )  # [h, t, d]
     return out.transpose(0, 1)
 

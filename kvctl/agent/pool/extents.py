@@ -90,9 +90,11 @@ class FreeExtents:
     def _file_start(self, start: int) -> None:
         """Put a new run start on the heap; rebuild it once stale entries outnumber live ones."""
         starts = self._starts
+        if len(starts) >= 2 * len(self._by_start) + 64:
+            # rebuilt from the filed runs (a sorted list is a valid heap); `start` is not filed
+            # yet, so it goes on after
+            starts = self._starts = sorted(self._by_start)
         heapq.heappush(starts, start)
-        if len(starts) > 2 * len(self._by_start) + 64:
-            self._starts = sorted(self._by_start)  # a sorted list is a valid heap
 
     def _insert(self, start: int, length: int) -> None:
         self._file_start(start)

@@ -27,7 +27,7 @@ simulator.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -607,7 +607,39 @@ class PagePool:
     # ---- prefix-cache holds -------------------------------------------------------------
 
     def hold_cached(self, pages: Sequence[int]) -> None:
-        """Mark in-use pages as also held by the prefix cache, so they outlive their sequences."""
+        """Mark in-use pages as also held by the prefix cache, so they outlive their sequences.
+
+        Pages that are one range of ids (the common case: a prompt's run) are marked with a few
+        slice operations; others one by one.
+        """
+        lo = self._as_run(pages)
+        if lo is not None:
+            hi = lo + len(pages)
+            ref, cached = self._ref, self._cached
+            holder = self._owner[lo]
+            if (  # pages of one live private run (the common case): in use, not yet held
+                holder is not None
+                and holder.private
+                and holder.loose_from < 0
+                and len(holder.run_starts) == 1
+                and self._tables.get(holder.seq_id) is holder
+                and holder.pages[0] <= lo
+                and hi <= holder.pages[0] + len(holder.pages)
+            ):
+                self._held += hi - lo
+                cached[lo:hi] = b"\x01" * (hi - lo)
+                holder.private = holder.writable = False
+                return
+            if 0 not in ref[lo:hi] or 0 not in cached[lo:hi]:  # every page used or held
+                self._held += cached[lo:hi].count(0)
+                cached[lo:hi] = b"\x01" * (hi - lo)
+                owners = self._owner[lo:hi]
+                first = owners[0]
+                holders = (first,) if owners.count(first) == len(owners) else set(owners)
+                for holder in holders:
+                    if holder is not None:  # conservative: False is always safe
+                        holder.private = holder.writable = False
+                return
         ref, cached, owner = self._ref, self._cached, self._owner
         for p in pages:
             if not ref[p] and not cached[p]:
@@ -622,17 +654,47 @@ class PagePool:
                 holder.private = holder.writable = False
             # pages two tables hold are not private to either, nor writable in place
 
+    def _as_run(self, pages: Sequence[int]) -> int | None:
+        """The first id if `pages` are one ascending run of consecutive ids, else None (cheap:
+        table pages share their int objects with `_ids`, so the comparison is by identity)."""
+        n = len(pages)
+        if n < 4:
+            return None
+        lo = pages[0]
+        if not 0 <= lo <= self.capacity - n or pages[-1] != lo + n - 1:
+            return None
+        return lo if pages == self._ids[lo : lo + n] else None
+
     def release_cached(self, pages: Sequence[int]) -> None:
-        """Drop the prefix cache's hold; pages no sequence uses become free."""
-        freed = []
-        for p in pages:
-            if not self._cached[p]:
-                raise PoolError(f"page {p} is not held by the prefix cache")
-            self._cached[p] = 0
-            self._held -= 1
-            if not self._ref[p]:
-                self.cached_pages -= 1
-                freed.append(p)
+        """Drop the prefix cache's hold; pages no sequence uses become free.
+
+        Refuses, changing nothing, if any page is not held. A range of ids nobody else uses
+        (the common case: an evicted prompt's run) is released with a few slice operations.
+        """
+        cached, ref = self._cached, self._ref
+        lo = self._as_run(pages)
+        if lo is not None:
+            hi = lo + len(pages)
+            if 0 in cached[lo:hi]:
+                raise PoolError(f"pages from {lo} to {hi - 1} are not all held by the cache")
+            cached[lo:hi] = bytes(hi - lo)
+            self._held -= hi - lo
+            if not any(ref[lo:hi]):
+                self.cached_pages -= hi - lo
+                self._free.give(lo, hi - lo)
+                return
+            freed = [p for p in range(lo, hi) if not ref[p]]
+        else:
+            for p in pages:
+                if not cached[p]:
+                    raise PoolError(f"page {p} is not held by the prefix cache")
+            freed = []
+            for p in pages:
+                cached[p] = 0
+                self._held -= 1
+                if not ref[p]:
+                    freed.append(p)
+        self.cached_pages -= len(freed)
         for start, length in _runs_of(sorted(freed)):
             self._free.give(start, length)
 
@@ -933,8 +995,20 @@ class PagePool:
         return self._ids[start : start + n]
 
     def _acquire(self, pages: Sequence[int], table: PageTable) -> None:
-        """Add `table` as a holder of each page (fork, prefix hit)."""
+        """Add `table` as a holder of each page (fork, prefix hit).
+
+        A prefix hit on a run of pages only the cache holds (the common case) takes a few slice
+        operations; anything else goes page by page.
+        """
         ref, cached, owner, sharers = self._ref, self._cached, self._owner, self._sharers
+        lo = self._as_run(pages)
+        if lo is not None:
+            hi = lo + len(pages)
+            if not any(ref[lo:hi]) and 0 not in cached[lo:hi]:
+                ref[lo:hi] = self._ones[hi - lo] if hi - lo <= 64 else [1] * (hi - lo)
+                owner[lo:hi] = [table] * (hi - lo)
+                self.cached_pages -= hi - lo
+                return
         for p in pages:
             r = ref[p]
             if r == 0:
@@ -955,20 +1029,45 @@ class PagePool:
         self._release((page,), table)
 
     def _release(self, pages: Sequence[int], table: PageTable) -> None:
-        """Drop `table`'s reference to each page; return pages nobody holds to the free space."""
+        """Drop `table`'s reference to each page; return pages nobody holds to the free space.
+
+        Runs of pages only this table holds are released with slice operations (a sequence
+        that started on a cached prefix frees it this way); the rest page by page.
+        """
+        ref, cached = self._ref, self._cached
+        lo = self._as_run(pages)
+        runs = [(lo, len(pages))] if lo is not None else _runs_of(pages)
+        for start, length in runs:
+            hi = start + length
+            if length >= 4 and ref[start:hi].count(1) == length:
+                ref[start:hi] = self._zeros[length] if length <= 64 else [0] * length
+                held = cached[start:hi].count(1)
+                if held == length:
+                    self.cached_pages += length
+                    continue
+                if held == 0:
+                    self._free.give(start, length)
+                    continue
+            self._release_pages(range(start, hi), table)
+
+    def _release_pages(self, pages: Iterable[int], table: PageTable) -> None:
+        """`_release`, one page at a time (pages whose references were not yet dropped are
+        dropped here; a run already zeroed by `_release` is told apart by its reference)."""
         ref, cached, sharers = self._ref, self._cached, self._sharers
         run_start, run_len = -1, 0
         give = self._free.give
         for p in pages:
-            r = ref[p] - 1
-            ref[p] = r
+            r = ref[p]
             if r:
-                holders = sharers[p]
-                holders.remove(table)
-                if r == 1:
-                    self._owner[p] = holders[0]
-                    del sharers[p]
-                continue
+                r -= 1
+                ref[p] = r
+                if r:
+                    holders = sharers[p]
+                    holders.remove(table)
+                    if r == 1:
+                        self._owner[p] = holders[0]
+                        del sharers[p]
+                    continue
             if cached[p]:
                 self.cached_pages += 1
             elif p == run_start + run_len:

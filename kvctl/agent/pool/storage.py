@@ -26,9 +26,10 @@ left in an unused page would survive a zero weight (0 * NaN = NaN).
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 
 import numpy as np
 import torch
@@ -40,15 +41,32 @@ Allocated once with the storage, so that no copy allocates (on CPU a fresh multi
 page-faults at ~1 GB/s) and a defragmentation, which often runs when memory is tight, needs no
 memory beyond it. Large enough that a batch of pages is a handful of operations.
 """
-_DIRECT_RUN_BYTES = {"cpu": 256 << 10, "cuda": 16 << 20}
+_DIRECT_RUN_BYTES = {"cpu": 64 << 10, "cuda": 16 << 20}
 """Smallest destination run `copy_pages` copies with an operation of its own, per device type.
 
 Such a run costs one operation and one pass over its bytes; through the staging buffer it costs a
 share of two operations and two passes. Below the bytes one pass moves during an operation's fixed
-cost, the second pass is cheaper than the extra operation: ~50 KB on CPU (~10 us of dispatch at
-~5 GB/s; 256 KiB keeps the operation count low when other work competes for the cores), ~15 MB
-on a GPU (~5 us of launch at ~3 TB/s; an estimate, not yet measured on a GPU).
+cost, the second pass is cheaper than the extra operation: ~40 KB on CPU (~2 us per numpy
+operation at ~20 GB/s; 64 KiB to 256 KiB measured alike, 1 MiB 5-10% slower), ~15 MB on a GPU
+(~5 us of launch at ~3 TB/s; an estimate, not yet measured on a GPU).
 """
+_PARALLEL_RUN_BYTES = 512 << 10
+"""Smallest direct run `copy_pages` hands to torch on CPU, when torch has a core to spare;
+shorter runs, and every run when it has not, are copied by numpy on the calling thread.
+
+torch splits a gather between its threads, each split a fork and a join. Below ~512 KiB the
+split saves less than it costs (measured with 2 threads: 1.2x faster at 512 KiB, slower below).
+And the join waits for the slowest thread: when torch has as many threads as there are cores,
+any other runnable thread (another process, the agent's own server) deschedules a worker, and
+each gather then waits a scheduler slice, 8-16 ms, whatever its size. A defragmentation issues
+tens of gathers, a plain copy one: with 2 threads on 2 busy cores a 65 MiB defragmentation's
+copies took ~300 ms instead of ~3. numpy never forks: one core's bandwidth, no stall, and a third
+of torch's fixed cost per operation.
+"""
+try:
+    _CORES = len(os.sched_getaffinity(0))
+except AttributeError:  # not on Linux
+    _CORES = os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -87,6 +105,7 @@ class KVStorage:
         device: torch.device | str = "cpu",
         staging_bytes: int | None = None,
         direct_run_bytes: int | None = None,
+        parallel_run_bytes: int | None = None,
     ) -> None:
         for name, value in (
             ("num_segments", num_segments),
@@ -115,6 +134,8 @@ class KVStorage:
             direct_run_bytes = _DIRECT_RUN_BYTES[kind]
         staging_pages = max(1, staging_bytes // self.bytes_per_page)
         self._direct_run_pages = max(1, -(-direct_run_bytes // self.bytes_per_page))
+        self._numpy_copies = self._device.type == "cpu"  # numpy sees host memory only
+        self._parallel_run_bytes = parallel_run_bytes  # None: as torch's threads allow
         self._staging = torch.empty(  # [staging_pages, page elements]
             staging_pages, self._page_elements, dtype=dtype, device=self._device
         )
@@ -193,62 +214,132 @@ class KVStorage:
 
     # ---- moving whole pages -------------------------------------------------------------
 
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+    def copy_pages(self, src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> None:
         """Copy pages `src[i]` to `dst[i]` (every layer, K and V) in a few batched operations.
 
         Destinations must be distinct and disjoint from the sources (the pool only ever copies
-        into free pages), so no copy can overwrite a page another copy still has to read.
+        into free pages), so no copy can overwrite a page another copy still has to read, and the
+        copies may run in any order.
 
         A run of consecutive destination pages of at least `direct_run_bytes` is one gather
         straight from its sources into the run (one pass over the bytes, like a plain copy);
         defragmentation fills holes lowest first, so its destinations come in such runs. The
         rest, grouped by (source segment, destination segment), goes through the staging buffer:
-        one gather and one scatter per buffer-full (two passes, but few operations).
+        one gather and one scatter per buffer-full (two passes, but few operations). On CPU,
+        staged groups, runs shorter than `parallel_run_bytes` and, unless torch has a core to
+        spare, every run are copied by numpy on the calling thread (see `_PARALLEL_RUN_BYTES`).
+        Checks and planning are vectorised and every operation's index comes from one array
+        moved to the device at once, so the host work per batch grows with the number of runs,
+        not of pages.
         """
-        self._check_copy(src, dst)
-        if not len(src):
+        src_ids, dst_ids = self._check_copy(src, dst)
+        if not dst_ids.size:
             return
-        src_ids = np.asarray(src, dtype=np.int64)
-        dst_ids = np.asarray(dst, dtype=np.int64)
         plan = _plan_copy(
             src_ids, dst_ids, self.segment_pages, len(self._segments), self._direct_run_pages
         )
-        src_rows = torch.from_numpy(plan.src_rows).to(self._device)
-        dst_rows = torch.from_numpy(plan.dst_rows).to(self._device)
+        host = self._numpy_copies
+        index = torch.from_numpy(plan.index) if host else self._index_to_device(plan.index)
+        numpy_below = self._numpy_run_pages() if host else 0
+        rows = _Rows(self)
         for s, d, src_lo, src_span, dst_lo, start, end in plan.direct:
-            source = self._rows(s).narrow(0, src_lo, src_span)
-            target = self._rows(d).narrow(0, dst_lo, end - start)
-            torch.index_select(source, 0, src_rows[start:end], out=target)
-        for s, d, start, end in plan.staged:
-            self._copy_staged(s, src_rows[start:end], d, dst_rows[start:end])
+            if end - start < numpy_below:
+                rows.host(s)[src_lo : src_lo + src_span].take(
+                    plan.index[start:end],
+                    axis=0,
+                    out=rows.host(d)[dst_lo : dst_lo + end - start],
+                    mode="clip",  # ids are checked; "raise" would copy through a buffer
+                )
+            else:
+                torch.index_select(
+                    rows.tensor(s).narrow(0, src_lo, src_span),
+                    0,
+                    index[start:end],
+                    out=rows.tensor(d).narrow(0, dst_lo, end - start),
+                )
+        for s, d, start, end, dst_start in plan.staged:
+            dst_end = dst_start + end - start
+            if host:
+                self._copy_staged_host(
+                    rows, s, plan.index[start:end], d, plan.index[dst_start:dst_end]
+                )
+            else:
+                self._copy_staged(rows, s, index[start:end], d, index[dst_start:dst_end])
 
-    def _check_copy(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Refuse copies the pool never asks for, before touching anything (sets: a batch is
-        small, and Python sets of ints beat numpy's set routines below a few thousand ids)."""
-        if len(src) != len(dst):
-            raise ValueError(f"copy_pages: {len(src)} sources but {len(dst)} destinations")
-        if not len(src):
-            return
-        if min(min(src), min(dst)) < 0 or max(max(src), max(dst)) >= self.num_pages:
+    def _check_copy(
+        self, src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Refuse copies the pool never asks for, before touching anything; return the ids as
+        int64 arrays ordered by destination, the order `_plan_copy` finds runs in.
+
+        All checks are a few vectorised passes whatever the batch size. Destinations that
+        already ascend (a defragmentation's) are distinct by that test alone and are not sorted.
+        """
+        src_ids = np.asarray(src, dtype=np.int64)
+        dst_ids = np.asarray(dst, dtype=np.int64)
+        if src_ids.size != dst_ids.size:
+            raise ValueError(f"copy_pages: {src_ids.size} sources but {dst_ids.size} destinations")
+        count = dst_ids.size
+        if not count:
+            return src_ids, dst_ids
+        # as unsigned, a negative id is beyond every pool: one max checks both ends
+        if int(np.concatenate((src_ids, dst_ids)).view(np.uint64).max()) >= self.num_pages:
             raise IndexError(f"copy_pages: page ids must be in [0, {self.num_pages})")
-        destinations = set(dst)
-        if len(destinations) != len(dst) or not destinations.isdisjoint(src):
-            raise ValueError("copy_pages: destinations must be distinct and not among the sources")
+        if count > 1 and not (dst_ids[1:] > dst_ids[:-1]).all():
+            order = np.argsort(dst_ids, kind="stable")
+            src_ids, dst_ids = src_ids[order], dst_ids[order]
+            if not (dst_ids[1:] > dst_ids[:-1]).all():
+                raise ValueError("copy_pages: destinations must be distinct")
+        at = np.minimum(np.searchsorted(dst_ids, src_ids), count - 1)
+        if (dst_ids[at] == src_ids).any():
+            raise ValueError("copy_pages: destinations must not be among the sources")
+        return src_ids, dst_ids
+
+    def _numpy_run_pages(self) -> int:
+        """Direct runs shorter than this many pages are copied by numpy (see
+        `_PARALLEL_RUN_BYTES`); read per call, since torch's thread count can change."""
+        if self._parallel_run_bytes is not None:
+            return -(-self._parallel_run_bytes // self.bytes_per_page)
+        if 1 < torch.get_num_threads() < _CORES:
+            return -(-_PARALLEL_RUN_BYTES // self.bytes_per_page)
+        return sys.maxsize
 
     def _rows(self, segment: int) -> torch.Tensor:
         return self._segments[segment].view(self.segment_pages, -1)  # [sp, page elements]
 
+    def _index_to_device(self, index: np.ndarray) -> torch.Tensor:
+        """Every row index of one `copy_pages` call in a single transfer. On CUDA it goes through
+        pinned memory without blocking: a pageable copy would wait for the stream to drain, so
+        planning the next batch could not overlap this batch's copies."""
+        host = torch.from_numpy(index)
+        if self._device.type == "cuda":
+            return host.pin_memory().to(self._device, non_blocking=True)
+        return host.to(self._device)
+
     def _copy_staged(
-        self, src_seg: int, src: torch.Tensor, dst_seg: int, dst: torch.Tensor
+        self, rows: _Rows, src_seg: int, src: torch.Tensor, dst_seg: int, dst: torch.Tensor
     ) -> None:
         """Copy rows `src` of one segment to rows `dst` of another (or the same) one."""
-        source, target = self._rows(src_seg), self._rows(dst_seg)
+        source, target = rows.tensor(src_seg), rows.tensor(dst_seg)
         step = self._staging.shape[0]
         for start in range(0, src.numel(), step):
-            rows = src[start : start + step]
-            staged = self._staging[: rows.numel()]
-            torch.index_select(source, 0, rows, out=staged)
+            part = src[start : start + step]
+            staged = self._staging[: part.numel()]
+            torch.index_select(source, 0, part, out=staged)
             target.index_copy_(0, dst[start : start + step], staged)
+
+    def _copy_staged_host(
+        self, rows: _Rows, src_seg: int, src: np.ndarray, dst_seg: int, dst: np.ndarray
+    ) -> None:
+        """`_copy_staged` on CPU, with numpy: torch's CPU `index_copy_` moves one element at a
+        time (3-4x slower than a gather of the same rows), numpy's fancy assignment whole rows."""
+        source, target, staging = rows.host(src_seg), rows.host(dst_seg), rows.staging
+        step = staging.shape[0]
+        for start in range(0, src.size, step):
+            part = src[start : start + step]
+            staged = staging[: part.size]
+            source.take(part, axis=0, out=staged, mode="clip")
+            target[dst[start : start + step]] = staged
 
     # ---- the model's reads and writes ---------------------------------------------------
 
@@ -384,6 +475,80 @@ class KVStorage:
             torch.empty(shape, dtype=self._dtype, device=self._device),
         )
 
+    # ---- reading in place ---------------------------------------------------------------
+
+    def run_of(self, pages: Sequence[int]) -> tuple[int, int] | None:
+        """`(segment, first row)` when `pages` are one run of consecutive ids in one segment.
+
+        Decided from the ids alone (`pages[i] == pages[0] + i`, first and last page in the same
+        segment), never from a pool flag: a view is only right if the ids say so. A run that
+        crosses a segment boundary lies in two tensors, so no single view can hold it: None.
+        """
+        count = len(pages)
+        if not count:
+            return None
+        first = int(pages[0])
+        if not 0 <= first < self.num_pages:
+            raise IndexError(f"page ids must be in [0, {self.num_pages}), got {first}")
+        last = first + count - 1
+        segment, row = divmod(first, self.segment_pages)
+        if last // self.segment_pages != segment or int(pages[-1]) != last:
+            return None
+        if count > 2 and list(pages) != list(range(first, last + 1)):
+            return None
+        return segment, row
+
+    def pages_view(
+        self, layer: int, segment: int, row: int, count: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `count` consecutive pages of one segment, `[count, page_size, kvh, hd]`
+        each: views of storage, no copy (valid until the pages move or the segment is dropped).
+
+        Each page's tokens are contiguous, but pages are `layers * 2` pages' worth of elements
+        apart (the storage is page-major), so a run of several pages is not one flat
+        `[tokens, kvh, hd]` tensor: attention that needs one still copies it.
+        """
+        if count < 1 or row < 0 or row + count > self.segment_pages:
+            raise IndexError(f"rows {row}..{row + count - 1} are not in a segment's pages")
+        seg = self._segments[segment].narrow(0, row, count)
+        return seg[:, layer, 0], seg[:, layer, 1]
+
+    def read_sequence(self, layer: int, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's K and V of one layer by its page table, `[n, page_size, kvh, hd]` each.
+
+        A run (see `run_of`) is a view of storage; any other table is gathered into new tensors.
+        Either way element `[i, t]` is token `t` of page `pages[i]`.
+        """
+        run = self.run_of(pages)
+        if run is not None:
+            return self.pages_view(layer, run[0], run[1], len(pages))
+        shape = (len(pages), self.page_size, self.num_kv_heads, self.head_dim)
+        if not len(pages):
+            empty = torch.empty(shape, dtype=self._dtype, device=self._device)
+            return empty, empty.clone()
+        ids = torch.from_numpy(np.asarray(pages, dtype=np.int64)).view(1, -1)
+        keys, values = self.gather(layer, ids)
+        return keys.view(shape), values.view(shape)
+
+    @property
+    def rows_per_page(self) -> int:
+        """Rows of `token_rows` from one page to the next: `layers * 2 * page_size`."""
+        return self.num_layers * 2 * self.page_size
+
+    def token_rows(self, segment: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A segment's K and V of one layer as token rows for kernels that read through a page
+        table: two views `[rows, kvh, hd]`, no copy.
+
+        Token `t` of the page at row `r` of the segment is row `r * rows_per_page + t` of both
+        (the V view starts `page_size` rows after the K view, so one row index serves both).
+        Rows in between belong to other layers and must never be read: a kernel reads only the
+        `page_size` rows from `r * rows_per_page` of the pages in its table.
+        """
+        flat = self._segments[segment].view(-1, self.num_kv_heads, self.head_dim)
+        rows = (self.segment_pages - 1) * self.rows_per_page + self.page_size
+        start = layer * 2 * self.page_size
+        return flat.narrow(0, start, rows), flat.narrow(0, start + self.page_size, rows)
+
     # ---- whole-page helpers (tests, diagnostics) ----------------------------------------
 
     def read_pages(self, page_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -418,67 +583,105 @@ def _group(keys: torch.Tensor, num_keys: int) -> list[tuple[int, torch.Tensor]]:
     return [(key, pos) for key, pos in enumerate(order.split(counts)) if pos.numel()]
 
 
-_TRUE = np.ones(1, dtype=bool)
+class _Rows:
+    """The segments of one `copy_pages` call as `[segment_pages, page elements]` tensors and, on
+    CPU, as numpy `[segment_pages, page bytes]` arrays (bytes: numpy has no bfloat16), each
+    view made once per call, however many operations use it."""
+
+    def __init__(self, storage: KVStorage) -> None:
+        self._storage = storage
+        self._tensors: dict[int, torch.Tensor] = {}
+        self._host: dict[int, np.ndarray] = {}
+
+    def tensor(self, segment: int) -> torch.Tensor:
+        view = self._tensors.get(segment)
+        if view is None:
+            view = self._tensors[segment] = self._storage._rows(segment)
+        return view
+
+    def host(self, segment: int) -> np.ndarray:
+        view = self._host.get(segment)
+        if view is None:
+            view = self._host[segment] = self.tensor(segment).view(torch.uint8).numpy()
+        return view
+
+    @property
+    def staging(self) -> np.ndarray:
+        return self._storage._staging.view(torch.uint8).numpy()
 
 
 @dataclass(frozen=True)
 class _CopyPlan:
     """How `copy_pages` carries out one batch; every row is local to its segment.
 
-    Copies are ordered direct runs first, then staged groups; `direct` and `staged` name spans
-    `[start, end)` of that order. A direct run is `(src segment, dst segment, src_lo, src_span,
-    dst_lo, start, end)`: its sources, relative to `src_lo`, lie in `[src_lo, src_lo + src_span)`
-    and it fills the destination rows `[dst_lo, dst_lo + end - start)`. A staged group is
-    `(src segment, dst segment, start, end)` with plain source and destination rows.
+    `index` holds every operation's rows in one array, so that they reach the device in one
+    transfer: first the source rows of the direct runs, then the source rows of the staged
+    groups, then their destination rows. A direct run is `(src segment, dst segment, src_lo,
+    src_span, dst_lo, start, end)`: its sources, `index[start:end]` relative to `src_lo`, lie in
+    `[src_lo, src_lo + src_span)` and it fills the destination rows `[dst_lo, dst_lo + end -
+    start)`. A staged group is `(src segment, dst segment, start, end, dst_start)`: source rows
+    `index[start:end]`, destination rows as many from `index[dst_start]`.
     """
 
-    src_rows: np.ndarray  # [n] int64
-    dst_rows: np.ndarray  # [n] int64
+    index: np.ndarray  # int64
     direct: list[tuple[int, int, int, int, int, int, int]]
-    staged: list[tuple[int, int, int, int]]
+    staged: list[tuple[int, int, int, int, int]]
 
 
 def _plan_copy(
     src: np.ndarray, dst: np.ndarray, segment_pages: int, num_segments: int, direct_pages: int
 ) -> _CopyPlan:
-    """Split copies into runs of consecutive destinations (per segment pair), vectorised.
+    """Split copies (ordered by destination) into runs of consecutive destinations, vectorised.
 
-    A run is copied directly when it is long enough and its destination rows do not fall within
-    the span of its source rows (torch refuses a gather whose input and output views overlap,
-    even where no element is shared); everything else is staged.
+    A run ends where the destinations stop being consecutive, or the source or destination
+    segment changes. It is copied directly when it is long enough and its destination rows do
+    not fall within the span of its source rows (torch refuses a gather whose input and output
+    views overlap, even where no element is shared); everything else is staged.
     """
-    src_seg, dst_seg = src // segment_pages, dst // segment_pages
-    order = np.lexsort((dst, src_seg))  # by source segment, then destination id
-    src_seg, dst_seg, src, dst = src_seg[order], dst_seg[order], src[order], dst[order]
-    src_row, dst_row = src - src_seg * segment_pages, dst - dst_seg * segment_pages
-    run_goes_on = (dst[1:] - dst[:-1] == 1) & (src_seg[1:] == src_seg[:-1])
-    run_goes_on &= dst_seg[1:] == dst_seg[:-1]
-    starts = np.flatnonzero(np.concatenate((_TRUE, ~run_goes_on)))
-    lengths = np.concatenate((starts[1:], [src.size])) - starts
+    count = dst.size
+    src_seg, src_row = np.divmod(src, segment_pages)
+    dst_seg, dst_row = np.divmod(dst, segment_pages)
+    breaks = np.empty(count, dtype=bool)
+    breaks[0] = True
+    np.not_equal(dst[1:] - dst[:-1], 1, out=breaks[1:])
+    breaks[1:] |= src_seg[1:] != src_seg[:-1]
+    breaks[1:] |= dst_row[1:] == 0  # consecutive ids, but the next segment
+    starts = breaks.nonzero()[0]
+    lengths = np.empty_like(starts)
+    np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
+    lengths[-1] = count - starts[-1]
     lo = np.minimum.reduceat(src_row, starts)
-    span = np.maximum.reduceat(src_row, starts) + 1 - lo
-    dst_lo = dst_row[starts]
-    straddles = (
-        (src_seg[starts] == dst_seg[starts]) & (lo < dst_lo + lengths) & (dst_lo < lo + span)
-    )
+    hi = np.maximum.reduceat(src_row, starts)
+    dst_lo, run_src, run_dst = dst_row[starts], src_seg[starts], dst_seg[starts]
+    straddles = (run_src == run_dst) & (lo < dst_lo + lengths) & (dst_lo <= hi)
     is_direct = (lengths >= direct_pages) & ~straddles
-    copy_direct = np.repeat(is_direct, lengths)
-    src_row = np.where(copy_direct, src_row - np.repeat(lo, lengths), src_row)
-    order = np.concatenate((np.flatnonzero(copy_direct), np.flatnonzero(~copy_direct)))
-
-    runs = np.flatnonzero(is_direct)
-    ends = np.cumsum(lengths[runs])
-    first = starts[runs]
-    columns = (src_seg[first], dst_seg[first], lo[runs], span[runs], dst_lo[runs])
-    columns += (ends - lengths[runs], ends)
+    relative = src_row - np.repeat(lo, lengths)
+    columns = (run_src, run_dst, lo, hi + 1 - lo, dst_lo)
+    if is_direct.all():
+        ends = np.cumsum(lengths)
+        direct = list(zip(*(c.tolist() for c in (*columns, ends - lengths, ends)), strict=True))
+        return _CopyPlan(relative, direct, [])
+    direct_lengths = lengths[is_direct]
+    ends = np.cumsum(direct_lengths)
+    columns = (*(c[is_direct] for c in columns), ends - direct_lengths, ends)
     direct = list(zip(*(c.tolist() for c in columns), strict=True))
-    staged = []
-    if not copy_direct.all():
-        offset = int(ends[-1]) if ends.size else 0
-        pair = (src_seg * num_segments + dst_seg)[~copy_direct]
-        bounds = [0, *(np.flatnonzero(pair[1:] != pair[:-1]) + 1).tolist(), pair.size]
-        staged = [
-            (int(pair[a]) // num_segments, int(pair[a]) % num_segments, offset + a, offset + b)
-            for a, b in pairwise(bounds)
-        ]
-    return _CopyPlan(src_row[order], dst_row[order], direct, staged)
+    by_page = np.repeat(is_direct, lengths)
+    rest = ~by_page
+    pair = src_seg[rest] * num_segments + dst_seg[rest]
+    order = np.argsort(pair, kind="stable")
+    pair = pair[order]
+    bounds = np.concatenate(([0], (pair[1:] != pair[:-1]).nonzero()[0] + 1, [pair.size]))
+    src_segs, dst_segs = np.divmod(pair[bounds[:-1]], num_segments)
+    first = int(ends[-1]) if ends.size else 0  # where the staged rows start in `index`
+    staged = [
+        (s, d, first + a, first + b, first + pair.size + a)
+        for s, d, a, b in zip(
+            src_segs.tolist(),
+            dst_segs.tolist(),
+            bounds[:-1].tolist(),
+            bounds[1:].tolist(),
+            strict=True,
+        )
+    ]
+    index = np.concatenate((relative[by_page], src_row[rest][order], dst_row[rest][order]))
+    return _CopyPlan(index, direct, staged)

@@ -6,6 +6,7 @@ adopts them into page tables and storage applies the copy-on-write copies.
 
 from kvctl.agent.prefix.eviction import (
     EVICTION_POLICIES,
+    EvictionOrder,
     EvictionPolicy,
     FirstInFirstOut,
     LeastFrequentlyUsed,
@@ -20,15 +21,17 @@ from kvctl.agent.prefix.prefix_cache import (
     PrefixIsolation,
     PrefixMatch,
 )
-from kvctl.agent.prefix.radix_tree import RadixNode, RadixTree, TreeMatch
+from kvctl.agent.prefix.radix_tree import PageOwners, RadixNode, RadixTree, TreeMatch
 
 __all__ = [
     "EVICTION_POLICIES",
+    "EvictionOrder",
     "EvictionPolicy",
     "FirstInFirstOut",
     "IsolationKey",
     "LeastFrequentlyUsed",
     "LeastRecentlyUsed",
+    "PageOwners",
     "PrefixCache",
     "PrefixCacheCorrupted",
     "PrefixCacheStats",

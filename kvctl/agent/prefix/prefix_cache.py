@@ -14,12 +14,14 @@ eviction reaches all of them. `check` verifies this along with the holds, which 
 
 A copy-on-write source must survive until storage has copied it, so the scheduler *pins* it for
 the step that adopted it; eviction skips pinned pages.
+
+Eviction takes leaves from an `EvictionOrder` the trees keep up to date (a new leaf is pushed,
+uses cost nothing until the leaf comes first), so freeing pages costs O(log n) per leaf freed.
+A leaf a request still uses comes out of the order, is set aside for the call and goes back.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -27,8 +29,8 @@ from enum import StrEnum
 
 from kvctl.agent.pool import PagePool, PageState
 from kvctl.agent.pool.page_pool import PoolCorrupted
-from kvctl.agent.prefix.eviction import EVICTION_POLICIES, make_policy
-from kvctl.agent.prefix.radix_tree import RadixNode, RadixTree, relocate_pages
+from kvctl.agent.prefix.eviction import EVICTION_POLICIES, EvictionOrder, make_policy
+from kvctl.agent.prefix.radix_tree import PageOwners, RadixNode, RadixTree, relocate_pages
 
 
 class PrefixIsolation(StrEnum):
@@ -108,8 +110,10 @@ class PrefixCache:
         self.model = model
         self.isolation = PrefixIsolation(isolation)
         self._policy = make_policy(policy)
+        self._order = EvictionOrder(self._policy)
         self._trees: dict[IsolationKey, RadixTree] = {}
-        self._owners: dict[int, RadixNode] = {}  # every tree page -> its node
+        self._owners = PageOwners(pool.capacity)  # every tree page -> its node
+        self._held_pages = 0
         self._pinned: set[int] = set()
         self._clock = 0
         self.queries_tokens = 0
@@ -126,7 +130,10 @@ class PrefixCache:
 
     def set_policy(self, name: str) -> None:
         """Switch the eviction policy; takes effect at the next eviction."""
-        self._policy = make_policy(name)
+        policy = make_policy(name)
+        if policy.name != self._policy.name:
+            self._policy = policy
+            self._order.rebuild(policy, self._leaves())
 
     def key_for(self, salt: str | None = None, sampling: Hashable | None = None) -> IsolationKey:
         """The partition of a request with this cache salt and these sampling settings."""
@@ -142,7 +149,7 @@ class PrefixCache:
         tree = self._trees.get(key)
         if tree is None or len(tokens) < 2:
             return PrefixMatch(key, 0, [], self.page_size, [])
-        found = tree.match(tokens[:-1])
+        found = tree.match(tokens, len(tokens) - 1)
         return PrefixMatch(key, found.tokens, found.pages, self.page_size, found.nodes)
 
     def record(self, match: PrefixMatch, query_tokens: int) -> None:
@@ -170,15 +177,18 @@ class PrefixCache:
         """Add a sequence's whole pages (those `tokens` fill) to `key`'s partition and hold the
         ones the tree did not have. Call it while the sequence still holds its pages. Returns
         the number of pages newly held."""
-        whole = min(len(tokens) // self.page_size, len(pages))
+        page_size = self.page_size
+        whole = min(len(tokens) // page_size, len(pages))
         if not whole:
             return 0
         tree = self._trees.get(key)
         if tree is None:
-            tree = self._trees[key] = RadixTree(self.page_size, self._owners)
+            tree = self._trees[key] = RadixTree(page_size, self._owners, self._order.add)
         self._clock += 1
-        taken = tree.insert(tokens[: whole * self.page_size], pages[:whole], self._clock)
-        self.pool.hold_cached(taken)
+        taken = tree.insert(tokens, pages, self._clock, whole)
+        if taken:
+            self.pool.hold_cached(taken)
+            self._held_pages += len(taken)
         return len(taken)
 
     # ---- pins -----------------------------------------------------------------------------
@@ -195,43 +205,72 @@ class PrefixCache:
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` cached pages if that many can go, leaf-first in policy order;
         return how many were freed. Pages a request uses and pinned pages are never freed."""
-        priority = self._policy.priority
-        order = itertools.count()
-        heap = [
-            (priority(leaf), next(order), leaf, key)
-            for key, tree in self._trees.items()
-            for leaf in tree.leaves
-            if self._is_evictable(leaf.pages[-1])
-        ]
-        heapq.heapify(heap)
+        order, release = self._order, self.pool.release_cached
+        set_aside: list[tuple[RadixNode, RadixTree]] = []
         freed = 0
-        while freed < num_pages and heap:
-            _, _, leaf, key = heapq.heappop(heap)
-            tree = self._trees[key]
-            if leaf.parent is None or not leaf.is_leaf:
-                continue
+        while freed < num_pages:
+            first = order.pop()
+            if first is None:
+                break
+            leaf, tree = first
             count = min(self._evictable_tail(leaf), num_pages - freed)
+            if not count:
+                set_aside.append(first)
+                continue
             dropped, remaining = tree.drop_last_pages(leaf, count)
-            self.pool.release_cached(dropped)
+            release(dropped)
             freed += count
-            grown = remaining is not None and remaining is not leaf  # a parent became a leaf
-            if grown and self._is_evictable(remaining.pages[-1]):
-                heapq.heappush(heap, (priority(remaining), next(order), remaining, key))
-            if tree.is_empty:
-                del self._trees[key]
+            if remaining is leaf:
+                set_aside.append(first)
+            elif tree.is_empty:
+                self._drop_partition(tree)
+        for leaf, tree in set_aside:
+            order.add(leaf, tree)
         self.evictions[self._policy.name] += freed
+        self._held_pages -= freed
         return freed
 
-    def _is_evictable(self, page: int) -> bool:
-        return not self.pool.refcount(page) and page not in self._pinned
-
     def _evictable_tail(self, leaf: RadixNode) -> int:
-        count = 0
-        for page in reversed(leaf.pages):
-            if not self._is_evictable(page):
-                break
-            count += 1
-        return count
+        """How many of the leaf's last pages eviction may free: those after its last page in use
+        (pages in use are a prefix of every node's pages, which `check` verifies) and after its
+        last pinned page."""
+        pages = leaf.pages
+        refcount = self.pool.refcount
+        n = len(pages)
+        if refcount(pages[-1]):
+            return 0
+        if refcount(pages[0]):
+            used, unused = 0, n - 1  # pages[used] is in use, pages[unused] is not
+            while unused - used > 1:
+                middle = (used + unused) // 2
+                if refcount(pages[middle]):
+                    used = middle
+                else:
+                    unused = middle
+            n -= unused
+        for page in self._pinned:
+            if page in pages:
+                n = min(n, len(pages) - 1 - pages.index(page))
+        return n
+
+    def _drop_partition(self, tree: RadixTree) -> None:
+        for key, candidate in self._trees.items():
+            if candidate is tree:
+                del self._trees[key]
+                return
+
+    def _leaves(self) -> list[tuple[RadixNode, RadixTree]]:
+        return [(leaf, tree) for tree in self._trees.values() for leaf in tree.leaves]
+
+    def eviction_order(self) -> list[tuple[IsolationKey, RadixNode]]:
+        """The leaves eviction can free a page of now, in the order it would take them (for
+        checks: it walks the whole order)."""
+        keys = {id(tree): key for key, tree in self._trees.items()}
+        return [
+            (keys[id(tree)], leaf)
+            for leaf, tree in self._order.ordered()
+            if self._evictable_tail(leaf)
+        ]
 
     def clear(self) -> int:
         """Evict every page no request uses; return how many were freed."""
@@ -252,7 +291,7 @@ class PrefixCache:
             queries_tokens=self.queries_tokens,
             hits_tokens=self.hits_tokens,
             evictions=dict(self.evictions),
-            held_pages=len(self._owners),
+            held_pages=self._held_pages,
             partitions=len(self._trees),
         )
 
@@ -278,6 +317,9 @@ class PrefixCache:
         """
         problems: list[str] = []
         tree_pages: list[int] = []
+        if self._order.policy.name != self._policy.name:
+            problems.append("the eviction order follows another policy")
+        problems.extend(self._order.problems(self._leaves()))
         for key, tree in self._trees.items():
             problems.extend(f"{key}: {problem}" for problem in tree.check())
             if tree.is_empty:
@@ -287,6 +329,10 @@ class PrefixCache:
         held = set(tree_pages)
         if len(held) != len(tree_pages):
             problems.append("a page is owned by two nodes")
+        if len(tree_pages) != self._held_pages:
+            problems.append(
+                f"{self._held_pages} pages counted as held, the trees own {len(tree_pages)}"
+            )
         if held != set(self._owners):
             problems.append("the page index differs from the trees")
         problems.extend(

@@ -18,20 +18,25 @@ are held and released.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 
 _CHUNK = 64  # tokens compared per slice when looking for where two sequences diverge
 
 
-def common_prefix_len(tokens: Sequence[int], offset: int, edge: Sequence[int]) -> int:
-    """How many tokens of `edge` equal `tokens[offset:]`, position by position.
+def common_prefix_len(
+    tokens: Sequence[int], offset: int, edge: Sequence[int], end: int | None = None
+) -> int:
+    """How many tokens of `edge` equal `tokens[offset:end]`, position by position.
 
     Compares whole slices first (a C loop), then chunks, then single tokens, so a long edge costs
     a handful of Python operations rather than one per token.
     """
-    n = min(len(edge), len(tokens) - offset)
-    if tokens[offset : offset + n] == edge[:n]:
+    n = min(len(edge), (len(tokens) if end is None else min(end, len(tokens))) - offset)
+    if n == len(edge):
+        if tokens[offset : offset + n] == edge:
+            return n
+    elif tokens[offset : offset + n] == edge[:n]:
         return n
     i = 0
     while i + _CHUNK <= n and tokens[offset + i : offset + i + _CHUNK] == edge[i : i + _CHUNK]:
@@ -46,7 +51,8 @@ class RadixNode:
     """One edge of the tree: its tokens, the pages it owns and what eviction policies read.
 
     `created`, `last_access` and `hits` are ticks of the owning cache's logical clock and a use
-    count, kept whatever the policy, so the policy can change at run time.
+    count, kept whatever the policy, so the policy can change at run time. `queued` says whether
+    the node has its (single) entry in the cache's eviction order.
     """
 
     node_id: int
@@ -58,6 +64,7 @@ class RadixNode:
     last_access: int = 0
     hits: int = 0
     children: dict[int, RadixNode] = field(default_factory=dict)
+    queued: bool = False
 
     @property
     def end(self) -> int:
@@ -68,9 +75,159 @@ class RadixNode:
         return not self.children
 
 
-def relocate_pages(owners: dict[int, RadixNode], moves: dict[int, int]) -> int:
+def _span(pages: Sequence[int]) -> int | None:
+    """The first page when `pages` are the ids `first, first + 1, ...` in order; None otherwise.
+
+    `pages` are distinct (a page table's are), so ascending order and the right distance from
+    the first to the last are enough, and `sorted` on sorted input is one C pass.
+    """
+    n = len(pages)
+    if not n:
+        return None
+    first = pages[0]
+    if pages[-1] - first != n - 1 or first < 0:
+        return None
+    if n > 2 and pages != sorted(pages):
+        return None
+    return first
+
+
+class PageOwners(MutableMapping[int, "RadixNode"]):
+    """Which node owns each tree page, shared by the partitions of one cache, brought up to date
+    when it is read.
+
+    Only page moves (defragmentation) and checks read it, while every insert, split and eviction
+    changes it, and at page size 1 a node owns one page per token. So a change is only noted, per
+    node (`note`: the node now owns pages it did not), and the per-page work waits for the next
+    read, once per noted node (`sync`). A page that left the tree keeps its entry until it is
+    read, and is then seen to be stale (its node no longer holds it). A list indexed by page id,
+    so a run of consecutive pages is indexed with one slice assignment.
+    """
+
+    __slots__ = ("_compact_at", "_nodes", "_pending")
+
+    def __init__(self, pages: int = 0) -> None:
+        self._nodes: list[RadixNode | None] = [None] * pages  # grows to the highest page seen
+        self._pending: list[RadixNode] = []
+        self._compact_at = 1024
+
+    def note(self, node: RadixNode) -> None:
+        """`node` has pages no entry names it for yet (a new leaf, the upper half of a split)."""
+        pending = self._pending
+        pending.append(node)
+        if len(pending) > self._compact_at:
+            # nothing reads the index: forget removed nodes and repeats, per node, not per page
+            live = {id(n): n for n in pending if n.parent is not None}
+            pending[:] = live.values()
+            self._compact_at = max(1024, 2 * len(pending))
+
+    def sync(self) -> None:
+        """Index the pages of every noted node that is still in its tree."""
+        nodes = self._nodes
+        for node in self._pending:
+            pages = node.pages
+            if node.parent is None or not pages:
+                continue
+            first = _span(pages)
+            if first is not None:
+                self._grow(first + len(pages))
+                nodes[first : first + len(pages)] = [node] * len(pages)
+            else:
+                self._grow(max(pages) + 1)
+                for page in pages:
+                    nodes[page] = node
+        self._pending.clear()
+
+    def get(self, page: int, default: RadixNode | None = None) -> RadixNode | None:
+        if self._pending:
+            self.sync()
+        nodes = self._nodes
+        node = nodes[page] if 0 <= page < len(nodes) else None
+        if node is None:
+            return default
+        if node.parent is None or page not in node.pages:
+            nodes[page] = None
+            return default
+        return node
+
+    def indexed(self, page: int) -> RadixNode | None:
+        """The node the entry for `page` names, unchecked (right for a page that is in a tree:
+        the check that `get` adds is for pages that left it)."""
+        if self._pending:
+            self.sync()
+        nodes = self._nodes
+        return nodes[page] if 0 <= page < len(nodes) else None
+
+    def __getitem__(self, page: int) -> RadixNode:
+        node = self.get(page)
+        if node is None:
+            raise KeyError(page)
+        return node
+
+    def __contains__(self, page: object) -> bool:
+        return isinstance(page, int) and self.get(page) is not None
+
+    def __setitem__(self, page: int, node: RadixNode) -> None:
+        if page < 0:
+            raise KeyError(page)
+        if self._pending:
+            self.sync()
+        self._grow(page + 1)
+        self._nodes[page] = node
+
+    def __delitem__(self, page: int) -> None:
+        if page not in self:
+            raise KeyError(page)
+        self._nodes[page] = None
+
+    def __iter__(self) -> Iterator[int]:
+        if self._pending:
+            self.sync()
+        held: dict[int, set[int]] = {}  # node -> its pages, built once per node
+        live = []
+        for page, node in enumerate(self._nodes):
+            if node is None or node.parent is None:
+                continue
+            pages = held.get(id(node))
+            if pages is None:
+                pages = held[id(node)] = set(node.pages)
+            if page in pages:
+                live.append(page)
+        return iter(live)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def relocate(self, moves: dict[int, int]) -> int:
+        """Rename moved pages (`{old: new}`) in their nodes; return how many were tree pages."""
+        if self._pending:
+            self.sync()
+        nodes = self._nodes
+        moved = 0
+        for old, new in moves.items():
+            node = nodes[old] if 0 <= old < len(nodes) else None
+            if node is None:
+                continue
+            nodes[old] = None
+            if node.parent is None or old not in node.pages:
+                continue  # a stale entry: the page left the tree
+            node.pages[node.pages.index(old)] = new
+            self._grow(new + 1)
+            nodes[new] = node
+            moved += 1
+        return moved
+
+    def _grow(self, length: int) -> None:
+        missing = length - len(self._nodes)
+        if missing > 0:
+            self._nodes.extend([None] * missing)
+
+
+def relocate_pages(owners: MutableMapping[int, RadixNode], moves: dict[int, int]) -> int:
     """Rename the pages the defragmenter moved (`{old: new}`) in the nodes that own them; return
     how many tree pages moved. `owners` is the page index of the trees concerned."""
+    if isinstance(owners, PageOwners):
+        return owners.relocate(moves)
     moved = 0
     for old, new in moves.items():
         node = owners.pop(old, None)
@@ -100,13 +257,21 @@ class RadixTree:
     on a page boundary and owns at least one page; `owners` maps each page to its node.
     """
 
-    def __init__(self, page_size: int, owners: dict[int, RadixNode] | None = None) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        owners: PageOwners | None = None,
+        on_leaf: Callable[[RadixNode, RadixTree], None] | None = None,
+    ) -> None:
         self.page_size = page_size
         self.root = RadixNode(node_id=0, start=0, tokens=[], pages=[], parent=None)
         # page -> owning node; shared by all partitions of one cache so a page move is found
         # in O(1) whatever partition holds the page
-        self.owners: dict[int, RadixNode] = {} if owners is None else owners
+        self.owners: PageOwners = PageOwners() if owners is None else owners
         self.leaves: set[RadixNode] = set()
+        # told of every node that becomes a leaf (a new one, or a parent whose last child went),
+        # so the cache's eviction order learns of it without scanning
+        self.on_leaf = on_leaf
         self._next_id = 1
 
     @property
@@ -127,17 +292,19 @@ class RadixTree:
 
     # ---- matching -------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int]) -> TreeMatch:
-        """The longest prefix of `tokens` the tree holds, at token granularity; changes nothing."""
+    def match(self, tokens: Sequence[int], length: int | None = None) -> TreeMatch:
+        """The longest prefix of `tokens[:length]` the tree holds, at token granularity; changes
+        nothing. (`length` spares the caller a copy of a long prompt.)"""
         page_size = self.page_size
-        node, pos, n = self.root, 0, len(tokens)
+        n = len(tokens) if length is None else min(length, len(tokens))
+        node, pos = self.root, 0
         pages: list[int] = []
         path: list[RadixNode] = []
         while pos < n:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            common = common_prefix_len(tokens, pos, child.tokens)
+            common = common_prefix_len(tokens, pos, child.tokens, n)
             path.append(child)
             node = child
             if common < len(child.tokens):
@@ -182,23 +349,36 @@ class RadixTree:
 
     # ---- inserting ------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], now: int) -> list[int]:
-        """Add a sequence of whole pages (`len(tokens) == len(pages) * page_size`); return the
-        pages the tree took, which are those past the part it already held."""
+    def insert(
+        self, tokens: Sequence[int], pages: Sequence[int], now: int, whole: int | None = None
+    ) -> list[int]:
+        """Add a sequence of whole pages (`len(tokens) == len(pages) * page_size`), or only its
+        first `whole` pages and the tokens they hold (sparing the caller a copy of a long
+        sequence); return the pages the tree took, which are those past the part it already
+        held."""
         page_size = self.page_size
-        n = len(tokens)
-        if n != len(pages) * page_size:
-            raise ValueError(f"insert whole pages: {n} tokens in {len(pages)} pages")
+        if whole is None:
+            whole = len(pages)
+            if len(tokens) != whole * page_size:
+                raise ValueError(f"insert whole pages: {len(tokens)} tokens in {whole} pages")
+        elif not 0 <= whole <= len(pages) or len(tokens) < whole * page_size:
+            raise ValueError(f"insert {whole} whole pages of {len(pages)}, {len(tokens)} tokens")
+        n = whole * page_size
         node, pos = self.root, 0
         while pos < n:
             child = node.children.get(tokens[pos])
             if child is None:
+                rest = tokens[pos:n]
+                taken = pages[pos // page_size : whole]
                 leaf = self._add_leaf(
-                    node, pos, list(tokens[pos:]), list(pages[pos // page_size :])
+                    node,
+                    pos,
+                    rest if type(rest) is list else list(rest),
+                    taken if type(taken) is list else list(taken),
+                    now,
                 )
-                leaf.created = leaf.last_access = now
                 return leaf.pages
-            common = common_prefix_len(tokens, pos, child.tokens)
+            common = common_prefix_len(tokens, pos, child.tokens, n)
             if common < len(child.tokens) and pos + common < n:
                 child = self._split(child, common)
             child.last_access = now
@@ -206,17 +386,16 @@ class RadixTree:
         return []
 
     def _add_leaf(
-        self, parent: RadixNode, start: int, tokens: list[int], pages: list[int]
+        self, parent: RadixNode, start: int, tokens: list[int], pages: list[int], now: int
     ) -> RadixNode:
-        leaf = RadixNode(self._next_id, start, tokens, pages, parent)
+        leaf = RadixNode(self._next_id, start, tokens, pages, parent, now, now)
+        self.owners.note(leaf)
         self._next_id += 1
         parent.children[tokens[0]] = leaf
         self.leaves.discard(parent)
         self.leaves.add(leaf)
-        for page in pages:
-            if page in self.owners:
-                raise ValueError(f"page {page} is already in the prefix tree")
-            self.owners[page] = leaf
+        if self.on_leaf is not None:
+            self.on_leaf(leaf, self)
         return leaf
 
     def _split(self, node: RadixNode, length: int) -> RadixNode:
@@ -242,8 +421,8 @@ class RadixTree:
         node.start = cut
         node.parent = upper
         upper.children[node.tokens[0]] = node
-        for page in upper.pages:
-            self.owners[page] = upper
+        if upper.pages:
+            self.owners.note(upper)
         return upper
 
     # ---- removing -------------------------------------------------------------------------
@@ -261,14 +440,15 @@ class RadixTree:
             raise ValueError("drop_last_pages: needs a leaf and 1 to all of its pages")
         dropped = leaf.pages[-count:]
         del leaf.pages[-count:]
-        for page in dropped:
-            del self.owners[page]
         keep = (leaf.end // self.page_size - count) * self.page_size - leaf.start
         node: RadixNode | None = leaf
         while node is not None and node is not self.root and node.is_leaf:
             if keep > 0:
                 del node.tokens[keep:]
-                self.leaves.add(node)
+                if node is not leaf:
+                    self.leaves.add(node)
+                    if self.on_leaf is not None:
+                        self.on_leaf(node, self)
                 return dropped, node
             node = self._remove_leaf(node)
             if node is not None and node.is_leaf and node is not self.root:
@@ -282,6 +462,7 @@ class RadixTree:
         del parent.children[leaf.tokens[0]]
         self.leaves.discard(leaf)
         leaf.parent = None
+        leaf.tokens = []  # a stale page-index entry may keep the node: not its tokens
         return parent
 
     # ---- checking and showing -------------------------------------------------------------
@@ -312,7 +493,7 @@ class RadixTree:
             problems.extend(
                 f"page {page} of {where} is not indexed to it"
                 for page in node.pages
-                if self.owners.get(page) is not node
+                if self.owners.indexed(page) is not node
             )
         if leaves != self.leaves:
             problems.append("the set of leaves is out of date")

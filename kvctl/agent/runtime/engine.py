@@ -36,7 +36,7 @@ from kvctl.agent.pool import (
 from kvctl.agent.pool.storage import KVStorage
 from kvctl.agent.prefix import EVICTION_POLICIES, PrefixCache, PrefixIsolation
 from kvctl.agent.runtime.detokenizer import IncrementalDetokenizer, OutputText
-from kvctl.agent.runtime.paged_cache import PagedKVCache
+from kvctl.agent.runtime.paged_cache import PagedKVCache, ReadPath
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
 from kvctl.agent.runtime.scheduler import ScheduledBatch, Scheduler
 
@@ -64,6 +64,7 @@ class EngineConfig:
     prefix_cache: bool = True
     eviction_policy: str = "lru"
     prefix_isolation: str = "salt"
+    decode_read_path: ReadPath = "auto"  # see `PagedKVCache`
 
     def __post_init__(self) -> None:
         for name in ("page_size", "pool_pages", "segment_pages", "max_batch_seqs"):
@@ -200,7 +201,7 @@ class Engine:
             max_pages=config.max_pool_pages,
             promised=self.pages_promised,
         )
-        self.cache = PagedKVCache(self.pool, self.storage)
+        self.cache = PagedKVCache(self.pool, self.storage, config.decode_read_path)
         self.prefix_cache = (
             PrefixCache(self.pool, config.eviction_policy, mc.name, config.prefix_isolation)
             if config.prefix_cache

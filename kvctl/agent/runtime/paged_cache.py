@@ -2,9 +2,25 @@
 
 Each step the engine first makes room in the pool (allocate, append), then `begin_step` turns the
 batch's page tables into index tensors once: the slot (page, offset) of every new token for the
-writes, and the page ids of every sequence for the reads. Every layer then writes its new K/V
-into those slots and gathers whole pages back by id. The attention math is the shared
-`attend_one` / `attend_decode`, so paged and contiguous caches compute identically.
+writes, and how every sequence's pages are read. Every layer then writes its new K/V into those
+slots and attends over the pages. The attention math is the shared `attend_one` /
+`attend_decode` (through `paged_attention`), so paged and contiguous caches compute identically.
+
+Reads, by step kind:
+
+- prefill (or any step with several tokens for some sequence): per sequence, a run of pages in
+  one segment is read as a view of storage (`KVStorage.read_sequence`), any other table is
+  gathered; either way K/V are repeated per query head straight from the pages.
+- decode, read path "gather": every sequence's pages are gathered into one padded buffer, reused
+  by every layer and step, and one SDPA call attends the whole batch.
+- decode, read path "flex": FlexAttention reads the pages in place through block tables built
+  from the page tables (`PageTableAttention`); sequences whose pages lie in several segments are
+  gathered as above and the two results are put back in batch order.
+
+"auto" (the default) is "flex" on CUDA and "gather" elsewhere: on a CPU, FlexAttention runs
+eagerly unless compiled (seconds per batch size, and a C++ compiler at run time), and SDPA over a
+gathered buffer is as fast as the compiled kernel there. If FlexAttention fails under "auto" (a
+compiler that cannot build its kernel), the cache logs it once and gathers from then on.
 
 Page tables are read afresh at every `begin_step`, so whatever the defragmenter moved between two
 steps is invisible to the model: it reads the same values from their new pages.
@@ -12,8 +28,10 @@ steps is invisible to the model: it reads the same values from their new pages.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -22,12 +40,34 @@ from torch import Tensor
 from kvctl.agent.model.attention import (
     BatchLayout,
     attend_decode,
-    attend_one,
     key_mask,
     split_by_sequence,
 )
+from kvctl.agent.model.paged_attention import (
+    BlockPlan,
+    PageTableAttention,
+    attend_pages,
+    flex_available,
+)
 from kvctl.agent.pool import PagePool
 from kvctl.agent.pool.storage import KVStorage, PageIndex, SlotIndex
+
+log = logging.getLogger(__name__)
+
+ReadPath = Literal["auto", "gather", "flex"]
+
+_Run = tuple[int, int, int]
+"""A sequence read as a view: (segment, first row, pages)."""
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """Decode rows read through one padded gather: their batch rows (None: the whole batch in
+    order), page index `[b, P]` and key mask `[b, P * page_size]`."""
+
+    rows: Tensor | None
+    pages: PageIndex
+    valid: Tensor
 
 
 @dataclass(frozen=True)
@@ -36,21 +76,35 @@ class _StepIndex:
 
     layout: BatchLayout
     slots: SlotIndex  # where each new token's K/V goes
-    pages: tuple[PageIndex, ...]  # decode: one [B, P] index; otherwise one [1, P_i] per sequence
-    valid: Tensor | None  # decode: Bool [B, P * page_size], the keys that exist
+    reads: tuple[_Run | PageIndex, ...]  # not decode: per sequence, a view or a [1, P_i] index
+    gathered: _Gathered | None  # decode: the rows read by gathering
+    blocks: BlockPlan | None  # decode: the rows read in place, by segment
+    tables: tuple[list[int], ...]  # decode: the page tables, to fall back to gathering
 
 
 class PagedKVCache:
     """An `AttentionBackend` reading and writing K/V through the pool's page tables."""
 
-    def __init__(self, pool: PagePool, storage: KVStorage) -> None:
+    def __init__(self, pool: PagePool, storage: KVStorage, read_path: ReadPath = "auto") -> None:
+        if read_path not in ("auto", "gather", "flex"):
+            raise ValueError(f"read_path must be auto, gather or flex, not {read_path!r}")
         self.pool = pool
         self.storage = storage
+        self.read_path = read_path
         self._step: _StepIndex | None = None
         # Decode gathers into one K/V buffer pair, reused by every layer of every step and grown
         # to the largest batch seen: a fresh allocation per layer costs as much as a tenth of the
         # gather itself on a CPU.
         self._buffers: tuple[Tensor, Tensor] | None = None
+        in_place = read_path == "flex" or (
+            read_path == "auto" and storage.device.type == "cuda" and flex_available()
+        )
+        self._in_place = PageTableAttention(storage) if in_place else None
+
+    @property
+    def decode_reads_in_place(self) -> bool:
+        """Whether decode reads pages through block tables (False: it gathers them)."""
+        return self._in_place is not None
 
     def begin_step(self, layout: BatchLayout) -> None:
         """Prepare a forward over `layout`; every sequence's pages must already hold room for
@@ -69,23 +123,46 @@ class PagedKVCache:
                 slot_offsets.append(position % page_size)
         slots = self.storage.index_slots(_long(slot_pages), _long(slot_offsets))
         lengths = layout.total_lens
-        if layout.is_decode:
-            needed = [-(-n // page_size) for n in lengths]
-            width = max(needed)
-            padded: list[int] = []
-            for p, n in zip(tables, needed, strict=True):
-                padded += p[:n]
-                padded += [p[0]] * (width - n)
-            pages = (self.storage.index_pages(_long(padded).view(len(tables), width)),)
-            valid = key_mask(lengths, width * page_size, self.storage.device)
-            self._ensure_buffers(len(tables) * width)
-        else:
-            pages = tuple(
-                self.storage.index_pages(_long(p[: -(-n // page_size)]).view(1, -1))
+        if not layout.is_decode:
+            reads = tuple(
+                self._sequence_read(p[: -(-n // page_size)])
                 for p, n in zip(tables, lengths, strict=True)
             )
-            valid = None
-        self._step = _StepIndex(layout, slots, pages, valid)
+            self._step = _StepIndex(layout, slots, reads, None, None, ())
+            return
+        used = tuple(p[: -(-n // page_size)] for p, n in zip(tables, lengths, strict=True))
+        blocks = None
+        rest: Sequence[int] = range(len(used))
+        if self._in_place is not None:
+            blocks = self._in_place.plan(used, lengths)
+            rest = blocks.rest
+        gathered = self._gathered(used, lengths, rest) if rest else None
+        self._step = _StepIndex(layout, slots, (), gathered, blocks, used)
+
+    def _sequence_read(self, pages: list[int]) -> _Run | PageIndex:
+        run = self.storage.run_of(pages)
+        if run is not None:
+            return (run[0], run[1], len(pages))
+        return self.storage.index_pages(_long(pages).view(1, -1))
+
+    def _gathered(
+        self, tables: Sequence[list[int]], lengths: Sequence[int], rows: Sequence[int]
+    ) -> _Gathered:
+        """The padded gather of the decode rows `rows`."""
+        page_size = self.pool.page_size
+        width = max(len(tables[r]) for r in rows)
+        padded: list[int] = []
+        for r in rows:
+            pages = tables[r]
+            padded += pages
+            padded += [pages[0]] * (width - len(pages))
+        index = self.storage.index_pages(_long(padded).view(len(rows), width))
+        row_lengths = [lengths[r] for r in rows]
+        valid = key_mask(row_lengths, width * page_size, self.storage.device)
+        self._ensure_buffers(len(rows) * width)
+        whole = len(rows) == len(tables)  # rows ascend, so all of them means all in order
+        row_index = None if whole else _long(list(rows)).to(self.storage.device)
+        return _Gathered(row_index, index, valid)
 
     def _ensure_buffers(self, pages: int) -> None:
         if self._buffers is None or self._buffers[0].shape[0] < pages:
@@ -97,22 +174,55 @@ class PagedKVCache:
         if step is None:
             raise RuntimeError("call begin_step(layout) before the forward")
         self.storage.write(layer, step.slots, None, k, v)
-        if step.valid is not None:
-            keys, values = self.storage.gather(
-                layer, step.pages[0], self._buffers
-            )  # [B, L, kvh, d]
-            return attend_decode(q, keys, values, step.valid)
-        return self._attend_each(layer, q, step)
+        if not step.layout.is_decode:
+            return self._attend_each(layer, q, step)
+        if step.blocks is None or not step.blocks.tables:
+            assert step.gathered is not None
+            return self._attend_gathered(layer, q, step.gathered)
+        try:
+            return self._attend_in_place(layer, q, step, step.blocks)
+        except Exception:
+            if self.read_path != "auto":
+                raise
+            log.exception("FlexAttention failed; decode gathers pages from now on")
+            self._in_place = None
+            gathered = self._gathered(step.tables, step.layout.total_lens, range(len(step.tables)))
+            self._step = _StepIndex(step.layout, step.slots, (), gathered, None, step.tables)
+            return self._attend_gathered(layer, q, gathered)
+
+    def _attend_gathered(self, layer: int, q: Tensor, gathered: _Gathered) -> Tensor:
+        keys, values = self.storage.gather(layer, gathered.pages, self._buffers)  # [b, L, kvh, d]
+        rows = q if gathered.rows is None else q.index_select(0, gathered.rows)
+        return attend_decode(rows, keys, values, gathered.valid)
+
+    def _attend_in_place(
+        self, layer: int, q: Tensor, step: _StepIndex, blocks: BlockPlan
+    ) -> Tensor:
+        reader = self._in_place
+        assert reader is not None
+        if len(blocks.tables) == 1 and blocks.tables[0].rows is None:
+            return reader.attend(layer, q, blocks.tables[0])
+        out = torch.empty_like(q)
+        for table in blocks.tables:
+            assert table.rows is not None
+            out.index_copy_(0, table.rows, reader.attend(layer, q, table))
+        if step.gathered is not None:
+            assert step.gathered.rows is not None
+            out.index_copy_(0, step.gathered.rows, self._attend_gathered(layer, q, step.gathered))
+        return out
 
     def _attend_each(self, layer: int, q: Tensor, step: _StepIndex) -> Tensor:
         layout = step.layout
         outs: list[Tensor] = []
         queries: Sequence[Tensor] = split_by_sequence(q, layout.new_lens)
-        for q_i, index, cached, total in zip(
-            queries, step.pages, layout.cached_lens, layout.total_lens, strict=True
-        ):
-            keys, values = self.storage.gather(layer, index)  # [1, P * page_size, kvh, d]
-            outs.append(attend_one(q_i, keys[0, :total], values[0, :total], cached))
+        for q_i, read, cached in zip(queries, step.reads, layout.cached_lens, strict=True):
+            if isinstance(read, PageIndex):
+                keys, values = self.storage.gather(layer, read)  # [1, P * page_size, kvh, d]
+                shape = (read.shape[1], self.storage.page_size, *keys.shape[2:])
+                keys, values = keys.view(shape), values.view(shape)
+            else:
+                keys, values = self.storage.pages_view(layer, *read)  # [P, page_size, kvh, d]
+            outs.append(attend_pages(q_i, keys, values, cached))
         return torch.cat(outs)  # [T, h, d]
 
 
