@@ -25,6 +25,8 @@ $PY benchmarks/decode_step.py --device cuda
 $PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 8 --context 512
 $PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 32 --context 512
 $PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 32 --context 2048
+$PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 8 --context 512 --read-path gather
+$PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 32 --context 512 --read-path gather
 
 step "defrag bandwidth"
 $PY benchmarks/defrag_bandwidth.py --device cuda

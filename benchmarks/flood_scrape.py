@@ -89,12 +89,18 @@ def main() -> int:
     parser.add_argument("--scrapes", type=int, default=150)
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--defaults", action="store_true")
+    parser.add_argument(
+        "--torch-threads", type=int, default=None, help="the agent's (default: its own default)"
+    )
     args = parser.parse_args()
-
+    flags = ("--torch-threads", str(args.torch_threads)) if args.torch_threads else ()
     agent = (
-        launch_agent() if args.defaults else launch_agent("--max-waiting", str(args.requests + 64))
+        launch_agent(*flags)
+        if args.defaults
+        else launch_agent("--max-waiting", str(args.requests + 64), *flags)
     )
     idle: dict[str, list[float]] = {route: [] for route in ROUTES}
+    print(f"agent torch threads: {args.torch_threads or 'its default (cores - 1)'}")
     flooded: dict[str, list[float]] = {route: [] for route in ROUTES}
     queue: list[int] = []
     try:
