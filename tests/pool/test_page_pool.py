@@ -222,3 +222,43 @@ def test_a_move_rewrites_only_the_tables_that_hold_the_moved_pages() -> None:
     p.free("e")
     p.free("e2")
     p.check_invariants()
+
+
+def test_a_cached_run_is_held_shared_and_released_whole() -> None:
+    """The slice paths: holding a run, a prefix hit on a run only the cache holds, freeing it,
+    and releasing the run while some of it is in use again."""
+    p = PagePool(64, 4, segment_pages=64)
+    p.allocate("a", 32)  # [0..7]
+    p.hold_cached(p.table("a").pages)
+    assert not p.table("a").private and p.cached_pages == 0
+    p.free("a")
+    assert (p.cached_pages, p.used_pages) == (8, 0)
+    table, copies = p.adopt("b", list(range(8)), 32, 36)  # all eight cached pages, one more
+    assert copies == [] and table.pages[:8] == list(range(8))
+    assert (p.cached_pages, p.used_pages) == (0, 9)
+    p.check_invariants()
+    p.free("b")  # the shared run goes back to the cache, the private page to the free space
+    assert (p.cached_pages, p.used_pages, p.free_pages) == (8, 0, 56)
+    p.check_invariants()
+    p.adopt("c", list(range(4)), 16, 16)  # uses half of the run again
+    p.release_cached(list(range(8)))  # the used half stays used, the rest is free
+    assert (p.cached_pages, p.used_pages, p.free_pages) == (0, 4, 60)
+    p.check_invariants()
+    with pytest.raises(PoolError, match="not all held"):
+        p.release_cached(list(range(4, 8)))  # no longer held: refused, nothing changed
+    assert p.free_pages == 60
+    p.check_invariants()
+
+
+def test_holding_pages_of_a_freed_table_never_trusts_its_stale_flags() -> None:
+    p = PagePool(64, 4, segment_pages=64)
+    p.allocate("a", 32)  # [0..7]
+    p.free("a")  # "a" is gone; its table object still says private, pages [0..7]
+    p.allocate("b", 16)  # [0..3] again, owned by "b"
+    with pytest.raises(PoolError, match="free"):
+        p.hold_cached(list(range(8)))  # pages 4..7 are free
+    with pytest.raises(PoolError, match="not held"):
+        p.release_cached([0])  # the refused hold changed nothing
+    p.hold_cached(list(range(4)))
+    assert p.cached_pages == 0 and not p.table("b").private
+    p.check_invariants()

@@ -362,12 +362,14 @@ class PagePool:
         except KeyError:
             raise UnknownSequence(f"sequence {seq_id!r} is not in the pool") from None
         total = table.num_tokens + num_tokens
-        if table.writable and num_tokens >= 0:
-            if total <= table.room:  # room in the last page
+        room = table.room
+        if total <= room:  # room in the last page
+            if num_tokens >= 0 and table.writable:
                 table.num_tokens = total
                 return []
+        elif table.writable and total <= room + self.page_size:  # one more page (so n > 0)
             page = table.reserve_next
-            if page < table.reserve_end and total <= table.room + self.page_size:
+            if page < table.reserve_end:
                 # the next reserved page: it follows the last one, so the run goes on
                 table.reserve_next = page + 1
                 if page + 1 == table.reserve_end:
@@ -375,18 +377,18 @@ class PagePool:
                 self._reserved -= 1
                 self._ref[page] = 1
                 table.pages.append(page)
-                table.room += self.page_size
+                table.room = room + self.page_size
                 table.num_tokens = total
                 self.alloc_attempts += 1
                 return []
             loose = self._loose
-            if loose and table.loose_from >= 0 and total <= table.room + self.page_size:
+            if loose and table.loose_from >= 0:
                 # under pressure: a loose page, as cheap as a free list's
                 page = loose.pop()
                 self._ref[page] = 1
                 self._owner[page] = table
                 table.pages.append(page)
-                table.room += self.page_size
+                table.room = room + self.page_size
                 table.num_tokens = total
                 self.alloc_attempts += 1
                 return []
@@ -641,9 +643,10 @@ class PagePool:
                         holder.private = holder.writable = False
                 return
         ref, cached, owner = self._ref, self._cached, self._owner
-        for p in pages:
+        for p in pages:  # refuse before changing anything
             if not ref[p] and not cached[p]:
                 raise PoolError(f"page {p} is free; the prefix cache can only hold pages in use")
+        for p in pages:
             if cached[p]:
                 continue
             self._held += 1
