@@ -65,6 +65,10 @@ class AgentUnreachable(AgentError):
     """No answer: connection refused, unknown host, timeout, connection dropped."""
 
 
+class NotAnAgent(AgentUnreachable):
+    """Something answered at the URL, but not a kvctl agent: a wrong URL, like no answer."""
+
+
 class AgentUnauthorized(AgentError):
     """401/403: the agent has a token and this request did not carry the right one."""
 
@@ -166,11 +170,27 @@ def transport_error(agent: str, error: httpx.TransportError, timeout: float) -> 
 
 
 def _error_message(response: httpx.Response) -> str:
+    body = _error_body(response)
+    if body is not None:
+        return body.error.message
+    text = response.text.strip().splitlines()
+    return text[0][:200] if text else response.reason_phrase
+
+
+def _error_body(response: httpx.Response) -> ErrorBody | None:
+    """The error body every kvctl agent sends with a 4xx/5xx, or None (someone else answered)."""
     try:
-        return ErrorBody.model_validate_json(response.content).error.message
+        return ErrorBody.model_validate_json(response.content)
     except (ValidationError, ValueError):
-        text = response.text.strip().splitlines()
-        return text[0][:200] if text else response.reason_phrase
+        return None
+
+
+def not_an_agent(agent: str, what: str) -> NotAnAgent:
+    return NotAnAgent(
+        agent,
+        f"{agent} answered, but not as a kvctl agent ({what}); check --agent URL or KVCTL_AGENT",
+        reason=f"not a kvctl agent ({what})",
+    )
 
 
 def status_error(
@@ -193,6 +213,8 @@ def status_error(
         return AgentRefused(
             agent, f"agent {agent}: {said or f'{endpoint.action} refused: {message}'}"
         )
+    if code in (404, 405) and _error_body(response) is None:
+        return not_an_agent(agent, f"{code} {response.reason_phrase or ''}".strip())
     if code == 404:
         return AgentProtocolError(
             agent,
@@ -214,6 +236,8 @@ def parse_answer(agent: str, endpoint: Endpoint[M], content: bytes | str) -> M:
         return endpoint.model.model_validate_json(content)
     except ValidationError as error:
         first = error.errors()[0]
+        if first["type"] == "json_invalid":  # not JSON at all: a web page, another service
+            raise not_an_agent(agent, f"the answer to {endpoint.path} is not JSON") from None
         where = ".".join(str(part) for part in first["loc"]) or "body"
         raise AgentProtocolError(
             agent,

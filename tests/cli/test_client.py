@@ -19,6 +19,7 @@ from kvctl.client import (
     AgentServerError,
     AgentUnauthorized,
     AgentUnreachable,
+    NotAnAgent,
     normalize_url,
     parse_event,
 )
@@ -114,9 +115,19 @@ def test_400_and_500_are_one_line() -> None:
     assert str(caught.value).endswith("see the agent's log")
 
 
-def test_something_that_is_not_an_agent() -> None:
+def test_something_that_is_not_an_agent_is_a_wrong_url() -> None:
+    """Another server at the URL reads like no agent there (exit 3), not like an old agent."""
+    with pytest.raises(NotAnAgent, match=r"not as a kvctl agent \(404 Not Found\); check --agent"):
+        answering(404, {"detail": "Not Found"}).pool_map()
+    web_page = httpx.MockTransport(lambda r: httpx.Response(200, text="<html>welcome</html>"))
+    with pytest.raises(NotAnAgent, match=r"/healthz is not JSON"):
+        AgentClient(URL, transport=web_page).health()
+    assert issubclass(NotAnAgent, AgentUnreachable)
+
+
+def test_an_agent_that_lacks_an_endpoint_or_answers_differently_is_a_version_mismatch() -> None:
     with pytest.raises(AgentProtocolError, match=r"not found .*upgrade the agent"):
-        answering(404, "nope").pool_map()
+        answering(404, error("no such route", "not_found", 404)).pool_map()
     with pytest.raises(AgentProtocolError, match=r"unexpected answer to GET /healthz"):
         answering(200, {"hello": "world"}).health()
 

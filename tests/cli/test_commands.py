@@ -82,6 +82,31 @@ def test_fleet_from_the_environment_as_json(kvctl, agent) -> None:
     assert entries[1]["pool"] is None
 
 
+@pytest.fixture
+def other_server():
+    """A real HTTP server that is not a kvctl agent (Python's own file server)."""
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_url_where_another_server_answers_is_a_wrong_url_exit_3(kvctl, other_server) -> None:
+    result = kvctl("--agent", other_server, "pool", "show")
+    assert result.exit_code == 3, result.output
+    one_line_error(result, f"kvctl: {other_server} answered, but not as a kvctl agent (404")
+    assert result.stderr.rstrip().endswith("check --agent URL or KVCTL_AGENT")
+
+
 def test_unreachable_agent_is_one_line_and_exit_3(kvctl) -> None:
     result = kvctl("--agent", UNREACHABLE, "pool", "show")
     assert result.exit_code == 3
