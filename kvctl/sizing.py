@@ -27,6 +27,12 @@ class ResizePlan:
     old_pages: int
     new_pages: int
     bytes_per_page: int
+    asked_pages: int = 0  # before rounding to whole segments
+    segment_pages: int = 1
+
+    @property
+    def rounded(self) -> bool:
+        return self.asked_pages != self.new_pages
 
     @property
     def old_bytes(self) -> int:
@@ -93,6 +99,8 @@ def _plan(pool: PoolSnapshot, request: ResizeRequest, target_pages: int) -> Resi
         old_pages=pool.capacity_pages,
         new_pages=_whole_segments(target_pages, pool),
         bytes_per_page=pool.bytes_per_page,
+        asked_pages=target_pages,
+        segment_pages=pool.segment_pages,
     )
 
 

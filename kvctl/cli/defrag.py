@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.cli import render
-from kvctl.cli.options import AgentOption, JsonOption, TokenOption, YesOption, resolve
-from kvctl.cli.output import confirm, finish, on_each, to_jsonable
+from kvctl.cli.options import AgentOption, JsonOption, TokenOption, YesOption, fail, resolve
+from kvctl.cli.output import ExitCode, confirm, finish, on_each, to_jsonable
 
 if TYPE_CHECKING:
     from kvctl.api import PoolSnapshot
@@ -45,6 +45,8 @@ def defrag(
 
     With several agents it asks first (skip with --yes).
     """
+    if max_pages is not None and not now:
+        fail("--max-pages limits a defragmentation: add --now to run one", ExitCode.USAGE)
     target = resolve(ctx, agent, token, json_out)
     if not now:
         outcomes = on_each(target, lambda client: client.pool())

@@ -141,8 +141,10 @@ def confirm(question: str, yes: bool) -> None:
         return
     try:
         agreed = typer.confirm(question, default=False, err=True)
-    except typer.Abort:
-        agreed = False
+    except typer.Abort:  # end of input: no one to ask (no terminal, a script)
+        fail(
+            "no answer to confirm with; nothing changed (add --yes to go ahead)", ExitCode.CANCELLED
+        )
     if not agreed:
         fail("cancelled; nothing changed", ExitCode.CANCELLED)
 

@@ -19,7 +19,7 @@ from kvctl.cli.options import (
     fail,
     resolve,
 )
-from kvctl.cli.output import Outcome, confirm, finish, on_agent, on_each
+from kvctl.cli.output import Outcome, confirm, console, finish, on_agent, on_each
 
 if TYPE_CHECKING:
     from kvctl.api import PoolSnapshot, ResizeResult
@@ -104,7 +104,11 @@ def resize(
     if sum(value is not None for value in spec.values()) != 1:
         fail("pool resize: give exactly one of --pages, --size, --grow or --shrink", ExitCode.USAGE)
     plans = _plans(target, spec)
-    ready = [o for o in plans if o.result is not None]
+    if not json_out:
+        for o in plans:
+            if o.result is not None and o.result.new_pages == o.result.old_pages:
+                console().print(render.resize_plan(o.agent, o.result), markup=False, soft_wrap=True)
+    ready = [o for o in plans if o.result is not None and o.result.new_pages != o.result.old_pages]
     if ready:
         lines = "\n".join("  " + render.resize_plan(o.agent, o.result) for o in ready)
         confirm(f"Resize {len(ready)} pool(s):\n{lines}\nProceed?", yes)

@@ -232,10 +232,22 @@ def defrag_result(result: DefragResult) -> Table:
 
 
 def resize_plan(agent: str, plan: ResizePlan) -> str:
-    return (
+    line = (
         f"{agent}: {plan.old_pages:,} pages ({format_bytes(plan.old_bytes)}) → "
         f"{plan.new_pages:,} pages ({format_bytes(plan.new_bytes)})"
     )
+    return f"{line}; {rounding_note(plan)}" if plan.rounded else line
+
+
+def rounding_note(plan: ResizePlan) -> str:
+    """Why the size differs from what was asked: pools change by whole segments."""
+    note = (
+        f"{plan.asked_pages:,} pages asked, rounded up to whole segments of "
+        f"{plan.segment_pages:,} pages"
+    )
+    if plan.new_pages == plan.old_pages:
+        note += f", so nothing changes (change it by at least {plan.segment_pages:,} pages)"
+    return note
 
 
 def resize_result(result: ResizeResult) -> Table:

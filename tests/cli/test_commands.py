@@ -186,6 +186,30 @@ def test_resize_prompt_answered_no_changes_nothing(kvctl, agent) -> None:
     assert capacity(agent) == before
 
 
+def test_resize_without_an_answer_says_to_add_yes(kvctl, agent) -> None:
+    before = capacity(agent)
+    result = kvctl("-a", agent.url, "pool", "resize", "--grow", "32")  # no input: end of file
+    assert result.exit_code == 5
+    assert result.stderr.endswith(
+        "kvctl: no answer to confirm with; nothing changed (add --yes to go ahead)\n"
+    )
+    assert capacity(agent) == before
+
+
+def test_resize_says_when_segment_rounding_swallows_the_change(kvctl, agent) -> None:
+    before = capacity(agent)
+    with AgentClient(agent.url) as client:
+        segment = client.pool().segment_pages
+    result = kvctl("-a", agent.url, "pool", "resize", "--shrink", "1")
+    assert result.exit_code == 0, result.output
+    assert (
+        f"{before - 1:,} pages asked, rounded up to whole segments of {segment:,} pages, "
+        f"so nothing changes (change it by at least {segment:,} pages)"
+    ) in result.stdout
+    assert "Proceed?" not in result.stderr  # nothing to confirm
+    assert capacity(agent) == before
+
+
 def test_resize_grow_then_back(kvctl, agent) -> None:
     before = capacity(agent)
     grown = kvctl("-a", agent.url, "pool", "resize", "--grow", "32", "--yes", "--json")
@@ -255,6 +279,12 @@ def test_defrag_without_now_shows_the_state(kvctl, agent) -> None:
     assert set(data) == set(STATE_KEYS)
     human = kvctl("-a", agent.url, "defrag")
     assert "kvctl defrag --now compacts the pool now" in human.stdout
+
+
+def test_defrag_max_pages_without_now_is_a_usage_error(kvctl, agent) -> None:
+    result = kvctl("-a", agent.url, "defrag", "--max-pages", "4")
+    assert result.exit_code == 2
+    one_line_error(result, "kvctl: --max-pages limits a defragmentation: add --now")
 
 
 def test_alerts_list(kvctl, agent) -> None:
