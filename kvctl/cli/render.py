@@ -38,8 +38,9 @@ def headline_table(pool: PoolSnapshot) -> Table:
     """The four numbers, each in its colour, plus what they are made of."""
     table = _pairs()
     details = (
-        f"{pool.alloc_attempts_total:,} attempts, {pool.alloc_failures_total:,} failed "
-        f"(window {fmt.seconds(pool.window_seconds)})",
+        f"{pool.window_alloc_attempts:,} attempts, {pool.window_alloc_failures:,} failed in the "
+        f"last {fmt.seconds(pool.window_seconds)} ({pool.alloc_failures_total:,} failed of "
+        f"{pool.alloc_attempts_total:,} since start)",
         f"{pool.free_extents:,} free extents, largest free run {pool.largest_free_run:,} pages",
         f"{pool.used_pages:,} used + {pool.cached_pages:,} cached of "
         f"{fmt.pages(pool.capacity_pages, pool.bytes_per_page)}",

@@ -101,3 +101,23 @@ def test_dialog_text(text, request_) -> None:
 def test_dialog_text_empty_says_what_to_type() -> None:
     with pytest.raises(ValueError, match=r"\+1GiB"):
         plan_from_text(pool(), "  ")
+
+
+def test_the_allocation_headline_keeps_window_and_lifetime_counts_apart() -> None:
+    from rich.console import Console
+
+    from kvctl.cli.render import headline_table
+
+    snapshot = pool().model_copy(
+        update=dict(
+            alloc_success_ratio=0.9,
+            window_alloc_attempts=40,
+            window_alloc_failures=4,
+            alloc_attempts_total=3697,
+            alloc_failures_total=37,
+        )
+    )
+    console = Console(width=200, record=True)
+    console.print(headline_table(snapshot))
+    text = console.export_text()
+    assert "40 attempts, 4 failed in the last 5m00s (37 failed of 3,697 since start)" in text
