@@ -11,7 +11,15 @@ from typing import Annotated, Any
 import typer
 
 from kvctl.cli import render
-from kvctl.cli.options import AgentOption, ExitCode, JsonOption, TokenOption, fail, resolve
+from kvctl.cli.options import (
+    AgentOption,
+    ExitCode,
+    JsonOption,
+    TimeoutOption,
+    TokenOption,
+    fail,
+    resolve,
+)
 from kvctl.cli.output import console, finish, on_each, print_json
 
 alerts_app = typer.Typer(
@@ -36,12 +44,13 @@ def list_alerts(
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
+    timeout: TimeoutOption = None,
 ) -> None:
     """List the agent's pending and firing alerts, each with the command that fixes it."""
     if from_am is not None:
         _list_from_alertmanager(ctx, from_am, json_out)
         return
-    target = resolve(ctx, agent, token, json_out)
+    target = resolve(ctx, agent, token, json_out, timeout)
 
     def read(client: Any) -> Any:
         from kvctl.api import AlertList
@@ -185,6 +194,7 @@ def test_alert(
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Send a test alert, to check the route to your pager end to end.
 
@@ -194,7 +204,7 @@ def test_alert(
     if alertmanager_url is not None:
         _test_alertmanager(ctx, alertmanager_url, json_out)
         return
-    target = resolve(ctx, agent, token, json_out)
+    target = resolve(ctx, agent, token, json_out, timeout)
 
     def render_sent(sent: dict) -> str:
         labels = sent.get("alert", {}).get("labels", {})

@@ -17,6 +17,7 @@ from kvctl.cli.options import (
     AgentOption,
     ExitCode,
     JsonOption,
+    TimeoutOption,
     TokenOption,
     YesOption,
     fail,
@@ -43,9 +44,10 @@ def show(
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Show the settings the agent runs with now."""
-    target = resolve(ctx, agent, token, json_out)
+    target = resolve(ctx, agent, token, json_out, timeout)
     finish(target, on_each(target, lambda client: client.config()), settings_table)
 
 
@@ -57,9 +59,10 @@ def set_values(
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Change settings, e.g. `defrag.fragmentation_threshold=0.4 resize.enabled=true`."""
-    target = resolve(ctx, agent, token, json_out)
+    target = resolve(ctx, agent, token, json_out, timeout)
     patch = parse_pairs(pairs)
     if target.fleet:
         confirm(f"Change the settings of {len(target.agents)} agents?", yes)

@@ -7,7 +7,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.cli import render
-from kvctl.cli.options import AgentOption, JsonOption, TokenOption, YesOption, fail, resolve
+from kvctl.cli.options import (
+    AgentOption,
+    JsonOption,
+    TimeoutOption,
+    TokenOption,
+    YesOption,
+    fail,
+    resolve,
+)
 from kvctl.cli.output import ExitCode, confirm, finish, on_each, to_jsonable
 
 if TYPE_CHECKING:
@@ -38,6 +46,7 @@ def defrag(
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Defragment the pool with --now; without it, show fragmentation and past runs.
 
@@ -47,7 +56,7 @@ def defrag(
     """
     if max_pages is not None and not now:
         fail("--max-pages limits a defragmentation: add --now to run one", ExitCode.USAGE)
-    target = resolve(ctx, agent, token, json_out)
+    target = resolve(ctx, agent, token, json_out, timeout)
     if not now:
         outcomes = on_each(target, lambda client: client.pool())
         finish(target, outcomes, render.defrag_state, as_json=_state_json)

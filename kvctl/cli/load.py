@@ -21,6 +21,7 @@ from kvctl.cli.options import (
     ExitCode,
     JsonOption,
     Target,
+    TimeoutOption,
     TokenOption,
     fail,
     resolve,
@@ -79,6 +80,7 @@ def load(
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Send completions from a workload profile, then print latency percentiles and tokens/s.
 
@@ -91,7 +93,7 @@ def load(
     from kvctl.client import AgentError
     from kvctl.load.runner import LoadSettings
 
-    target = resolve(ctx, agent, token, json_out)
+    target = resolve(ctx, agent, token, json_out, timeout)
     only_one(target, "kvctl load")
     settings = LoadSettings(
         profile=profile.value,

@@ -1,4 +1,5 @@
-"""The options every command shares (`--agent`, `--token`, `--json`) and the exit codes.
+"""The options every command shares (`--agent`, `--token`, `--json`, `--timeout`) and the exit
+codes.
 
 Each of them can be given before the command (`kvctl --agent URL status`) or after it
 (`kvctl status --agent URL`), as kubectl users expect; the one after the command wins, then the
@@ -64,6 +65,16 @@ JsonOption = Annotated[
     bool,
     typer.Option("--json", help="Print JSON (the API's models) instead of tables."),
 ]
+TimeoutOption = Annotated[
+    float | None,
+    typer.Option(
+        "--timeout",
+        min=0.1,
+        metavar="SECONDS",
+        help=f"Wait this long per answer. \\[default: {DEFAULT_TIMEOUT:g}]",
+        show_default=False,
+    ),
+]
 YesOption = Annotated[
     bool,
     typer.Option("--yes", "-y", help="Do not ask for confirmation."),
@@ -128,6 +139,7 @@ def resolve(
     agent: list[str] | None = None,
     token: str | None = None,
     json_out: bool = False,
+    timeout: float | None = None,
 ) -> Target:
     """Merge the command's options with the ones before it, the environment and defaults."""
     root = ctx.find_root().obj
@@ -137,5 +149,5 @@ def resolve(
         agents=_agent_urls(given),
         token=token or before.token or os.environ.get("KVCTL_TOKEN") or None,
         json=json_out or before.json,
-        timeout=before.timeout,
+        timeout=timeout or before.timeout,
     )

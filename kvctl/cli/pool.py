@@ -14,6 +14,7 @@ from kvctl.cli.options import (
     ExitCode,
     JsonOption,
     Target,
+    TimeoutOption,
     TokenOption,
     YesOption,
     fail,
@@ -39,9 +40,10 @@ def show(
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Show the pool: the four headline numbers, geometry, requests, defrag, GPU memory."""
-    target = resolve(ctx, agent, token, json_out)
+    target = resolve(ctx, agent, token, json_out, timeout)
     finish(target, on_each(target, lambda client: client.pool()), _render_pool)
 
 
@@ -60,12 +62,13 @@ def show_map(
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Show which pages are used, cached or free, as a heat strip with segment starts.
 
     With --json: the map as runs of \\[state, first_page, length].
     """
-    target = resolve(ctx, agent, token, json_out)
+    target = resolve(ctx, agent, token, json_out, timeout)
     cells = width or max(16, shutil.get_terminal_size((100, 24)).columns)
     outcomes = on_each(target, lambda client: client.pool_map())
     finish(target, outcomes, lambda page_map: poolmap.grid(page_map, cells, rows))
@@ -92,6 +95,7 @@ def resize(
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Grow or shrink the pool, in whole segments, after a confirmation (skip with --yes).
 
@@ -99,7 +103,7 @@ def resize(
 
     A shrink below the pages in use is refused and changes nothing.
     """
-    target = resolve(ctx, agent, token, json_out)
+    target = resolve(ctx, agent, token, json_out, timeout)
     spec = {"pages": pages, "size": size, "grow": grow, "shrink": shrink}
     if sum(value is not None for value in spec.values()) != 1:
         fail("pool resize: give exactly one of --pages, --size, --grow or --shrink", ExitCode.USAGE)

@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING
 import typer
 
 from kvctl.cli import render
-from kvctl.cli.options import AgentOption, ExitCode, JsonOption, Target, TokenOption, resolve
+from kvctl.cli.options import (
+    AgentOption,
+    ExitCode,
+    JsonOption,
+    Target,
+    TimeoutOption,
+    TokenOption,
+    resolve,
+)
 from kvctl.cli.output import console, exit_code_of, print_json, report_error
 
 if TYPE_CHECKING:
@@ -24,11 +32,12 @@ def status(
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Show the pool, the four headline numbers and the alerts of each agent."""
     from kvctl.fleet import read_fleet_once
 
-    target = resolve(ctx, agent, token, json_out)
+    target = resolve(ctx, agent, token, json_out, timeout)
     readings = read_fleet_once(target.agents, target.token, target.timeout)
     print_status(target, readings)
     raise typer.Exit(int(status_code(readings)))

@@ -18,7 +18,15 @@ import typer
 from rich.rule import Rule
 
 from kvctl.cli import render
-from kvctl.cli.options import AgentOption, ExitCode, JsonOption, Target, TokenOption, resolve
+from kvctl.cli.options import (
+    AgentOption,
+    ExitCode,
+    JsonOption,
+    Target,
+    TimeoutOption,
+    TokenOption,
+    resolve,
+)
 from kvctl.cli.output import console, print_json
 from kvctl.cli.status import print_status, status_code
 
@@ -48,6 +56,7 @@ def top(
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Watch the pool live: the four numbers with history, the page map, requests, alerts.
 
@@ -55,7 +64,7 @@ def top(
     """
     from kvctl.fleet import read_fleet_once
 
-    target = resolve(ctx, agent, token, json_out)
+    target = resolve(ctx, agent, token, json_out, timeout)
     if headless:
         raise typer.Exit(int(run_headless(target, duration, every)))
     if once or target.json or not sys.stdout.isatty():

@@ -107,6 +107,17 @@ def test_a_url_where_another_server_answers_is_a_wrong_url_exit_3(kvctl, other_s
     assert result.stderr.rstrip().endswith("check --agent URL or KVCTL_AGENT")
 
 
+def test_timeout_works_after_the_command_too(kvctl) -> None:
+    """A listener that never answers: the command's own --timeout is the one waited."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        result = kvctl("pool", "show", "-a", url, "--timeout", "0.3")
+    assert result.exit_code == 3
+    one_line_error(result, f"kvctl: agent {url} did not answer within 0.3 s")
+
+
 def test_unreachable_agent_is_one_line_and_exit_3(kvctl) -> None:
     result = kvctl("--agent", UNREACHABLE, "pool", "show")
     assert result.exit_code == 3
