@@ -198,7 +198,7 @@ class AlertmanagerNotifier:
         try:
             response = self.client.post(self.url + ALERTS_PATH, json=body)
         except httpx.HTTPError as error:
-            self._failed(now, f"cannot reach Alertmanager at {self.url}: {error}")
+            self._failed(now, f"cannot reach Alertmanager at {self.url}: {_clause(error)}")
             return False
         if response.is_success:
             self._delivered(len(batch))
@@ -351,7 +351,8 @@ def _exchange(
             response = client.request(method, url.rstrip("/") + ALERTS_PATH, **request)
         except httpx.HTTPError as error:
             raise AlertmanagerError(
-                f"cannot reach Alertmanager at {url}: {error}; check the URL and that it listens"
+                f"cannot reach Alertmanager at {url}: {_clause(error)}; "
+                "check the URL and that it listens"
             ) from None
     if not response.is_success:
         raise AlertmanagerError(
@@ -384,3 +385,8 @@ def fetch_alerts(
         timeout=timeout,
     )
     return _exchange(client, "GET", url, "answered", params=params).json()
+
+
+def _clause(error: Exception) -> str:
+    """An exception's text as a clause inside a sentence: one line, no final full stop."""
+    return " ".join(str(error).split()).rstrip(".") or type(error).__name__

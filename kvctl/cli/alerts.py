@@ -48,7 +48,7 @@ def list_alerts(
 ) -> None:
     """List the agent's pending and firing alerts, each with the command that fixes it."""
     if from_am is not None:
-        _list_from_alertmanager(ctx, from_am, json_out)
+        _list_from_alertmanager(ctx, _alertmanager_url("--from-am", from_am), json_out, timeout)
         return
     target = resolve(ctx, agent, token, json_out, timeout)
 
@@ -61,14 +61,26 @@ def list_alerts(
     finish(target, on_each(target, read), lambda found: render.alerts_table(found.alerts))
 
 
-def _list_from_alertmanager(ctx: typer.Context, url: str, json_out: bool) -> None:
+def _alertmanager_url(flag: str, url: str) -> str:
+    """An Alertmanager URL as given, or a usage error that shows one."""
+    if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+        fail(
+            f"{flag} {url!r} is not an Alertmanager URL; give one such as http://localhost:9093",
+            ExitCode.USAGE,
+        )
+    return url
+
+
+def _list_from_alertmanager(
+    ctx: typer.Context, url: str, json_out: bool, timeout: float | None
+) -> None:
     """The kvctl alerts Alertmanager holds: what reached the on-call side, from every agent."""
     from datetime import datetime
 
     from kvctl.alerts import AlertmanagerError, fetch_alerts
     from kvctl.api import Alert
 
-    target = resolve(ctx, json_out=json_out)
+    target = resolve(ctx, json_out=json_out, timeout=timeout)
     try:
         raw = fetch_alerts(url, timeout=target.timeout)
     except AlertmanagerError as error:
@@ -202,7 +214,8 @@ def test_alert(
     (and logs it in its audit trail); with --alertmanager-url it is posted from here.
     """
     if alertmanager_url is not None:
-        _test_alertmanager(ctx, alertmanager_url, json_out)
+        url = _alertmanager_url("--alertmanager-url", alertmanager_url)
+        _test_alertmanager(ctx, url, json_out, timeout)
         return
     target = resolve(ctx, agent, token, json_out, timeout)
 
@@ -214,11 +227,11 @@ def test_alert(
     finish(target, on_each(target, lambda client: client.send_test_alert()), render_sent)
 
 
-def _test_alertmanager(ctx: typer.Context, url: str, json_out: bool) -> None:
+def _test_alertmanager(ctx: typer.Context, url: str, json_out: bool, timeout: float | None) -> None:
     """Post the test alert from this machine straight to one Alertmanager."""
     from kvctl.alerts import AlertmanagerError, post_test_alert
 
-    target = resolve(ctx, json_out=json_out)
+    target = resolve(ctx, json_out=json_out, timeout=timeout)
     try:
         alert = post_test_alert(url, timeout=target.timeout)
     except AlertmanagerError as error:

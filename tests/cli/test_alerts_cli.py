@@ -72,6 +72,18 @@ def test_test_alert_without_alertmanager_is_one_line(kvctl) -> None:
     assert result.exit_code == 1
     assert result.stderr.startswith("kvctl: cannot reach Alertmanager at http://127.0.0.1:9")
     assert len(result.stderr.splitlines()) == 1
+    assert ".;" not in result.stderr and result.stderr.rstrip().endswith("that it listens")
+
+
+def test_an_alertmanager_url_that_is_no_url_is_a_usage_error(kvctl) -> None:
+    result = kvctl("alerts", "test", env={"KVCTL_ALERTMANAGER_URL": "bogus"})
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "kvctl: --alertmanager-url 'bogus' is not an Alertmanager URL; "
+        "give one such as http://localhost:9093\n"
+    )
+    listed = kvctl("alerts", "list", "--from-am", "localhost:9093")
+    assert listed.exit_code == 2 and "--from-am 'localhost:9093'" in listed.stderr
 
 
 def test_rules_take_a_runbook_base_and_a_job(kvctl) -> None:
