@@ -7,6 +7,9 @@ progress bar goes to stderr, so the report (or the JSON) alone is on stdout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+from collections.abc import Iterator
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -113,6 +116,13 @@ def load(
         print_json(report.to_json())
     else:
         console().print(report_view(report))
+    if report.stopped_by is not None:
+        signum = getattr(signal, report.stopped_by, None)
+        fail(
+            f"stopped by {report.stopped_by} after {report.duration_s:.1f} s; the report above "
+            "covers what was sent until then",
+            128 + int(signum) if signum is not None else ExitCode.ERROR,
+        )
     if report.results and not report.completed:
         fail(f"all {len(report.results)} requests failed; see the errors above", ExitCode.ERROR)
 
@@ -126,9 +136,28 @@ async def _drive(target: Target, settings: LoadSettings) -> LoadReport:
     async with AsyncAgentClient(target.agents[0], target.token, timeout) as client:
         await client.health()
         run = LoadRun(client, settings)
-        if target.json:
-            return await run.run()
-        return await _with_progress(run, settings)
+        with _stopping_on_signals(run):
+            if target.json:
+                return await run.run()
+            return await _with_progress(run, settings)
+
+
+@contextlib.contextmanager
+def _stopping_on_signals(run: LoadRun) -> Iterator[None]:
+    """SIGTERM and SIGINT stop the run and leave its report to print (POSIX event loops)."""
+    loop = asyncio.get_running_loop()
+    installed = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(signum, run.stop, signal.Signals(signum).name)
+        except (NotImplementedError, RuntimeError):  # not the main thread, or not POSIX
+            continue
+        installed.append(signum)
+    try:
+        yield
+    finally:
+        for signum in installed:
+            loop.remove_signal_handler(signum)
 
 
 async def _with_progress(run: LoadRun, settings: LoadSettings) -> LoadReport:

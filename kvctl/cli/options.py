@@ -110,7 +110,7 @@ class Target:
         return len(self.agents) > 1
 
 
-def fail(message: str, code: ExitCode) -> NoReturn:
+def fail(message: str, code: ExitCode | int) -> NoReturn:
     """Stop with one line on stderr; the message says what to do."""
     typer.echo(f"kvctl: {message}", err=True)
     raise typer.Exit(int(code))

@@ -70,6 +70,7 @@ class LoadReport:
     concurrency: int
     duration_s: float
     results: tuple[RequestResult, ...]
+    stopped_by: str | None = None  # a signal's name when the run was stopped early
 
     @property
     def completed(self) -> tuple[RequestResult, ...]:
@@ -101,6 +102,7 @@ class LoadReport:
             "rate": self.rate,
             "concurrency": self.concurrency,
             "duration_s": self.duration_s,
+            "stopped_by": self.stopped_by,
             "requests": {
                 "sent": len(self.results),
                 "completed": len(done),

@@ -13,7 +13,6 @@ measured as the user would see it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import random
 import time
@@ -121,6 +120,8 @@ class LoadRun:
         self.results: list[RequestResult] = []
         self.started = 0.0
         self.deadline = 0.0
+        self.stopped_by: str | None = None
+        self._senders: asyncio.Task[None] | None = None
 
     async def run(self) -> LoadReport:
         """Drive the agent until the request count or the duration is reached, then report."""
@@ -128,9 +129,26 @@ class LoadRun:
         self.deadline = self.started + self.settings.duration
         rate = self.settings.effective_rate
         senders = self._open_loop(rate) if rate else self._closed_loop()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(senders, self.settings.duration + self.settings.drain)
+        self._senders = asyncio.ensure_future(senders)
+        try:
+            await asyncio.wait_for(self._senders, self.settings.duration + self.settings.drain)
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.stopped_by is None or (task is not None and task.cancelling()):
+                raise  # not our stop: whoever cancelled the run wants it gone
         return self._report(rate)
+
+    def stop(self, why: str) -> None:
+        """End the run now (a signal): no new requests, in-flight ones cancelled and counted as
+        such, and `run` returns the report of what happened so far."""
+        if self.stopped_by is not None:
+            return
+        self.stopped_by = why
+        self.deadline = self.clock()
+        if self._senders is not None:
+            self._senders.cancel()
 
     def _next(self) -> LoadRequest | None:
         if self.clock() >= self.deadline:
@@ -196,6 +214,7 @@ class LoadRun:
             concurrency=self.settings.in_flight,
             duration_s=self.clock() - self.started,
             results=tuple(self.results),
+            stopped_by=self.stopped_by,
         )
 
 

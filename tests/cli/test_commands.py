@@ -394,3 +394,23 @@ def test_agent_run_is_kvctl_agent(tmp_path) -> None:
         assert process.wait(30) == 0
     finally:
         process.kill()
+
+
+def test_load_stopped_by_sigterm_prints_its_report(agent) -> None:
+    import signal
+    import time
+
+    command = [sys.executable, "-m", "kvctl.cli.main", "-a", agent.url, "load"]
+    command += ["--profile", "chat", "--concurrency", "2", "--duration", "60", "--max-tokens", "4"]
+    process = subprocess.Popen(
+        [*command, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(4.0)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    report = json.loads(stdout)
+    assert report["stopped_by"] == "SIGTERM"
+    assert report["duration_s"] < 30
+    assert report["requests"]["sent"] >= 1
+    assert stderr.strip().splitlines()[-1].startswith("kvctl: stopped by SIGTERM after ")

@@ -69,7 +69,8 @@ def test_report_json_keys_and_counts() -> None:
     )  # fmt: skip
     data = LoadReport("chat", 0, "closed", None, 2, 2.0, results).to_json()
     assert set(data) == {
-        "profile", "seed", "mode", "rate", "concurrency", "duration_s", "requests", "ttft_s",
+        "profile", "seed", "mode", "rate", "concurrency", "duration_s", "stopped_by", "requests",
+        "ttft_s",
         "latency_s", "tokens", "output_tokens_per_s", "requests_per_s", "errors",
     }  # fmt: skip
     assert data["requests"] == {"sent": 4, "completed": 2, "failed": 1, "cancelled": 1}
@@ -146,3 +147,25 @@ def test_errors_are_counted_by_message() -> None:
     report = run(FakeClient(fail=True), profile="burst", requests=4, rate=1000.0)
     assert report.failed == 4
     assert report.errors() == {"cannot reach agent at http://fake": 4}
+
+
+@pytest.mark.parametrize("rate", [None, 100.0])
+def test_a_stopped_run_reports_what_it_did(rate) -> None:
+    """`stop` (a signal) ends the run at once: no new requests, in-flight ones counted as
+    cancelled, and the report of what happened so far."""
+
+    async def go() -> LoadReport:
+        client = FakeClient(delay=0.05)
+        settings = LoadSettings(profile="chat", duration=30.0, concurrency=2, rate=rate)
+        load = LoadRun(client, settings)  # type: ignore[arg-type]
+        task = asyncio.create_task(load.run())
+        await asyncio.sleep(0.3)
+        load.stop("SIGTERM")
+        return await task
+
+    report = asyncio.run(go())
+    assert report.stopped_by == "SIGTERM"
+    assert report.duration_s < 5.0
+    assert len(report.completed) >= 2
+    assert report.cancelled >= 1
+    assert report.to_json()["stopped_by"] == "SIGTERM"
