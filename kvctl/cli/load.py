@@ -80,6 +80,12 @@ def load(
         int, typer.Option("--max-tokens", min=1, max=4096, help="Tokens per completion.")
     ] = 32,
     seed: Annotated[int, typer.Option("--seed", help="Seed of prompts and sampling.")] = 0,
+    list_profiles: Annotated[
+        bool,
+        typer.Option(
+            "--list-profiles", help="List the workload profiles and exit (sends nothing)."
+        ),
+    ] = False,
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
@@ -87,7 +93,8 @@ def load(
 ) -> None:
     """Send completions from a workload profile, then print latency percentiles and tokens/s.
 
-    Profiles: chat (multi-turn, shared system prompt), random-lengths, long-context, burst.
+    Profiles: chat (multi-turn, shared system prompt), random-lengths, long-context, burst
+    (--list-profiles says what each sends).
 
     Closed loop at --concurrency, or open loop at --rate (burst: 8/s in bursts of 16).
 
@@ -96,6 +103,9 @@ def load(
     from kvctl.client import AgentError
     from kvctl.load.runner import LoadSettings
 
+    if list_profiles:
+        _print_profiles(json_out or resolve(ctx, json_out=json_out).json)
+        return
     target = resolve(ctx, agent, token, json_out, timeout)
     only_one(target, "kvctl load")
     settings = LoadSettings(
@@ -187,6 +197,27 @@ async def _with_progress(run: LoadRun, settings: LoadSettings) -> LoadReport:
             await asyncio.wait({task}, timeout=0.25)
         tick()
         return task.result()
+
+
+def _print_profiles(as_json: bool) -> None:
+    from kvctl.load.profiles import PROFILES
+
+    rows = [
+        {"profile": p.name, "summary": p.summary, "default_rate": p.default_rate}
+        for p in PROFILES.values()
+    ]
+    if as_json:
+        print_json({"profiles": rows})
+        return
+    table = Table(show_edge=False, box=None)
+    for column in ("profile", "what it sends", "default"):
+        table.add_column(column, style="bold" if column == "profile" else None)
+    for row in rows:
+        rate = row["default_rate"]
+        table.add_row(
+            row["profile"], row["summary"], f"open loop, {rate:g}/s" if rate else "closed loop"
+        )
+    console().print(table)
 
 
 def report_view(report: LoadReport) -> Group:

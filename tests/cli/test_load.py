@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 
 import pytest
@@ -169,3 +170,12 @@ def test_a_stopped_run_reports_what_it_did(rate) -> None:
     assert len(report.completed) >= 2
     assert report.cancelled >= 1
     assert report.to_json()["stopped_by"] == "SIGTERM"
+
+
+def test_profiles_are_listed_without_an_agent(kvctl) -> None:
+    result = kvctl("load", "--list-profiles", "-a", "http://127.0.0.1:9")  # nothing listens
+    assert result.exit_code == 0, result.output
+    for profile in PROFILES.values():
+        assert profile.name in result.stdout and profile.summary in result.stdout
+    listed = json.loads(kvctl("load", "--list-profiles", "--json").stdout)["profiles"]
+    assert [row["profile"] for row in listed] == list(PROFILES)
