@@ -4,7 +4,8 @@
 # Starts `kvctl-agent` on 127.0.0.1:$KVCTL_DEMO_PORT (default 8477) with a small pool, waits
 # until it answers, drives multi-turn chat traffic at it in the background, then opens the live
 # dashboard; without a terminal it prints the status table every 5 s for $KVCTL_DEMO_SECONDS
-# (default 60) and then the load report. Everything it started is stopped on exit.
+# (default 60) and then the load report. Everything it started is stopped on exit, and its logs
+# are removed unless something failed.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -17,12 +18,18 @@ AGENT_PID=""
 LOAD_PID=""
 
 stop() {
+    local status=$?
     for pid in "$LOAD_PID" "$AGENT_PID"; do
         if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
             kill -TERM "$pid" 2>/dev/null || true
             wait "$pid" 2>/dev/null || true
         fi
     done
+    if [[ $status -eq 0 ]]; then
+        rm -rf "$LOGS"  # a clean run leaves nothing behind
+    else
+        echo "kvctl demo: logs kept in ${LOGS}" >&2
+    fi
 }
 trap stop EXIT
 trap 'exit 130' INT TERM
