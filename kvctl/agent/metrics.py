@@ -6,11 +6,10 @@ is generated from it (`python -m kvctl.agent.metrics_docs`), and the alert rules
 
 Nothing is updated on the hot path. A scrape takes one immutable `PoolSnapshot` (whose pool
 statistics the pool keeps incrementally, so reading them is O(1) at any pool size) plus a copy of
-the defrag-duration histogram, and turns them into families. Hence the rules of DESIGN.md hold by
-construction: every series carries `pool`; a getter that returns None (a window with nothing in
-it, no GPU, no limit set) leaves its series out instead of exporting a sentinel; counters are
-built without a creation time, so no `_created` series appear.
-"""
+the defrag-duration histogram, and turns them into families. Hence the rules of docs/metrics.md
+hold by construction: every series carries `pool`; a getter that returns None (a window with
+nothing in it, no GPU, no limit set) leaves its series out instead of exporting a sentinel;
+counters are built without a creation time, so no `_created` series appear."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ FLAG_KEYS = {
     "alert_interval",
     "alert_for",
 }
-"""DESIGN's kvctl-agent flags as TOML keys (`--config` itself is not a key)."""
+"""The documented kvctl-agent flags as TOML keys (`--config` itself is not a key)."""
 SIZING_KEYS = {"pool_pages", "pool_memory", "gpu_memory_fraction"}
 
 
@@ -97,7 +97,7 @@ def k8s(name: str) -> dict:
 def test_the_example_config_has_every_flag_as_a_key(tmp_path) -> None:
     text = (AGENT / "kvctl-agent.example.toml").read_text()
     active, optional = tomllib.loads(text), commented_settings(text)
-    assert set(active) | set(optional) >= FLAG_KEYS  # DESIGN's flags, and maybe more
+    assert set(active) | set(optional) >= FLAG_KEYS  # the documented flags, and maybe more
     assert not set(active) & set(optional)
     assert len(SIZING_KEYS & set(active)) == 1, "exactly one way of sizing the pool"
     validate_with_agent(active, tmp_path)

@@ -1,5 +1,5 @@
 """The Grafana dashboard (agent/grafana-dashboard.json) and the rule file query only series that
-exist: the agent's metrics (DESIGN's list and docs/metrics.md), the recording rules of the
+exist: the agent's metrics (the promised families and docs/metrics.md), the recording rules of the
 generated rule file, and Prometheus' own ALERTS and up."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from design_metrics import series_names
+from promised_metrics import series_names
 
 from kvctl.alerts import render_rule_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "agent" / "grafana-dashboard.json"
 
-DESIGN_METRICS = series_names() | {"kvctl_build_info"}
+PROMISED_METRICS = series_names() | {"kvctl_build_info"}
 PROMETHEUS_SERIES = {"ALERTS", "up"}
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless"}
 KEYWORDS |= {"bool", "offset", "inf", "nan"}
@@ -42,7 +42,7 @@ def recorded() -> set[str]:
 
 
 def known_series() -> set[str]:
-    return DESIGN_METRICS | documented_metrics() | recorded() | PROMETHEUS_SERIES
+    return PROMISED_METRICS | documented_metrics() | recorded() | PROMETHEUS_SERIES
 
 
 def metric_names(expr: str) -> set[str]:

@@ -1,4 +1,4 @@
-"""When to defragment: the triggers of DESIGN.md turned into budgeted steps.
+"""When to defragment: the triggers (docs/architecture.md) turned into budgeted steps.
 
 A *session* starts on a trigger (manual, fragmentation above threshold, too many free extents,
 a request that wanted a contiguous run and got scattered pages, a shrink) and then advances a

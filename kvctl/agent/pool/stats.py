@@ -14,7 +14,7 @@ import numpy as np
 
 
 class PageState(StrEnum):
-    """The state of one page, as DESIGN.md defines it."""
+    """The state of one page (docs/architecture.md): free, used, or held only by the cache."""
 
     FREE = "free"
     USED = "used"  # held by at least one running sequence

@@ -1,10 +1,10 @@
 """The engine: a model decoding on the paged pool, one `step()` at a time.
 
-A step reads as the story of DESIGN.md: schedule (admit, adopting cached prefixes, or decode,
-preempting when pages run out) → apply copy-on-write copies → run the model on the flattened
-batch → sample → append the tokens and finish requests (EOS, stop string, max_tokens, context
-length) → give the defragmenter its budget → publish a stats snapshot. Requests join and leave
-between steps.
+A step, in order (docs/architecture.md, the runtime): schedule (admit, adopting cached prefixes, or
+decode, preempting when pages run out) → apply copy-on-write copies → run the model on the
+flattened batch → sample → append the tokens and finish requests (EOS, stop string, max_tokens,
+context length) → give the defragmenter its budget → publish a stats snapshot. Requests join and
+leave between steps.
 
 The engine is single-threaded on purpose: the pool, the storage and the page tables are touched
 only from `step()` and the calls the agent makes between steps (defrag, resize), so no lock is

@@ -1,7 +1,7 @@
-"""The metric families DESIGN.md's table names: what the exporter must serve and what dashboards
-and rules may rely on."""
+"""The metric families the project promises (docs/metrics.md lists them with more): what the
+exporter must serve and what dashboards and rules may rely on."""
 
-DESIGN_METRICS = frozenset(
+PROMISED_METRICS = frozenset(
     {
         "kvctl_pool_capacity_pages",
         "kvctl_pool_used_pages",
@@ -32,7 +32,7 @@ DESIGN_METRICS = frozenset(
 HISTOGRAMS = frozenset({"kvctl_defrag_duration_seconds"})
 
 
-def series_names(families: frozenset[str] = DESIGN_METRICS) -> set[str]:
+def series_names(families: frozenset[str] = PROMISED_METRICS) -> set[str]:
     """Names as they appear in queries: a histogram is its _bucket, _sum and _count series."""
     names = set(families - HISTOGRAMS)
     for histogram in families & HISTOGRAMS:
