@@ -31,6 +31,27 @@ def test_help_loads_neither_torch_nor_the_agent() -> None:
     assert probe.stdout.strip() == ""
 
 
+_DASHBOARD_PROBE = """
+import sys
+import kvctl.tui.app
+cli = [name for name in sys.modules if name == "kvctl.cli" or name.startswith("kvctl.cli.")]
+print(",".join(sorted(cli)))
+"""
+
+
+def test_the_dashboard_does_not_import_the_cli() -> None:
+    """The CLI starts the TUI; the TUI takes its looks from kvctl.view, so no import cycle."""
+    probe = subprocess.run(
+        [sys.executable, "-c", _DASHBOARD_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip() == ""
+
+
 def test_help_lists_usage() -> None:
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0

@@ -10,7 +10,6 @@ from typing import Annotated, Any
 
 import typer
 
-from kvctl.cli import render
 from kvctl.cli.options import (
     AgentOption,
     ExitCode,
@@ -21,6 +20,7 @@ from kvctl.cli.options import (
     resolve,
 )
 from kvctl.cli.output import console, finish, on_each, print_json
+from kvctl.view import render
 
 alerts_app = typer.Typer(
     help="List firing alerts, print the Prometheus rule file, send a test alert.",

@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvctl.cli import render
 from kvctl.cli.options import (
     AgentOption,
     JsonOption,
@@ -17,6 +16,7 @@ from kvctl.cli.options import (
     resolve,
 )
 from kvctl.cli.output import ExitCode, confirm, finish, on_each, to_jsonable
+from kvctl.view import render
 
 if TYPE_CHECKING:
     from kvctl.api import PoolSnapshot

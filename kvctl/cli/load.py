@@ -18,7 +18,6 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from kvctl.cli import fmt
 from kvctl.cli.options import (
     AgentOption,
     ExitCode,
@@ -30,6 +29,7 @@ from kvctl.cli.options import (
     resolve,
 )
 from kvctl.cli.output import console, exit_code_of, only_one, print_json, report_error
+from kvctl.view import fmt
 
 if TYPE_CHECKING:
     from kvctl.load.report import LoadReport

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Group, RenderableType
 
-from kvctl.cli import poolmap, render
 from kvctl.cli.options import (
     AgentOption,
     ExitCode,
@@ -21,6 +20,7 @@ from kvctl.cli.options import (
     resolve,
 )
 from kvctl.cli.output import Outcome, confirm, console, finish, on_agent, on_each
+from kvctl.view import poolmap, render
 
 if TYPE_CHECKING:
     from kvctl.api import PoolSnapshot, ResizeResult

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from kvctl.cli import render
 from kvctl.cli.options import (
     AgentOption,
     ExitCode,
@@ -22,6 +21,7 @@ from kvctl.cli.options import (
     resolve,
 )
 from kvctl.cli.output import console, exit_code_of, print_json, report_error
+from kvctl.view import render
 
 if TYPE_CHECKING:
     from kvctl.fleet import Reading

@@ -17,7 +17,6 @@ from typing import Annotated
 import typer
 from rich.rule import Rule
 
-from kvctl.cli import render
 from kvctl.cli.options import (
     AgentOption,
     ExitCode,
@@ -29,6 +28,7 @@ from kvctl.cli.options import (
 )
 from kvctl.cli.output import console, print_json
 from kvctl.cli.status import print_status, status_code
+from kvctl.view import render
 
 
 def top(

@@ -13,9 +13,9 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Label, Static
 
 from kvctl.api import Alert, PoolSnapshot
-from kvctl.cli import render
 from kvctl.sizing import ResizePlan, plan_from_text
 from kvctl.units import format_bytes
+from kvctl.view import render
 
 DIALOG_CSS = """
 {name} {{ align: center middle; }}

@@ -106,7 +106,7 @@ def test_dialog_text_empty_says_what_to_type() -> None:
 def test_the_allocation_headline_keeps_window_and_lifetime_counts_apart() -> None:
     from rich.console import Console
 
-    from kvctl.cli.render import headline_table
+    from kvctl.view.render import headline_table
 
     snapshot = pool().model_copy(
         update=dict(

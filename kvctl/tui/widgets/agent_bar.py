@@ -6,8 +6,8 @@ from rich.console import RenderableType
 from rich.text import Text
 from textual.widget import Widget
 
-from kvctl.cli import fmt
 from kvctl.fleet import Reading
+from kvctl.view import fmt
 
 
 class AgentBar(Widget):

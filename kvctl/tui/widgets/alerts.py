@@ -9,7 +9,7 @@ from rich.text import Text
 from textual.widget import Widget
 
 from kvctl.api import Alert
-from kvctl.cli import fmt
+from kvctl.view import fmt
 
 ORDER = {"critical": 0, "warning": 1, "info": 2}
 

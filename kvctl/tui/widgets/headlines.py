@@ -7,9 +7,9 @@ from rich.text import Text
 from textual.widget import Widget
 
 from kvctl.api import PoolSnapshot
-from kvctl.cli import fmt
 from kvctl.tui.history import SERIES, History
 from kvctl.tui.spark import sparkline
+from kvctl.view import fmt
 
 
 class Headlines(Widget):

@@ -7,7 +7,7 @@ from rich.text import Text
 from textual.widget import Widget
 
 from kvctl.api import PoolMap
-from kvctl.cli import poolmap
+from kvctl.view import poolmap
 
 
 class PoolMapView(Widget):

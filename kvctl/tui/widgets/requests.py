@@ -7,8 +7,8 @@ from rich.text import Text
 from textual.widget import Widget
 
 from kvctl.api import PoolSnapshot
-from kvctl.cli import fmt, render
 from kvctl.units import format_bytes
+from kvctl.view import fmt, render
 
 
 class RequestsPanel(Widget):

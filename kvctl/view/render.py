@@ -14,8 +14,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvctl.cli import fmt
 from kvctl.units import format_bytes
+from kvctl.view import fmt
 
 if TYPE_CHECKING:
     from kvctl.api import Alert, DefragResult, PoolSnapshot, ResizeResult

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from kvctl.api import PoolMap
-from kvctl.cli.poolmap import Cell, cells, grid, segment_marks, strip
+from kvctl.view.poolmap import Cell, cells, grid, segment_marks, strip
 
 
 def page_map(runs, capacity: int = 16, segment: int = 8) -> PoolMap:
