@@ -10,9 +10,6 @@ laptop without them can still run the rest.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -25,15 +22,9 @@ from typing import BinaryIO
 import httpx
 import pytest
 import yaml
+from local_tools import find_binary, free_port
 
 from kvctl import api
-
-BINARIES: dict[str, tuple[str, ...]] = {
-    "promtool": ("promtool",),
-    "prometheus": ("prometheus",),
-    "alertmanager": ("alertmanager", "prometheus-alertmanager"),  # Debian names it the latter
-    "amtool": ("amtool",),
-}
 
 QUIET_SNAPSHOT = dict(
     pool="demo",
@@ -95,28 +86,7 @@ def make_snapshot() -> Callable[..., api.PoolSnapshot]:
     return make
 
 
-def find_binary(name: str) -> str:
-    """The path of a Prometheus tool; fails under CI and skips elsewhere when it is missing."""
-    for candidate in BINARIES[name]:
-        path = shutil.which(candidate)
-        if path:
-            return path
-    message = (
-        f"{name} is not installed: `apt-get install prometheus prometheus-alertmanager` "
-        "(.ci/run does it)"
-    )
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
-
-
 # ---- a real Prometheus and Alertmanager -----------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 ALERTMANAGER_CONFIG = {

@@ -5,14 +5,13 @@ generated rule file, and Prometheus' own ALERTS and up."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from local_tools import find_binary
 from promised_metrics import series_names
 
 from kvctl.alerts import render_rule_file
@@ -150,12 +149,7 @@ def test_the_rule_file_names_existing_series() -> None:
 
 
 def test_every_dashboard_query_parses_as_promql(dashboard, tmp_path) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        message = "promtool is not installed (apt-get install prometheus)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    promtool = find_binary("promtool")
     rules = [
         {"record": f"dashboard:query_{i}", "expr": re.sub(r"\$\w+", "1m", expr)}
         for i, expr in enumerate(dashboard_queries(dashboard))
