@@ -246,7 +246,8 @@ class PagedSide:
         free = largest = extents = reserved = 0
         for mp in self.pools.values():
             stats = mp.pool.stats()
-            free += stats.free_pages * mp.page_bytes
+            # as PoolStats.fragmentation_ratio: pages reserved for a sequence's growth are apart
+            free += (stats.free_pages - stats.reserved_pages) * mp.page_bytes
             largest += stats.largest_free_run * mp.page_bytes
             extents += stats.free_extents
             reserved += stats.used_pages * mp.page_bytes
