@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
 
-from kvctl.agent.metrics import DurationHistogram, build_registry, render
+from kvctl.agent.metrics import Histograms, build_registry, render
 from kvctl.agent.pool import PagePool, PoolStats
 from kvctl.api import GpuMemory, PoolSnapshot
 
@@ -155,9 +155,9 @@ def measure(pages: int, seed: int, rounds: int, repeat: int) -> None:
     assert kvctl_fn().model_dump(exclude={"timestamp"}) == naive_fn().model_dump(
         exclude={"timestamp"}
     )
-    durations = DurationHistogram()
-    kvctl_registry = build_registry(kvctl_fn, durations)
-    naive_registry = build_registry(naive_fn, durations)
+    histograms = Histograms()
+    kvctl_registry = build_registry(kvctl_fn, histograms)
+    naive_registry = build_registry(naive_fn, histograms)
     assert len(render(kvctl_registry)[0]) > 0
     render(naive_registry)  # warm-up
     snaps: dict[str, list[float]] = {"kvctl": [], "naive": []}

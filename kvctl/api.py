@@ -144,6 +144,8 @@ class PoolSnapshot(Response):
     free_extents: int
     largest_free_run: int
     reserved_pages: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
     max_pool_pages: int | None
     alloc_attempts_total: int
     alloc_failures_total: int

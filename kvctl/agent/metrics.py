@@ -17,7 +17,7 @@ import math
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from operator import attrgetter
 from typing import Literal, get_args
@@ -112,6 +112,63 @@ class DurationHistogram:
         return HistogramReading(self.bounds, tuple(cumulative), total)
 
 
+# fmt: off
+TIME_TO_FIRST_TOKEN_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0,
+)
+INTER_TOKEN_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 10.0,
+)
+REQUEST_BUCKETS: tuple[float, ...] = (
+    0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0,
+)
+QUEUE_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+    300.0,
+)
+# fmt: on
+
+
+@dataclass(frozen=True)
+class HistogramReadings:
+    """A copy of every histogram, taken by one scrape."""
+
+    defrag: HistogramReading
+    time_to_first_token: HistogramReading
+    inter_token: HistogramReading
+    request: HistogramReading
+    queue: HistogramReading
+
+
+@dataclass(frozen=True)
+class Histograms:
+    """Every duration the agent serves as a histogram, owned by its service: defragmentation
+    runs, and per request (as vLLM exports them) the time to first token, the gaps between
+    tokens, the whole request and the time it waited before its first admission."""
+
+    defrag: DurationHistogram = field(default_factory=DurationHistogram)
+    time_to_first_token: DurationHistogram = field(
+        default_factory=lambda: DurationHistogram(TIME_TO_FIRST_TOKEN_BUCKETS)
+    )
+    inter_token: DurationHistogram = field(
+        default_factory=lambda: DurationHistogram(INTER_TOKEN_BUCKETS)
+    )
+    request: DurationHistogram = field(default_factory=lambda: DurationHistogram(REQUEST_BUCKETS))
+    queue: DurationHistogram = field(default_factory=lambda: DurationHistogram(QUEUE_BUCKETS))
+
+    def read(self) -> HistogramReadings:
+        return HistogramReadings(
+            self.defrag.read(),
+            self.time_to_first_token.read(),
+            self.inter_token.read(),
+            self.request.read(),
+            self.queue.read(),
+        )
+
+
 # ---- the table --------------------------------------------------------------------------------
 
 
@@ -120,7 +177,7 @@ class Reading:
     """What one scrape reads; every getter takes it."""
 
     snapshot: PoolSnapshot
-    defrag_durations: HistogramReading
+    histograms: HistogramReadings
 
 
 LabelledValues = Mapping[tuple[str, ...], float]
@@ -336,7 +393,7 @@ METRICS: tuple[MetricDef, ...] = (
         "kvctl_defrag_duration_seconds",
         "histogram",
         "Wall time of one defragmentation run, from its first batch to its last.",
-        attrgetter("defrag_durations"),
+        attrgetter("histograms.defrag"),
     ),
     MetricDef(
         "kvctl_pool_resizes_total",
@@ -344,6 +401,50 @@ METRICS: tuple[MetricDef, ...] = (
         "Pool resizes, by direction (grow, shrink).",
         _resizes,
         labels=("direction",),
+    ),
+    # ---- serving (the latencies and token counts vLLM exports)
+    MetricDef(
+        "kvctl_time_to_first_token_seconds",
+        "histogram",
+        "From a request's arrival at the agent to its first generated token.",
+        attrgetter("histograms.time_to_first_token"),
+    ),
+    MetricDef(
+        "kvctl_inter_token_latency_seconds",
+        "histogram",
+        "Between two consecutive tokens of one request, as the engine hands them out.",
+        attrgetter("histograms.inter_token"),
+    ),
+    MetricDef(
+        "kvctl_request_latency_seconds",
+        "histogram",
+        "From a request's arrival to its end, whatever the finish reason.",
+        attrgetter("histograms.request"),
+    ),
+    MetricDef(
+        "kvctl_request_queue_time_seconds",
+        "histogram",
+        "From a request's arrival to its first admission (counted when the request ends; a "
+        "request that never ran is not counted).",
+        attrgetter("histograms.queue"),
+    ),
+    MetricDef(
+        "kvctl_prompt_tokens_total",
+        "counter",
+        "Prompt tokens of the requests the agent accepted.",
+        _field("prompt_tokens_total"),
+    ),
+    MetricDef(
+        "kvctl_generation_tokens_total",
+        "counter",
+        "Tokens generated.",
+        _field("generation_tokens_total"),
+    ),
+    MetricDef(
+        "kvctl_prefix_cache_evicted_pages_total",
+        "counter",
+        "Pages the prefix cache evicted to make room.",
+        _field("prefix_evictions_total"),
     ),
     # ---- scheduler
     MetricDef(
@@ -484,11 +585,11 @@ class PoolCollector(Collector):
     def __init__(
         self,
         snapshot_fn: Callable[[], PoolSnapshot],
-        defrag_durations: DurationHistogram,
+        histograms: Histograms,
         runtime: Iterable[Collector] = (),
     ) -> None:
         self._snapshot_fn = snapshot_fn
-        self._defrag_durations = defrag_durations
+        self._histograms = histograms
         self._runtime = tuple(runtime)
 
     def describe(self) -> Iterator[Metric]:
@@ -499,7 +600,7 @@ class PoolCollector(Collector):
             yield from collector.collect()
 
     def collect(self) -> Iterator[Metric]:
-        reading = Reading(self._snapshot_fn(), self._defrag_durations.read())
+        reading = Reading(self._snapshot_fn(), self._histograms.read())
         for metric in METRICS:
             family = _family(metric, reading)
             if family is not None:
@@ -510,7 +611,7 @@ class PoolCollector(Collector):
 
 
 def build_registry(
-    snapshot_fn: Callable[[], PoolSnapshot], defrag_durations: DurationHistogram
+    snapshot_fn: Callable[[], PoolSnapshot], histograms: Histograms
 ) -> CollectorRegistry:
     """A fresh registry (never the process-global one, so two agents in one test process and
     repeated builds do not clash) serving the kvctl families and the process metrics."""
@@ -519,7 +620,7 @@ def build_registry(
         ProcessCollector(registry=None),
         PlatformCollector(registry=None),
     )
-    registry.register(PoolCollector(snapshot_fn, defrag_durations, runtime))
+    registry.register(PoolCollector(snapshot_fn, histograms, runtime))
     return registry
 
 

@@ -35,7 +35,7 @@ from kvctl.agent.autoresize import AutoResize
 from kvctl.agent.config import DEFAULT_MAX_WAITING
 from kvctl.agent.gpu import GpuProbe
 from kvctl.agent.memory import release_free_memory
-from kvctl.agent.metrics import DurationHistogram
+from kvctl.agent.metrics import Histograms
 from kvctl.agent.pool import DefragPolicy, DefragReport, DefragTrigger
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.runtime import Engine, Request, RequestRefused, TokenEvent
@@ -96,6 +96,8 @@ class RequestStream:
     request: Request
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    opened_at: float = 0.0  # the service's clock, when the request was accepted
+    last_token_at: float | None = None
 
 
 def _deliver_all(deliveries: list[tuple[RequestStream, TokenEvent]]) -> None:
@@ -144,7 +146,7 @@ class AgentService:
         self.auto_resize = AutoResize(self.settings.resize, clock)
         self.resizes_total: Counter[str] = Counter({"grow": 0, "shrink": 0})
         self.alerting: AlertLoop | None = None  # set by the agent when it serves
-        self.defrag_durations = DurationHistogram()
+        self.histograms = Histograms()
         self.window = window
         self._alloc_window = CounterRatioWindow(window, clock)
         self._prefix_window = CounterRatioWindow(window, clock)
@@ -269,15 +271,32 @@ class AgentService:
         """Hand a step's events to their streams with one wake-up of the server's loop (every
         stream lives on that one loop)."""
         deliveries: list[tuple[RequestStream, TokenEvent]] = []
+        now = self.clock()
         for event in events:
             stream = self._streams.get(event.request_id)
             if stream is None:
                 continue
             deliveries.append((stream, event))
+            self._time(stream, event, now)
             if event.finish_reason is not None:
                 del self._streams[event.request_id]
         if deliveries:
             deliveries[0][0].loop.call_soon_threadsafe(_deliver_all, deliveries)
+
+    def _time(self, stream: RequestStream, event: TokenEvent, now: float) -> None:
+        """The request's latencies, as its events go out (engine thread)."""
+        histograms = self.histograms
+        if event.token_id is not None:
+            if stream.last_token_at is None:
+                histograms.time_to_first_token.observe(max(0.0, now - stream.opened_at))
+            else:
+                histograms.inter_token.observe(max(0.0, now - stream.last_token_at))
+            stream.last_token_at = now
+        if event.finish_reason is not None:
+            histograms.request.observe(max(0.0, now - stream.opened_at))
+            request = stream.request
+            if request.first_admitted_at is not None:
+                histograms.queue.observe(max(0.0, request.first_admitted_at - request.arrived_at))
 
     def _abort_all(self) -> None:
         events = []
@@ -308,7 +327,7 @@ class AgentService:
             except RequestRefused as refused:
                 self.rejected.add(refused.reason)
                 raise
-            stream = RequestStream(request, loop)
+            stream = RequestStream(request, loop, opened_at=self.clock())
             self._streams[request.request_id] = stream
             return stream
 
@@ -398,7 +417,7 @@ class AgentService:
         return self.gpu.free_bytes(device.index or 0)
 
     def _note_defrag(self, report: DefragReport) -> None:
-        self.defrag_durations.observe(report.seconds)
+        self.histograms.defrag.observe(report.seconds)
         self._last_defrag, self._last_defrag_at = report, self.clock()
 
     # ---- the snapshot -------------------------------------------------------------------
@@ -436,6 +455,8 @@ class AgentService:
             free_extents=pool.free_extents,
             largest_free_run=pool.largest_free_run,
             reserved_pages=pool.reserved_pages,
+            prompt_tokens_total=stats.prompt_tokens,
+            generation_tokens_total=stats.generated_tokens,
             max_pool_pages=engine.resizer.max_pages,
             alloc_attempts_total=pool.alloc_attempts,
             alloc_failures_total=pool.alloc_failures,

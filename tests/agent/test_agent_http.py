@@ -121,20 +121,82 @@ def test_refused_resize_is_409_and_changes_nothing(start_agent) -> None:
 
 
 def test_metrics_parse_and_follow_the_pool(agent) -> None:
+    import time
+
+    pool = (("pool", "demo"),)
     with client(agent) as http:
         http.post("/v1/completions", json={"prompt": "metrics", **GREEDY})
-        text = http.get("/metrics").text
-        snapshot = PoolSnapshot.model_validate(http.get("/v1/pool").json())
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-    pool = (("pool", "demo"),)
+        deadline = time.monotonic() + 10
+        while True:  # the snapshot a scrape reads is at most 100 ms old
+            text = http.get("/metrics").text
+            snapshot = PoolSnapshot.model_validate(http.get("/v1/pool").json())
+            samples = {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+            }
+            if samples[("kvctl_alloc_attempts_total", pool)] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     assert samples[("kvctl_pool_capacity_pages", pool)] == snapshot.capacity_pages
     assert samples[("kvctl_alloc_attempts_total", pool)] >= 1
     assert not any(name.endswith("_created") for name, _ in samples)
     assert not any(name.startswith("kvctl_gpu_") for name, _ in samples)  # no NVML here
+
+
+def _serving_samples(http: httpx.Client) -> dict[str, float]:
+    """The serving series of one scrape, by name (the pool label dropped)."""
+    wanted = (
+        "kvctl_time_to_first_token_seconds_count",
+        "kvctl_time_to_first_token_seconds_sum",
+        "kvctl_inter_token_latency_seconds_count",
+        "kvctl_request_latency_seconds_count",
+        "kvctl_request_latency_seconds_sum",
+        "kvctl_request_queue_time_seconds_count",
+        "kvctl_prompt_tokens_total",
+        "kvctl_generation_tokens_total",
+    )
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(http.get("/metrics").text)
+        for s in family.samples
+        if s.name in wanted
+    }
+
+
+def test_serving_latencies_and_token_counts_follow_the_requests(agent) -> None:
+    """Three greedy 12-token requests: one first token, 11 gaps, one end and one admission
+    each, and the token counters move by the usage the agent reported."""
+    import time
+
+    with client(agent) as http:
+        before = _serving_samples(http)
+        usages = [
+            http.post("/v1/completions", json={"prompt": f"serve {i}", **GREEDY}).json()["usage"]
+            for i in range(3)
+        ]
+        prompt = sum(u["prompt_tokens"] for u in usages)
+        generated = sum(u["completion_tokens"] for u in usages)
+        assert generated == 36
+        deadline = time.monotonic() + 10
+        while True:  # the token counters come with the snapshot, at most 100 ms old
+            after = _serving_samples(http)
+            moved = after["kvctl_generation_tokens_total"] - before["kvctl_generation_tokens_total"]
+            if moved >= generated or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert delta["kvctl_time_to_first_token_seconds_count"] == 3
+    assert delta["kvctl_inter_token_latency_seconds_count"] == 33
+    assert delta["kvctl_request_latency_seconds_count"] == 3
+    assert delta["kvctl_request_queue_time_seconds_count"] == 3
+    assert delta["kvctl_prompt_tokens_total"] == prompt
+    assert delta["kvctl_generation_tokens_total"] == generated
+    ttft, whole = (
+        delta["kvctl_time_to_first_token_seconds_sum"],
+        delta["kvctl_request_latency_seconds_sum"],
+    )
+    assert 0 < ttft <= whole
 
 
 def test_runtime_config_patch(agent) -> None:

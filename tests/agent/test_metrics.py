@@ -20,8 +20,13 @@ from promised_metrics import PROMISED_METRICS
 from kvctl import __version__
 from kvctl.agent.metrics import (
     DEFRAG_DURATION_BUCKETS,
+    INTER_TOKEN_BUCKETS,
     METRICS,
+    QUEUE_BUCKETS,
+    REQUEST_BUCKETS,
+    TIME_TO_FIRST_TOKEN_BUCKETS,
     DurationHistogram,
+    Histograms,
     build_registry,
     render,
 )
@@ -53,6 +58,8 @@ def make_snapshot(**overrides: Any) -> PoolSnapshot:
         free_extents=7,
         largest_free_run=243,
         reserved_pages=17,
+        prompt_tokens_total=5000,
+        generation_tokens_total=1200,
         max_pool_pages=2048,
         alloc_attempts_total=1000,
         alloc_failures_total=3,
@@ -93,7 +100,8 @@ def make_snapshot(**overrides: Any) -> PoolSnapshot:
 
 
 def scrape(snapshot: PoolSnapshot, durations: DurationHistogram | None = None) -> str:
-    registry = build_registry(lambda: snapshot, durations or DurationHistogram())
+    histograms = Histograms() if durations is None else Histograms(defrag=durations)
+    registry = build_registry(lambda: snapshot, histograms)
     body, content_type = render(registry)
     assert content_type.startswith("text/plain; version=0.0.4")
     return body.decode()
@@ -171,12 +179,23 @@ def expected_for_full_snapshot() -> Samples:
         series("kvctl_gpu_memory_used_bytes", gpu="1"): 5 * GIB,
         series("kvctl_gpu_memory_total_bytes", gpu="0"): 141 * GIB,
         series("kvctl_gpu_memory_total_bytes", gpu="1"): 141 * GIB,
-        series("kvctl_defrag_duration_seconds_count"): 0,
-        series("kvctl_defrag_duration_seconds_sum"): 0,
+        series("kvctl_prompt_tokens_total"): 5000,
+        series("kvctl_generation_tokens_total"): 1200,
+        series("kvctl_prefix_cache_evicted_pages_total"): 11,
     }
-    for bound in [*DEFRAG_DURATION_BUCKETS, math.inf]:
-        le = "+Inf" if bound == math.inf else repr(bound)
-        expected[series("kvctl_defrag_duration_seconds_bucket", le=le)] = 0
+    empty = (
+        ("kvctl_defrag_duration_seconds", DEFRAG_DURATION_BUCKETS),
+        ("kvctl_time_to_first_token_seconds", TIME_TO_FIRST_TOKEN_BUCKETS),
+        ("kvctl_inter_token_latency_seconds", INTER_TOKEN_BUCKETS),
+        ("kvctl_request_latency_seconds", REQUEST_BUCKETS),
+        ("kvctl_request_queue_time_seconds", QUEUE_BUCKETS),
+    )
+    for name, bounds in empty:
+        expected[series(f"{name}_count")] = 0
+        expected[series(f"{name}_sum")] = 0
+        for bound in [*bounds, math.inf]:
+            le = "+Inf" if bound == math.inf else repr(bound)
+            expected[series(f"{name}_bucket", le=le)] = 0
     return expected
 
 
@@ -263,15 +282,15 @@ def test_snapshot_is_read_once_per_scrape() -> None:
         calls.append(1)
         return make_snapshot()
 
-    registry = build_registry(snapshot_fn, DurationHistogram())
+    registry = build_registry(snapshot_fn, Histograms())
     calls.clear()
     render(registry)
     assert len(calls) == 1
 
 
 def test_registries_are_independent() -> None:
-    first = build_registry(lambda: make_snapshot(pool="a"), DurationHistogram())
-    second = build_registry(lambda: make_snapshot(pool="b"), DurationHistogram())
+    first = build_registry(lambda: make_snapshot(pool="a"), Histograms())
+    second = build_registry(lambda: make_snapshot(pool="b"), Histograms())
     assert b'pool="a"' in render(first)[0]
     assert b'pool="b"' not in render(first)[0]
     assert b'pool="b"' in render(second)[0]

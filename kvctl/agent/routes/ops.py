@@ -44,7 +44,7 @@ ERRORS = {code: {"model": ErrorBody} for code in (401, 409, 422)}
 def router(ctx: ServerContext) -> APIRouter:
     api = APIRouter()
     service = ctx.service
-    registry = build_registry(lambda: service.snapshot, service.defrag_durations)
+    registry = build_registry(lambda: service.snapshot, service.histograms)
     started_wall = time.time()
 
     @api.get("/healthz", response_model=Health)

@@ -52,6 +52,8 @@ class Request:
     cache_salt: str | None = None
     cached_tokens: int = 0
     queued_at: float = 0.0  # when it last entered the waiting queue (engine clock)
+    arrived_at: float = 0.0  # when it first entered it (engine clock)
+    first_admitted_at: float | None = None  # when it first got pages (engine clock)
     finish_detail: str | None = None  # why it ended early, for "abort" and "capacity"
 
     @property

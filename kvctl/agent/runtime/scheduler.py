@@ -73,7 +73,7 @@ class Scheduler:
         self.clock = clock
 
     def add(self, request: Request) -> None:
-        request.queued_at = self.clock()
+        request.queued_at = request.arrived_at = self.clock()
         self.waiting.append(request)
 
     def oldest_queued_at(self) -> float | None:
@@ -170,6 +170,8 @@ class Scheduler:
         else:
             _, copies = self.pool.adopt(request.seq_id, match.pages, match.tokens, tokens)
         request.num_computed = match.tokens if match else 0
+        if request.first_admitted_at is None:
+            request.first_admitted_at = self.clock()
         if match is not None:
             assert self.prefix_cache is not None
             self.prefix_cache.pin([c.src for c in copies])
