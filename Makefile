@@ -12,12 +12,19 @@ TORCH := torch==2.13.0
 
 setup: $(STAMP)
 
+# PYTHONWARNINGS=ignore on the last step: setuptools prints a banner on every editable install
+# (about folders named like the package) that says nothing about this project.
+
 $(STAMP): pyproject.toml
+	@echo "setup 1/3: a virtual environment in $(VENV) with a current pip"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet '$(TORCH)'
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@echo "setup 2/3: $(TORCH), the CPU build (pip shows its progress)"
+	$(BIN)/python -m pip install --progress-bar on '$(TORCH)'
+	@echo "setup 3/3: kvctl and its development tools"
+	PYTHONWARNINGS=ignore $(BIN)/python -m pip install --progress-bar on -e '.[dev]'
 	touch $(STAMP)
+	@echo "setup done: $(VENV)"
 
 test: setup
 	$(BIN)/pytest -q
