@@ -38,7 +38,7 @@ from kvctl.agent.memory import release_free_memory
 from kvctl.agent.metrics import Histograms
 from kvctl.agent.pool import DefragPolicy, DefragReport, DefragTrigger
 from kvctl.agent.pool.stats import PageStates
-from kvctl.agent.runtime import Engine, Request, RequestRefused, TokenEvent
+from kvctl.agent.runtime import Engine, Request, RequestRefused, RequestSummary, TokenEvent
 from kvctl.agent.window import CounterRatioWindow
 from kvctl.api import (
     Alert,
@@ -91,13 +91,20 @@ class Tally:
 @dataclass
 class RequestStream:
     """Where the engine thread delivers one request's tokens: an asyncio queue on the server's
-    event loop, fed thread-safely. The last event has a finish reason."""
+    event loop, fed thread-safely. The last event has a finish reason and the request's summary.
+
+    `request` belongs to the engine thread; the HTTP side reads only `request_id` and the events.
+    """
 
     request: Request
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     opened_at: float = 0.0  # the service's clock, when the request was accepted
     last_token_at: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id  # set once at creation: safe from any thread
 
 
 def _deliver_all(deliveries: list[tuple[RequestStream, TokenEvent]]) -> None:
@@ -302,7 +309,10 @@ class AgentService:
         events = []
         for request_id, stream in list(self._streams.items()):
             self.engine.abort(request_id, "the agent shut down before the request finished")
-            events.append(TokenEvent(request_id, None, "", stream.request.finish_reason))
+            request = stream.request
+            events.append(
+                TokenEvent(request_id, None, "", request.finish_reason, RequestSummary.of(request))
+            )
         self._dispatch(events)
 
     # ---- requests -----------------------------------------------------------------------

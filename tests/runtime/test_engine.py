@@ -142,6 +142,20 @@ def test_streamed_text_adds_up_to_the_output(make_engine, demo) -> None:
     )
 
 
+def test_the_last_event_carries_the_finished_requests_summary(make_engine) -> None:
+    """The answer is built from the last event alone: the HTTP thread never reads the request."""
+    engine = make_engine()
+    request = engine.add_request("summary please", GREEDY)
+    events = []
+    while engine.has_work():
+        events.extend(e for e in engine.step() if e.request_id == request.request_id)
+    *tokens, last = events
+    assert all(e.summary is None for e in tokens) and last.summary is not None
+    assert last.summary.output_ids == tuple(e.token_id for e in events)
+    assert last.summary.prompt_tokens == len(request.prompt_ids)
+    assert (last.summary.cached_tokens, last.summary.finish_detail) == (0, None)
+
+
 def test_abort_frees_the_pages(make_engine) -> None:
     engine = make_engine()
     a = engine.add_request("abc", GREEDY)

@@ -27,7 +27,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvctl.agent.model.sampling import SamplingParams
 from kvctl.agent.routes.ops import ERRORS
-from kvctl.agent.runtime import Engine, RequestRefused, RequestTooLarge, TokenEvent
+from kvctl.agent.runtime import (
+    Engine,
+    RequestRefused,
+    RequestSummary,
+    RequestTooLarge,
+    TokenEvent,
+)
 from kvctl.agent.runtime import Request as EngineRequest
 from kvctl.agent.server import ApiError, ServerContext
 from kvctl.agent.service import QueueFull, RequestStream, ShuttingDown
@@ -174,13 +180,13 @@ def _adder(
     return add
 
 
-def _usage_of(report_cached: bool) -> Callable[[EngineRequest], Usage]:
+def _usage_of(report_cached: bool) -> Callable[[RequestSummary], Usage]:
     """OpenAI's usage block; `cached_tokens` only when the operator opted in, because it tells
     a client whether others sent the same prompt prefix (docs/security.md)."""
 
-    def usage(request: EngineRequest) -> Usage:
-        prompt, completion = len(request.prompt_ids), len(request.output_ids)
-        details = PromptTokensDetails(cached_tokens=request.cached_tokens)
+    def usage(summary: RequestSummary) -> Usage:
+        prompt, completion = summary.prompt_tokens, len(summary.output_ids)
+        details = PromptTokensDetails(cached_tokens=summary.cached_tokens)
         return Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,
@@ -201,33 +207,35 @@ async def _events(stream: RequestStream, ctx: ServerContext) -> AsyncIterator[To
             yield event
     finally:
         if not finished:
-            ctx.service.abort(stream.request.request_id)
+            ctx.service.abort(stream.request_id)
 
 
 async def _collect(
     stream: RequestStream,
     body: CompletionRequest,
     ctx: ServerContext,
-    usage: Callable[[EngineRequest], Usage],
+    usage: Callable[[RequestSummary], Usage],
 ) -> CompletionResponse:
     text: list[str] = []
-    reason = None
+    last = None
     async for event in _events(stream, ctx):
         text.append(event.text)
-        reason = event.finish_reason
-    request = stream.request
+        last = event
+    assert last is not None and last.summary is not None, "a finished request has a summary"
+    summary = last.summary
+    reason = last.finish_reason
     choice = CompletionChoice(
         text="".join(text),
         finish_reason=reason.value if reason else None,
-        token_ids=list(request.output_ids) if body.return_token_ids else None,
-        finish_detail=request.finish_detail,
+        token_ids=list(summary.output_ids) if body.return_token_ids else None,
+        finish_detail=summary.finish_detail,
     )
     return CompletionResponse(
-        id=request.request_id,
+        id=stream.request_id,
         created=int(time.time()),
         model=ctx.service.pool_name,
         choices=[choice],
-        usage=usage(request),
+        usage=usage(summary),
     )
 
 
@@ -235,10 +243,9 @@ async def _sse(
     stream: RequestStream,
     body: CompletionRequest,
     ctx: ServerContext,
-    usage: Callable[[EngineRequest], Usage],
+    usage: Callable[[RequestSummary], Usage],
 ) -> AsyncIterator[str]:
     """Server-sent events: one chunk per token, the last with the finish reason and usage."""
-    request = stream.request
     created = int(time.time())
     async for event in _events(stream, ctx):
         choice: dict[str, Any] = {
@@ -250,15 +257,15 @@ async def _sse(
         if body.return_token_ids:
             choice["token_ids"] = [] if event.token_id is None else [event.token_id]
         chunk: dict[str, Any] = {
-            "id": request.request_id,
+            "id": stream.request_id,
             "object": "text_completion",
             "created": created,
             "model": ctx.service.pool_name,
             "choices": [choice],
         }
-        if event.finish_reason is not None:
-            if request.finish_detail:
-                choice["finish_detail"] = request.finish_detail
-            chunk["usage"] = usage(request).model_dump(exclude_none=True)
+        if event.finish_reason is not None and event.summary is not None:
+            if event.summary.finish_detail:
+                choice["finish_detail"] = event.summary.finish_detail
+            chunk["usage"] = usage(event.summary).model_dump(exclude_none=True)
         yield f"data: {json.dumps(chunk)}\n\n"
     yield "data: [DONE]\n\n"

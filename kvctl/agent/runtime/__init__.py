@@ -6,6 +6,7 @@ from kvctl.agent.runtime.engine import (
     EngineConfig,
     EngineStats,
     RequestRefused,
+    RequestSummary,
     RequestTooLarge,
     TokenEvent,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "Request",
     "RequestRefused",
     "RequestStatus",
+    "RequestSummary",
     "RequestTooLarge",
     "ScheduledBatch",
     "Scheduler",

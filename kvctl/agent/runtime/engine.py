@@ -116,13 +116,35 @@ class RequestTooLarge(RequestRefused):
 
 
 @dataclass(frozen=True)
+class RequestSummary:
+    """What a finished request's answer needs from it, copied on the engine thread, so the HTTP
+    thread never reads the engine's `Request` (which the engine thread owns)."""
+
+    output_ids: tuple[int, ...]
+    prompt_tokens: int
+    cached_tokens: int
+    finish_detail: str | None
+
+    @classmethod
+    def of(cls, request: Request) -> RequestSummary:
+        return cls(
+            tuple(request.output_ids),
+            len(request.prompt_ids),
+            request.cached_tokens,
+            request.finish_detail,
+        )
+
+
+@dataclass(frozen=True)
 class TokenEvent:
-    """One generated token of one request, with the text it adds (possibly empty)."""
+    """One generated token of one request, with the text it adds (possibly empty). The last
+    event of a request has its finish reason and its summary."""
 
     request_id: str
     token_id: int | None  # None when a request ends without a new token
     text: str
     finish_reason: FinishReason | None
+    summary: RequestSummary | None = None
 
 
 @dataclass(frozen=True)
@@ -380,13 +402,16 @@ class Engine:
                 request.finish_reason = reason
                 self.scheduler.finish(request)
                 self.requests.pop(request.request_id, None)
-            events.append(TokenEvent(request.request_id, token, text, reason))
+            summary = RequestSummary.of(request) if reason is not None else None
+            events.append(TokenEvent(request.request_id, token, text, reason, summary))
         return events
 
     def _end(self, request: Request) -> TokenEvent:
         self.requests.pop(request.request_id, None)
         text = self._output_text(request).finish()
-        return TokenEvent(request.request_id, None, text, request.finish_reason)
+        return TokenEvent(
+            request.request_id, None, text, request.finish_reason, RequestSummary.of(request)
+        )
 
     def _check_finish(self, request: Request, token: int) -> FinishReason | None:
         """Why the request ends after `token`, if it does: EOS, a stop string (its text is cut
