@@ -3,8 +3,8 @@
 A step, in order (docs/architecture.md, the runtime): schedule (admit, adopting cached prefixes, or
 decode, preempting when pages run out) → apply copy-on-write copies → run the model on the
 flattened batch → sample → append the tokens and finish requests (EOS, stop string, max_tokens,
-context length) → give the defragmenter its budget → publish a stats snapshot. Requests join and
-leave between steps.
+context length) → give the defragmenter its budget. Its `stats` are read when asked (the agent's
+service publishes them). Requests join and leave between steps.
 
 The engine is single-threaded on purpose: the pool, the storage and the page tables are touched
 only from `step()` and the calls the agent makes between steps (defrag, resize), so no lock is
