@@ -143,6 +143,7 @@ class TopApp(App[None]):
         age = None if seen is None else self.clock() - seen
         position = (self.current, len(self.source.agents))
         self.query_one(AgentBar).show(position, reading, age, self.interval, self.readonly)
+        self.refresh_bindings()  # the acting keys follow whether this agent answers
         shown = reading if reading.up else good
         pool = shown.pool if shown else None
         self.query_one(Headlines).show(pool, self.histories[agent], stale=not reading.up)
@@ -161,9 +162,14 @@ class TopApp(App[None]):
     # ---- keys -----------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Acting keys are shown disabled with --readonly (and do nothing)."""
-        if self.readonly and action in ACTING:
-            return None
+        """Acting keys are not offered at all with --readonly, and shown disabled while the
+        agent on screen does not answer (they could not reach it)."""
+        if action in ACTING:
+            if self.readonly:
+                return False
+            reading = self.readings.get(self.agent)
+            if reading is None or not reading.up:
+                return None
         return True
 
     def action_next_agent(self, step: int) -> None:

@@ -119,7 +119,8 @@ found in the cache). Red means the matching alert fires at the agent's default t
 Pool map: one glyph per slice of pages, its height how full the slice is; magenta used, \
 cyan cached, grey free; ╵ marks where a segment (the unit of resize) begins.
 
-With --readonly, d and r are disabled.
+With --readonly, d and r are not offered; while the shown agent does not answer, they are
+shown dimmed and do nothing.
 """
 
 

@@ -103,9 +103,11 @@ async def test_an_agent_that_never_answered(fakes) -> None:
         await polled(app, pilot)
         assert "never answered" in fakes.widget_text(app.query_one(AgentBar))
         assert "no reading yet" in fakes.widget_text(app.query_one(Headlines))
-        await pilot.press("r")
-        assert not isinstance(app.screen, ResizeScreen)
-        assert "has not answered yet" in app.message
+        await pilot.press("d", "r")
+        await pilot.pause()
+        assert len(app.screen_stack) == 1  # nothing to act on
+        bindings = app.screen.active_bindings
+        assert not bindings["d"].enabled and not bindings["r"].enabled  # shown, disabled
 
 
 async def test_tab_goes_through_the_fleet(fakes) -> None:
@@ -176,6 +178,8 @@ async def test_readonly_disables_the_acting_keys(fakes) -> None:
         assert len(app.screen_stack) == 1
         assert (app.source.defrags, app.source.resizes) == ([], [])
         assert "read-only" in fakes.widget_text(app.query_one(AgentBar))
+        assert "d" not in app.screen.active_bindings and "r" not in app.screen.active_bindings
+        assert app.screen.active_bindings["q"].enabled
 
 
 async def test_help_and_alerts_views(fakes) -> None:
