@@ -186,11 +186,16 @@ PageStateName = Literal["free", "used", "cached"]
 
 
 class PoolMap(Response):
-    """GET /v1/pool/map: every page's state, run-length encoded as [state, start, length]."""
+    """GET /v1/pool/map: every page's state, run-length encoded as [state, start, length].
+
+    `pool` is the pool's snapshot taken between the same two engine steps as the page states,
+    so a view showing both never shows, say, requests running next to a map with no page used.
+    """
 
     capacity_pages: int
     segment_pages: int
     runs: list[tuple[PageStateName, int, int]]
+    pool: PoolSnapshot | None = None
 
 
 class DefragRequest(Strict):

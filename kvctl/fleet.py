@@ -61,12 +61,15 @@ async def read_agent(client: AsyncAgentClient, with_map: bool = False) -> Readin
         health, pool, alerts, *rest = await asyncio.gather(*calls)
     except AgentError as error:
         return Reading(agent=client.url, error=error)
+    page_map = rest[0] if rest else None
+    if page_map is not None and page_map.pool is not None:
+        pool = page_map.pool  # one moment for the numbers and the map
     return Reading(
         agent=client.url,
         health=health,
         pool=pool,
         alerts=tuple(alerts.alerts),
-        map=rest[0] if rest else None,
+        map=page_map,
     )
 
 

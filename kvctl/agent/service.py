@@ -358,6 +358,12 @@ class AgentService:
         """Run on the engine thread: a copy of every page's state, to encode elsewhere."""
         return self.engine.pool.page_states()
 
+    def page_states_and_snapshot(self) -> tuple[PageStates, PoolSnapshot]:
+        """Run on the engine thread: the page states and a fresh snapshot of the same moment."""
+        states = self.engine.pool.page_states()
+        self.snapshot = self._build_snapshot()
+        return states, self.snapshot
+
     def defrag_now(self, max_pages: int | None) -> DefragResult:
         """Run on the engine thread: a manual defragmentation, to completion or `max_pages`."""
         report = self.engine.auto_defrag.run_now(DefragTrigger.MANUAL, max_pages)

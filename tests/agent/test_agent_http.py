@@ -170,6 +170,13 @@ def test_serving_latencies_and_token_counts_follow_the_requests(agent) -> None:
     import time
 
     with client(agent) as http:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # requests other tests left behind must end first
+            pool = http.get("/v1/pool").json()
+            if not pool["requests_running"] and not pool["requests_waiting"]:
+                break
+            time.sleep(0.1)
+        time.sleep(0.3)  # and their last events go out
         before = _serving_samples(http)
         usages = [
             http.post("/v1/completions", json={"prompt": f"serve {i}", **GREEDY}).json()["usage"]
@@ -197,6 +204,21 @@ def test_serving_latencies_and_token_counts_follow_the_requests(agent) -> None:
         delta["kvctl_request_latency_seconds_sum"],
     )
     assert 0 < ttft <= whole
+
+
+def test_the_map_comes_with_the_pool_of_the_same_moment(agent) -> None:
+    """Under load, the page counts of the map and of its snapshot agree exactly."""
+    body = {"prompt": "consistent " * 40, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    with client(agent) as http, ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(http.post, "/v1/completions", json=body) for _ in range(4)]
+        for _ in range(20):
+            page_map = PoolMap.model_validate(http.get("/v1/pool/map").json())
+            assert page_map.pool is not None
+            used = sum(length for state, _, length in page_map.runs if state == "used")
+            cached = sum(length for state, _, length in page_map.runs if state == "cached")
+            assert (used, cached) == (page_map.pool.used_pages, page_map.pool.cached_pages)
+            assert page_map.pool.capacity_pages == page_map.capacity_pages
+        assert all(r.result().status_code == 200 for r in running)
 
 
 def test_runtime_config_patch(agent) -> None:
@@ -308,6 +330,8 @@ BAD_BODIES = [
 @pytest.mark.parametrize(("method", "path", "body"), BAD_BODIES)
 def test_bad_input_is_a_4xx_json_error_and_changes_nothing(agent, method, path, body) -> None:
     with client(agent) as http:
+        # compact first, so an idle-time auto-defrag cannot move pages during the comparison
+        assert http.post("/v1/defrag", json={}).status_code == 200
         before = pool_state(http)
         response = http.request(method, path, json=body)
         assert 400 <= response.status_code < 500, response.text

@@ -176,7 +176,7 @@ def test_pool_show(kvctl, agent) -> None:
 
 def test_pool_map(kvctl, agent) -> None:
     data = json.loads(kvctl("-a", agent.url, "pool", "map", "--json").stdout)
-    assert set(data) == {"capacity_pages", "segment_pages", "runs"}
+    assert set(data) == {"capacity_pages", "segment_pages", "runs", "pool"}
     assert sum(length for _state, _start, length in data["runs"]) == data["capacity_pages"]
     human = kvctl("-a", agent.url, "pool", "map", "--width", "60", "--rows", "2")
     assert human.exit_code == 0

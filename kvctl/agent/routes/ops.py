@@ -62,12 +62,13 @@ def router(ctx: ServerContext) -> APIRouter:
 
     @api.get("/v1/pool/map", response_model=PoolMap)
     async def pool_map() -> PoolMap:
-        states = await ctx.on_engine(service.page_states)
+        states, snapshot = await ctx.on_engine(service.page_states_and_snapshot)
         runs = await asyncio.to_thread(states.runs)
         return PoolMap(
             capacity_pages=states.capacity,
             segment_pages=states.segment_pages,
             runs=[(r.state.value, r.start, r.length) for r in runs],
+            pool=snapshot,
         )
 
     @api.post("/v1/defrag", response_model=DefragResult, responses=ERRORS)
