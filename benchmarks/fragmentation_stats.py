@@ -111,8 +111,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be at least {MIN_ROUNDS}: fewer pairs say little")
     print(command_line())
     print(environment())
-    if "torch" not in sys.modules:
-        print("# torch threads: none (this benchmark runs no torch code)")
     layouts = {
         "random": lambda: random_layout(args.pages, args.seed),
         "checkerboard": lambda: checkerboard_layout(args.pages),

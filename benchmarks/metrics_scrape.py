@@ -196,8 +196,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be at least {MIN_ROUNDS}: fewer pairs say little")
     print(command_line())
     print(environment())
-    if "torch" not in sys.modules:
-        print("# torch threads: none (this benchmark runs no torch code)")
     print(
         f"ms per call, median (min-max) over {args.rounds} paired rounds of {args.repeat} calls; "
         "'render' is the whole /metrics body, 'snap' the snapshot_fn in it; speedup: per-round "

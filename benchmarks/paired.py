@@ -25,6 +25,8 @@ def environment() -> str:
     torch = sys.modules.get("torch")
     if torch is not None:
         parts.append(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    else:
+        parts.append("no torch (this benchmark runs no torch code)")
     parts.append(f"{os.cpu_count()} cores")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     parts.append(f"load average {load}")
@@ -69,9 +71,11 @@ def paired_rounds(
     knows which way is better). The order alternates every round so neither side always runs
     on a warm cache.
     """
+    if rounds < MIN_ROUNDS:
+        raise ValueError(f"{rounds} rounds: at least {MIN_ROUNDS} pairs, or the spread says little")
     a: list[float] = []
     b: list[float] = []
-    for i in range(max(rounds, 1)):
+    for i in range(rounds):
         if i % 2:
             b.append(base())
             a.append(ours())

@@ -246,8 +246,7 @@ class PagedSide:
         free = largest = extents = reserved = 0
         for mp in self.pools.values():
             stats = mp.pool.stats()
-            # as PoolStats.fragmentation_ratio: pages reserved for a sequence's growth are apart
-            free += (stats.free_pages - stats.reserved_pages) * mp.page_bytes
+            free += stats.free_run_pages * mp.page_bytes  # as PoolStats.fragmentation_ratio
             largest += stats.largest_free_run * mp.page_bytes
             extents += stats.free_extents
             reserved += stats.used_pages * mp.page_bytes

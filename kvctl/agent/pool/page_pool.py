@@ -404,13 +404,8 @@ class PagePool:
             return []
         copies: list[CopyOnWrite] = []
         cow = self._last_page_is_shared(table) if num_tokens else False
-        if table.reserve_next < table.reserve_end:
-            # back to the free runs at once (not the fast lists), where `_take` finds it again
-            lo, hi = table.reserve_next, table.reserve_end
-            self._reserving.pop(table.seq_id)
-            table.reserve_next = table.reserve_end = 0
-            self._reserved -= hi - lo
-            self._free.give_now(lo, hi - lo)
+        # back to the free runs at once (not the fast lists), where `_take` finds it again
+        self._drop_reservation(table, at_once=True)
         if needed == 1 and not cow and table.private and self._grow_one(table) is not None:
             table.num_tokens += num_tokens
             table.writable = True
@@ -574,13 +569,15 @@ class PagePool:
             self._drop_reservation(self._reserving.popitem()[1])
         return released
 
-    def _drop_reservation(self, table: PageTable) -> None:
+    def _drop_reservation(self, table: PageTable, at_once: bool = False) -> None:
+        """Give a table's unused reserved pages back; `at_once` merges them into the free runs
+        now instead of the fast lists."""
         lo, hi = table.reserve_next, table.reserve_end
         if lo < hi:
             self._reserving.pop(table.seq_id, None)
             table.reserve_next = table.reserve_end = 0
             self._reserved -= hi - lo
-            self._free.give(lo, hi - lo)
+            (self._free.give_now if at_once else self._free.give)(lo, hi - lo)
 
     def _settle_loose(self) -> None:
         """File the loose pages into the free runs (sorted, as runs)."""

@@ -71,10 +71,15 @@ class PoolStats:
         return self.used_pages / self.capacity_pages
 
     @property
+    def free_run_pages(self) -> int:
+        """Free pages in the free extents: all free pages but those reserved for growth, which
+        follow their sequences by design and go back to any allocation that needs them."""
+        return self.free_pages - self.reserved_pages
+
+    @property
     def fragmentation_ratio(self) -> float:
-        """Over the free extents: reserved pages follow their sequences by design, and any
-        allocation that needs them reclaims them first."""
-        return fragmentation_ratio(self.largest_free_run, self.free_pages - self.reserved_pages)
+        """Over the free extents (`free_run_pages`)."""
+        return fragmentation_ratio(self.largest_free_run, self.free_run_pages)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain fields plus the derived ratios and byte counts, for JSON."""
