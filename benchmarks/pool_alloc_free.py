@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=MIN_ROUNDS)
     args = parser.parse_args(argv)
+    if args.rounds < MIN_ROUNDS:
+        parser.error(f"--rounds must be at least {MIN_ROUNDS}: fewer pairs say little")
     print(command_line())
     print(environment())
     names = ["uniform", "realistic", "pressure"] if args.trace == "all" else [args.trace]

@@ -511,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         "--evict-fraction", type=float, default=0.1, help="pool size / tokens the trace computes"
     )
     args = parser.parse_args(argv)
+    if args.rounds < MIN_ROUNDS:
+        parser.error(f"--rounds must be at least {MIN_ROUNDS}: fewer pairs say little")
     print(command_line())
     print(environment())
     all_met = True
