@@ -31,9 +31,10 @@ import torch
 from paired import MIN_ROUNDS, Paired, command_line, environment, paired_rounds, spread
 
 from kvctl.agent.main import default_torch_threads
-from kvctl.agent.pool.defrag import Defragmenter, DefragReport, DefragTrigger
+from kvctl.agent.pool.defrag import Defragmenter, DefragTrigger
 from kvctl.agent.pool.page_pool import PagePool
 from kvctl.agent.pool.storage import KVStorage
+from kvctl.api import DefragResult
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -132,12 +133,12 @@ def timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
 
 def defragment(
     args: argparse.Namespace, copier: KVStorage | TimedCopier, batch: int, sync: Callable[[], None]
-) -> tuple[float, DefragReport]:
+) -> tuple[float, DefragResult]:
     """Rebuild the fragmented pool (untimed) and time one full defragmentation of it."""
     storage = copier if isinstance(copier, KVStorage) else copier.storage
     pool = fragmented_pool(args, storage.bytes_per_page)
     defrag = Defragmenter(pool, copier, batch_pages=batch)
-    reports: list[DefragReport] = []
+    reports: list[DefragResult] = []
     seconds = timed(lambda: reports.append(defrag.run(DefragTrigger.MANUAL)), sync)
     report = reports[0]
     assert report.complete and report.fragmentation_after == 0.0, report

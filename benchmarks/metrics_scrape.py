@@ -34,8 +34,8 @@ import numpy as np
 from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
 
 from kvctl.agent.metrics import Histograms, build_registry, render
-from kvctl.agent.pool import PagePool, PoolStats
-from kvctl.api import GpuMemory, PoolSnapshot
+from kvctl.agent.pool import PagePool
+from kvctl.api import GpuMemory, PoolOccupancy, PoolSnapshot
 
 BYTES_PER_PAGE = 2 * 32 * 16 * 8 * 128 * 2  # K and V, 32 layers, 16 tokens, 8 heads × 128, bf16
 FREE, USED, CACHED = 0, 1, 2
@@ -57,29 +57,14 @@ def fragmented_pool(pages: int, seed: int) -> PagePool:
     return pool
 
 
-def snapshot_of(stats: PoolStats) -> PoolSnapshot:
+def snapshot_of(stats: PoolOccupancy) -> PoolSnapshot:
     """What the agent publishes: pool statistics plus counters the engine keeps."""
     return PoolSnapshot(
+        **dict(stats),
         pool="llama-3-8b",
         timestamp=time.time(),
         device="cuda",
-        page_size=16,
-        bytes_per_page=stats.bytes_per_page,
-        segment_pages=stats.segment_pages,
-        segments=stats.segments,
-        capacity_pages=stats.capacity_pages,
-        used_pages=stats.used_pages,
-        cached_pages=stats.cached_pages,
-        free_pages=stats.free_pages,
-        capacity_bytes=stats.capacity_bytes,
-        used_bytes=stats.used_bytes,
-        utilization_ratio=stats.utilization_ratio,
-        fragmentation_ratio=stats.fragmentation_ratio,
-        free_extents=stats.free_extents,
-        largest_free_run=stats.largest_free_run,
         max_pool_pages=None,
-        alloc_attempts_total=stats.alloc_attempts,
-        alloc_failures_total=stats.alloc_failures,
         alloc_success_ratio=1.0,
         window_seconds=300.0,
         prefix_cache_enabled=True,
@@ -101,14 +86,14 @@ def snapshot_of(stats: PoolStats) -> PoolSnapshot:
     )
 
 
-def scanned_stats(pool: PagePool, states: np.ndarray) -> PoolStats:
+def scanned_stats(pool: PagePool, states: np.ndarray) -> PoolOccupancy:
     """The naive exporter's statistics: every free run found by scanning the state array."""
     free = states == FREE
     edges = np.flatnonzero(np.diff(np.concatenate(([0], free.view(np.int8), [0]))))
     lengths = edges[1::2] - edges[::2]
     cached = int(np.count_nonzero(states == CACHED))
     free_pages = int(lengths.sum())
-    return PoolStats(
+    return PoolOccupancy(
         page_size=pool.page_size,
         bytes_per_page=pool.bytes_per_page,
         segment_pages=pool.segment_pages,
@@ -120,9 +105,9 @@ def scanned_stats(pool: PagePool, states: np.ndarray) -> PoolStats:
         free_extents=len(lengths),
         largest_free_run=int(lengths.max()) if len(lengths) else 0,
         sequences=0,
-        alloc_attempts=pool.alloc_attempts,
-        alloc_failures=pool.alloc_failures,
-        contiguous_misses=pool.contiguous_misses,
+        alloc_attempts_total=pool.alloc_attempts,
+        alloc_failures_total=pool.alloc_failures,
+        contiguous_misses_total=pool.contiguous_misses,
     )
 
 

@@ -28,8 +28,8 @@ from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
 
 from kvctl.agent.main import default_torch_threads
 from kvctl.agent.model import SamplingParams, build_demo_model
-from kvctl.agent.pool import DefragPolicy
 from kvctl.agent.runtime import Engine, EngineConfig
+from kvctl.settings import DefragSettings
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 TARGET_SPEEDUP = 5.0
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             page_size=args.page_size,
             pool_pages=pages,
             segment_pages=pages,
-            defrag=DefragPolicy(enabled=False),
+            defrag=DefragSettings(enabled=False),
             prefix_cache=cached,
         )
         engines[cached] = Engine(model, tokenizer, config)

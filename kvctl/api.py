@@ -2,16 +2,16 @@
 and the TUI share.
 
 The server validates every body against these models (unknown fields are refused, so a typo is
-an error rather than a silently ignored setting) and FastAPI publishes them in `/openapi.json`;
-`kvctl.client` parses every response with them. Nothing here imports torch or the agent, so the
-CLI stays fast to start.
+an error rather than a silently ignored setting) and FastAPI publishes them in `/openapi.json`
+(docs/api.md is that schema in prose); `kvctl.client` parses every response with them. Nothing
+here imports torch or the agent, so the CLI stays fast to start.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
 from kvctl.settings import AlertSettings as AlertSettings
 from kvctl.settings import DefragSettings as DefragSettings
@@ -39,7 +39,7 @@ class Strict(BaseModel):
 class Response(BaseModel):
     """Response bodies: a newer agent may add fields, an older client ignores them."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -95,9 +95,10 @@ class GpuMemory(Response):
 
 
 class DefragResult(Response):
-    """What one defragmentation did (POST /v1/defrag, and the last run in /v1/pool)."""
+    """What one defragmentation did (POST /v1/defrag, the last run in /v1/pool, and what the
+    agent's defragmenter returns)."""
 
-    trigger: str
+    trigger: str  # manual, threshold, extents, alloc_failure, shrink
     fragmentation_before: float
     fragmentation_after: float
     free_extents_before: int
@@ -108,78 +109,159 @@ class DefragResult(Response):
     complete: bool
 
 
-class PoolSnapshot(Response):
+def fragmentation_of(largest_free_run: int, free_pages: int) -> float:
+    """1 - largest free run / free pages; 0 when nothing is free."""
+    if free_pages == 0:
+        return 0.0
+    return 1.0 - largest_free_run / free_pages
+
+
+class PoolOccupancy(Response):
+    """One consistent reading of a pool's pages and allocation counters: what the pool itself
+    reports (its `stats()`), and the first part of every `PoolSnapshot`.
+
+    The ratios and byte counts are computed from the page counts, so they can never disagree
+    with them; they are in the JSON, and ignored when JSON is read back.
+    `reserved_pages` are free pages set aside, right after a running sequence's last page, for
+    its next ones; they are part of `free_pages`, any allocation that needs them takes them
+    back, and `fragmentation_ratio`, `free_extents` and `largest_free_run` describe the free
+    pages apart from them (`free_run_pages`).
+    """
+
+    page_size: int
+    """Tokens one page holds."""
+    bytes_per_page: int
+    """K and V of `page_size` tokens over every layer."""
+    segment_pages: int
+    """The unit of resize: the pool grows and shrinks by whole segments."""
+    segments: int
+    capacity_pages: int
+    used_pages: int
+    """Held by at least one running sequence."""
+    cached_pages: int
+    """Held only by the prefix cache: evicted on demand, so as good as free for admission."""
+    free_pages: int
+    """Free, the reserved pages included."""
+    free_extents: int
+    """Runs of consecutive free pages (reserved pages apart)."""
+    largest_free_run: int
+    reserved_pages: int = 0
+    """Free pages set aside right after a running sequence's last page, for its next ones."""
+    sequences: int = 0
+    """Page tables in the pool: running sequences and their forks."""
+    alloc_attempts_total: int
+    alloc_failures_total: int
+    """Allocations that failed after eviction and growth were tried."""
+    contiguous_misses_total: int = 0
+    """Prompts that could not get one run of pages and got scattered pages."""
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def capacity_bytes(self) -> int:
+        """capacity_pages × bytes_per_page."""
+        return self.capacity_pages * self.bytes_per_page
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def used_bytes(self) -> int:
+        """used_pages × bytes_per_page."""
+        return self.used_pages * self.bytes_per_page
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def utilization_ratio(self) -> float:
+        """(used + cached) / capacity: how much of the pool holds K/V at all."""
+        if self.capacity_pages == 0:
+            return 0.0
+        return (self.used_pages + self.cached_pages) / self.capacity_pages
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def pressure_ratio(self) -> float:
+        """used / capacity: cached pages are evicted on demand, so only used pages count."""
+        if self.capacity_pages == 0:
+            return 0.0
+        return self.used_pages / self.capacity_pages
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def free_run_pages(self) -> int:
+        """Free pages in the free extents: all free pages but those reserved for growth."""
+        return self.free_pages - self.reserved_pages
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def fragmentation_ratio(self) -> float:
+        """1 - largest free run / free pages, over the free extents (`free_run_pages`)."""
+        return fragmentation_of(self.largest_free_run, self.free_run_pages)
+
+
+class PoolSnapshot(PoolOccupancy):
     """GET /v1/pool: one consistent reading of the pool, the scheduler and the counters.
 
     Ratios are 0..1. `*_total` fields are counters since the agent started; `*_ratio` fields
     named after a window (`alloc_success_ratio`, `prefix_hit_ratio`) cover the last
-    `window_seconds`, and are null when nothing happened in it.
-
-    `utilization_ratio` is (used + cached) / capacity: how much of the pool holds K/V at all.
-    `pressure_ratio` is used / capacity: cached prefix pages are evicted on demand, so they are
-    as good as free for admission, and only this ratio says how close the pool is to refusing.
+    `window_seconds`, and are null when nothing happened in it. `pressure_ratio`, not
+    `utilization_ratio`, says how close the pool is to refusing (see `PoolOccupancy`).
     `queue_stalled_seconds` is how long requests have been waiting while no token was produced
     and no request was admitted or refused (0 when nothing waits or the queue moved).
-    `reserved_pages` are free pages set aside, right after a running sequence's last page, for
-    its next ones; they are part of `free_pages`, any allocation that needs them takes them
-    back, and `fragmentation_ratio`, `free_extents` and `largest_free_run` describe the free
-    pages apart from them.
     """
 
     pool: str
+    """The pool's name: the model it serves (the `pool` label of every metric)."""
     timestamp: float
+    """Unix time of the reading."""
     device: str
-    page_size: int
-    bytes_per_page: int
-    segment_pages: int
-    segments: int
-    capacity_pages: int
-    used_pages: int
-    cached_pages: int
-    free_pages: int
-    capacity_bytes: int
-    used_bytes: int
-    utilization_ratio: float
-    fragmentation_ratio: float
-    free_extents: int
-    largest_free_run: int
-    reserved_pages: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     max_pool_pages: int | None
-    alloc_attempts_total: int
-    alloc_failures_total: int
+    """The most pages a resize may reach; null when unbounded."""
     alloc_success_ratio: float | None
+    """Successful allocations ÷ attempts over the window; null when none was attempted."""
     window_seconds: float
+    """The window of the `*_ratio` fields named after one."""
     prefix_cache_enabled: bool
     prefix_queries_tokens_total: int
+    """Prompt tokens looked up in the prefix cache."""
     prefix_hits_tokens_total: int
+    """Prompt tokens the prefix cache served (not recomputed)."""
     prefix_hit_ratio: float | None
+    """Hit tokens ÷ looked-up tokens over the window; null when nothing was looked up."""
     prefix_evictions_total: int
+    """Pages the prefix cache gave up to make room."""
     defrag_runs_total: dict[str, int]
+    """Defragmentation sessions by trigger."""
     defrag_pages_moved_total: int
     defrag_active: bool
+    """An automatic session is under way (it advances between engine steps)."""
     last_defrag: DefragResult | None
     last_defrag_age_seconds: float | None
     auto_defrag_enabled: bool
     resizes_total: dict[str, int]
+    """Resizes by direction (grow, shrink)."""
     requests_running: int
     requests_waiting: int
     preemptions_total: int
+    """Running requests whose pages were taken back (recomputed later)."""
     alert_notifications_dropped_total: int = 0
+    """Alertmanager notifications given up after their retries."""
     gpus: list[GpuMemory]
-    # pressure: cached pages are reclaimable, so only used pages count
-    pressure_ratio: float = 0.0
-    # the queue: its cap, the age of its oldest request, and how long it has not moved
+    """What NVML reports; empty on a host without a GPU."""
     max_waiting: int = 0
+    """The queue's cap: a request arriving when it is full is refused with 429."""
     oldest_waiting_seconds: float = 0.0
+    """How long the oldest waiting request has waited; 0 when none waits."""
     queue_stalled_seconds: float = 0.0
-    # allocations within the window (the success ratio's numerator and denominator)
+    """How long requests have waited while no token was produced and none admitted."""
     window_alloc_attempts: int = 0
+    """Allocations attempted within the window (the success ratio's denominator)."""
     window_alloc_failures: int = 0
     requests_finished_total: dict[str, int] = {}
+    """Requests ended, by finish reason."""
     requests_rejected_total: dict[str, int] = {}
+    """Requests refused before they ran, by reason."""
     admin_actions_total: dict[str, int] = {}
+    """Mutating API calls carried out, by action."""
 
 
 PageStateName = Literal["free", "used", "cached"]

@@ -66,13 +66,13 @@ def engine_defaults() -> dict:
 def make_engine(demo, engine_defaults) -> Callable[..., object]:
     """An engine on the demo model with tiny pages and automatic defrag off; keyword arguments
     override `EngineConfig` fields."""
-    from kvctl.agent.pool import DefragPolicy
     from kvctl.agent.runtime import Engine, EngineConfig
+    from kvctl.settings import DefragSettings
 
     _, model, tokenizer = demo
 
     def make(**overrides: object) -> Engine:
-        settings = {**engine_defaults, "defrag": DefragPolicy(enabled=False), **overrides}
+        settings = {**engine_defaults, "defrag": DefragSettings(enabled=False), **overrides}
         return Engine(model, tokenizer, EngineConfig(**settings))
 
     return make

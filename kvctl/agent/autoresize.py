@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvctl.agent.pool import PoolStats
-from kvctl.api import ResizeSettings
+from kvctl.api import PoolOccupancy, ResizeSettings
 
 
 class AutoResize:
@@ -29,7 +28,7 @@ class AutoResize:
         self._above_since = self._below_since = None
 
     def decide(
-        self, stats: PoolStats, spare_bytes: int | None = None, promised: int = 0
+        self, stats: PoolOccupancy, spare_bytes: int | None = None, promised: int = 0
     ) -> int | None:
         """The capacity to resize to now, or None. `spare_bytes` is free device memory (None:
         unknown, e.g. on a CPU host, where only the configured maximum limits growth);

@@ -75,7 +75,6 @@ def build_service(config: AgentConfig) -> Any:
 
     from kvctl.agent.gpu import GpuProbe
     from kvctl.agent.model import CheckpointError, build_demo_model, load_checkpoint
-    from kvctl.agent.pool import DefragPolicy
     from kvctl.agent.pool.storage import KVStorage
     from kvctl.agent.runtime import Engine, EngineConfig
     from kvctl.agent.service import AgentService
@@ -131,7 +130,7 @@ def build_service(config: AgentConfig) -> Any:
             max_pool_pages=limits.max_pool_pages,
             max_batch_seqs=config.max_batch_seqs,
             max_batch_tokens=config.max_batch_tokens,
-            defrag=DefragPolicy(**settings.defrag.model_dump()),
+            defrag=settings.defrag,
             prefix_cache=config.prefix_cache,
             eviction_policy=settings.prefix_cache.eviction_policy,
             prefix_isolation=config.prefix_isolation,

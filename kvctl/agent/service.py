@@ -6,7 +6,8 @@ Only the engine thread touches the engine, the pool and the storage. Everything 
 in two ways: `call(fn)` queues a function to run on the engine thread between two steps (defrag,
 resize, settings, new requests) and returns a future; `snapshot` is the latest immutable
 `PoolSnapshot`, replaced whole after each step. So an HTTP handler never waits for more than a
-queue hand-off, and the engine never waits for a handler.
+queue hand-off, and the engine never waits for a handler. While the engine thread runs, the
+engine-only methods (here and on the `Engine`) raise `WrongThread` for any other caller.
 
 Between steps the thread also runs what must happen on the pool's time: automatic defrag ticks
 (also when idle, which is the cheapest time to compact), automatic resize, and publishing the
@@ -36,7 +37,7 @@ from kvctl.agent.config import DEFAULT_MAX_WAITING
 from kvctl.agent.gpu import GpuProbe
 from kvctl.agent.memory import release_free_memory
 from kvctl.agent.metrics import Histograms
-from kvctl.agent.pool import DefragPolicy, DefragReport, DefragTrigger
+from kvctl.agent.pool import DefragTrigger
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.runtime import Engine, Request, RequestRefused, RequestSummary, TokenEvent
 from kvctl.agent.window import CounterRatioWindow
@@ -112,14 +113,6 @@ def _deliver_all(deliveries: list[tuple[RequestStream, TokenEvent]]) -> None:
         stream.events.put_nowait(event)
 
 
-def defrag_policy(settings: RuntimeSettings) -> DefragPolicy:
-    return DefragPolicy(**settings.defrag.model_dump())
-
-
-def defrag_result(report: DefragReport) -> DefragResult:
-    return DefragResult(**report.to_dict())
-
-
 class AgentService:
     """Runs an `Engine` on its own thread and serves snapshots, commands and request streams."""
 
@@ -164,7 +157,7 @@ class AgentService:
         self._accepting = True
         self._thread: threading.Thread | None = None
         self._grace = 10.0  # seconds running requests get to finish when stopping
-        self._last_defrag: DefragReport | None = None
+        self._last_defrag: DefragResult | None = None
         self._last_defrag_at: float | None = None
         self._gpu_reading: tuple[float, list[GpuMemory]] = (float("-inf"), [])
         self._last_trim = clock()
@@ -180,16 +173,20 @@ class AgentService:
 
         The agent calls this on its main thread: torch runs its parallel kernels fastest from
         the thread that initialised it (the HTTP server then runs on another thread)."""
-        if self.alerting is not None:
-            self.alerting.start()
-        self._loop(should_stop)
-        self._accepting = False
-        if self.alerting is not None:
-            self.alerting.stop()
-        deadline = self.clock() + (self._grace if grace is None else grace)
-        self._loop(lambda: not self._streams or self.clock() >= deadline)
-        self._abort_all()
-        self.snapshot = self._build_snapshot()
+        self.engine.owner.claim()
+        try:
+            if self.alerting is not None:
+                self.alerting.start()
+            self._loop(should_stop)
+            self._accepting = False
+            if self.alerting is not None:
+                self.alerting.stop()
+            deadline = self.clock() + (self._grace if grace is None else grace)
+            self._loop(lambda: not self._streams or self.clock() >= deadline)
+            self._abort_all()
+            self.snapshot = self._build_snapshot()
+        finally:
+            self.engine.owner.release()
 
     def start(self) -> None:
         """Run the engine on a thread of its own (for tests and in-process embedding)."""
@@ -356,21 +353,24 @@ class AgentService:
 
     def page_states(self) -> PageStates:
         """Run on the engine thread: a copy of every page's state, to encode elsewhere."""
+        self.engine.owner.check("AgentService.page_states")
         return self.engine.pool.page_states()
 
     def page_states_and_snapshot(self) -> tuple[PageStates, PoolSnapshot]:
         """Run on the engine thread: the page states and a fresh snapshot of the same moment."""
+        self.engine.owner.check("AgentService.page_states_and_snapshot")
         states = self.engine.pool.page_states()
         self.snapshot = self._build_snapshot()
         return states, self.snapshot
 
     def defrag_now(self, max_pages: int | None) -> DefragResult:
         """Run on the engine thread: a manual defragmentation, to completion or `max_pages`."""
-        report = self.engine.auto_defrag.run_now(DefragTrigger.MANUAL, max_pages)
-        return defrag_result(report)
+        self.engine.owner.check("AgentService.defrag_now")
+        return self.engine.auto_defrag.run_now(DefragTrigger.MANUAL, max_pages)
 
     def resize(self, pages: int) -> ResizeResult:
         """Run on the engine thread: resize to `pages`; `ResizeRefused` changes nothing."""
+        self.engine.owner.check("AgentService.resize")
         engine = self.engine
         bytes_per_page = engine.pool.bytes_per_page
         result = engine.resizer.resize(pages)
@@ -399,6 +399,7 @@ class AgentService:
         """Run on the engine thread: merge a PATCH body into the settings in force and apply
         them; returns the settings before and after. Merging here, not on the HTTP thread,
         makes concurrent changes serial; a refused change (`SettingsError`) changes nothing."""
+        self.engine.owner.check("AgentService.change_settings")
         before = self.settings
         settings = apply_changes(before, changes, self.defaults, self.limits)
         self._apply_settings(settings)
@@ -406,7 +407,7 @@ class AgentService:
 
     def _apply_settings(self, settings: RuntimeSettings) -> None:
         self.settings = settings
-        self.engine.auto_defrag.policy = defrag_policy(settings)
+        self.engine.auto_defrag.policy = settings.defrag
         self.auto_resize.update_settings(settings.resize)
         resizer = self.engine.resizer
         resizer.max_pages = settings.resize.max_pages or self.limits.max_pool_pages
@@ -432,7 +433,7 @@ class AgentService:
             return None
         return self.gpu.free_bytes(device.index or 0)
 
-    def _note_defrag(self, report: DefragReport) -> None:
+    def _note_defrag(self, report: DefragResult) -> None:
         self.histograms.defrag.observe(report.seconds)
         self._last_defrag, self._last_defrag_at = report, self.clock()
 
@@ -442,7 +443,9 @@ class AgentService:
         engine = self.engine
         stats = engine.stats
         pool = engine.pool.stats()
-        self._alloc_window.record(pool.alloc_attempts - pool.alloc_failures, pool.alloc_attempts)
+        self._alloc_window.record(
+            pool.alloc_attempts_total - pool.alloc_failures_total, pool.alloc_attempts_total
+        )
         successes, attempts = self._alloc_window.increases()
         now = self.clock()
         oldest = stats.oldest_queued_at
@@ -453,29 +456,13 @@ class AgentService:
         last_age = None if self._last_defrag_at is None else self.clock() - self._last_defrag_at
         runs = {trigger.value: auto.runs_total[trigger] for trigger in DefragTrigger}
         return PoolSnapshot(
+            **dict(pool),  # the pool's own reading: pages, runs, allocation counters
             pool=self.pool_name,
             timestamp=self.wall_clock(),
             device=str(engine.device),
-            page_size=pool.page_size,
-            bytes_per_page=pool.bytes_per_page,
-            segment_pages=pool.segment_pages,
-            segments=pool.segments,
-            capacity_pages=pool.capacity_pages,
-            used_pages=pool.used_pages,
-            cached_pages=pool.cached_pages,
-            free_pages=pool.free_pages,
-            capacity_bytes=pool.capacity_bytes,
-            used_bytes=pool.used_bytes,
-            utilization_ratio=pool.utilization_ratio,
-            fragmentation_ratio=pool.fragmentation_ratio,
-            free_extents=pool.free_extents,
-            largest_free_run=pool.largest_free_run,
-            reserved_pages=pool.reserved_pages,
             prompt_tokens_total=stats.prompt_tokens,
             generation_tokens_total=stats.generated_tokens,
             max_pool_pages=engine.resizer.max_pages,
-            alloc_attempts_total=pool.alloc_attempts,
-            alloc_failures_total=pool.alloc_failures,
             alloc_success_ratio=self._alloc_window.ratio(),
             window_seconds=self.window,
             prefix_cache_enabled=engine.config.prefix_cache,
@@ -486,7 +473,7 @@ class AgentService:
             defrag_runs_total=runs,
             defrag_pages_moved_total=auto.pages_moved_total,
             defrag_active=auto.active is not None,
-            last_defrag=None if self._last_defrag is None else defrag_result(self._last_defrag),
+            last_defrag=self._last_defrag,
             last_defrag_age_seconds=last_age,
             auto_defrag_enabled=auto.policy.enabled,
             resizes_total=dict(self.resizes_total),
@@ -495,7 +482,6 @@ class AgentService:
             preemptions_total=stats.preemptions,
             alert_notifications_dropped_total=self.alerting.dropped_total if self.alerting else 0,
             gpus=self._gpus(),
-            pressure_ratio=pool.pressure_ratio,
             max_waiting=self.max_waiting,
             oldest_waiting_seconds=waited,
             queue_stalled_seconds=stalled,

@@ -117,6 +117,10 @@ def _pressure(o: Observation) -> list[Reading]:
 
 
 def _utilization(o: Observation) -> list[Reading]:
+    """No reading while requests wait: a pool with a queue is not too big, whatever holds it
+    (advising a shrink then would make the wait worse)."""
+    if o.snapshot.requests_waiting:
+        return []
     return [Reading(o.snapshot.utilization_ratio)]
 
 

@@ -27,12 +27,12 @@ from typing import Protocol
 from kvctl.agent.pool import (
     AutoDefrag,
     Defragmenter,
-    DefragPolicy,
     PagePool,
     PoolResizer,
     ResizeRefused,
     fragmentation_ratio,
 )
+from kvctl.settings import DefragSettings
 from kvctl.simulate.contiguous import ContiguousAllocator
 from kvctl.simulate.workloads import Model, Request, Workload
 
@@ -180,7 +180,7 @@ class PagedSide:
         workload: Workload,
         budget_bytes: int,
         page_size: int,
-        policy: DefragPolicy,
+        policy: DefragSettings,
         clock: Callable[[], float],
     ) -> None:
         self.elastic = len(workload.models) > 1
@@ -246,7 +246,7 @@ class PagedSide:
         free = largest = extents = reserved = 0
         for mp in self.pools.values():
             stats = mp.pool.stats()
-            free += stats.free_run_pages * mp.page_bytes  # as PoolStats.fragmentation_ratio
+            free += stats.free_run_pages * mp.page_bytes  # as PoolOccupancy.fragmentation_ratio
             largest += stats.largest_free_run * mp.page_bytes
             extents += stats.free_extents
             reserved += stats.used_pages * mp.page_bytes

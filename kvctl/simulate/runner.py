@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvctl.agent.pool import DefragPolicy
+from kvctl.settings import DefragSettings
 from kvctl.simulate.backends import (
     ContiguousSide,
     MemorySample,
@@ -322,8 +322,8 @@ def paged_side(workload: Workload, budget: int, config: SimulationConfig, clock:
     The clock counts steps, so thresholds are checked every step; one step stands for
     `decode_chunk` engine steps, so it gets that many ticks' worth of page budget.
     """
-    base = DefragPolicy()
-    policy = DefragPolicy(
+    base = DefragSettings()
+    policy = DefragSettings(
         check_interval_s=1.0, step_max_pages=base.step_max_pages * config.decode_chunk
     )
     return PagedSide(workload, budget, config.page_size, policy, clock)

@@ -98,6 +98,7 @@ def test_pool_stats_move_and_defrag_and_resize_work(start_agent) -> None:
         assert snapshot.defrag_runs_total["manual"] == 1
 
 
+@pytest.mark.slow
 def test_refused_resize_is_409_and_changes_nothing(start_agent) -> None:
     # pages of one token: the 1,000-token request below runs for seconds on the demo model
     agent = start_agent("--pool-pages", "2048", "--segment-pages", "256", "--page-size", "1")
@@ -232,6 +233,7 @@ def test_runtime_config_patch(agent) -> None:
         assert restored.json() == original
 
 
+@pytest.mark.slow
 def test_config_shows_the_limits_in_force_and_null_restores_them(start_agent) -> None:
     agent = start_agent("--pool-pages", "256", "--segment-pages", "32", "--max-pool-pages", "1024")
     with client(agent) as http:
@@ -389,6 +391,7 @@ def test_malformed_json_and_oversized_bodies(agent) -> None:
         assert huge.status_code == 413
 
 
+@pytest.mark.slow
 def test_the_token_guards_every_endpoint_but_health_and_the_runbook(start_agent) -> None:
     agent = start_agent(*("--pool-pages", "64", "--segment-pages", "16"), token="s3cret")
     with (
@@ -427,6 +430,7 @@ def test_public_bind_without_token_is_refused() -> None:
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -458,6 +462,7 @@ def test_bad_flags_are_one_line_errors(flags, message) -> None:
     assert message in errors[0]
 
 
+@pytest.mark.slow
 def test_sigterm_exits_cleanly(start_agent) -> None:
     agent = start_agent("--pool-pages", "64", "--segment-pages", "16")
     with client(agent) as http:

@@ -22,6 +22,7 @@ def fuzzed_agent():
     agent.stop()
 
 
+@pytest.mark.slow
 def test_no_input_causes_a_server_error(fuzzed_agent) -> None:
     schema = schemathesis.openapi.from_url(f"{fuzzed_agent.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]

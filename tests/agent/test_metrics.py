@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pool_readings import pool_snapshot
 from prometheus_client.parser import text_string_to_metric_families
 from promised_metrics import PROMISED_METRICS
 
@@ -51,10 +52,6 @@ def make_snapshot(**overrides: Any) -> PoolSnapshot:
         used_pages=600,
         cached_pages=100,
         free_pages=324,
-        capacity_bytes=1024 * 4096,
-        used_bytes=600 * 4096,
-        utilization_ratio=700 / 1024,
-        fragmentation_ratio=0.25,
         free_extents=7,
         largest_free_run=243,
         reserved_pages=17,
@@ -85,7 +82,6 @@ def make_snapshot(**overrides: Any) -> PoolSnapshot:
             GpuMemory(index=0, name="H200", used_bytes=70 * 2**30, total_bytes=141 * 2**30),
             GpuMemory(index=1, name="H200", used_bytes=5 * 2**30, total_bytes=141 * 2**30),
         ],
-        pressure_ratio=600 / 1024,
         max_waiting=256,
         oldest_waiting_seconds=4.5,
         queue_stalled_seconds=1.5,
@@ -96,7 +92,7 @@ def make_snapshot(**overrides: Any) -> PoolSnapshot:
         admin_actions_total={"resize": 1, "config": 2},
     )
     fields.update(overrides)
-    return PoolSnapshot(**fields)
+    return pool_snapshot(**fields)
 
 
 def scrape(snapshot: PoolSnapshot, durations: DurationHistogram | None = None) -> str:
@@ -137,7 +133,7 @@ def expected_for_full_snapshot() -> Samples:
         series("kvctl_pool_utilization_ratio"): 700 / 1024,
         series("kvctl_pool_segments"): 4,
         series("kvctl_pool_max_pages"): 2048,
-        series("kvctl_pool_fragmentation_ratio"): 0.25,
+        series("kvctl_pool_fragmentation_ratio"): 1 - 243 / (324 - 17),
         series("kvctl_pool_free_extents"): 7,
         series("kvctl_pool_largest_free_run_pages"): 243,
         series("kvctl_pool_reserved_pages"): 17,

@@ -200,6 +200,7 @@ def test_a_request_whose_client_left_is_aborted_and_its_pages_freed(start_agent,
         assert final.requests_finished_total.get("length", 0) == 0
 
 
+@pytest.mark.slow
 def test_slow_and_idle_connections_are_closed(start_agent, tmp_path) -> None:
     config = tmp_path / "agent.toml"
     config.write_text('header_timeout = "1s"\nbody_timeout = "1s"\n')
@@ -286,6 +287,7 @@ def test_large_text_prompts_are_refused_untokenized_and_memory_comes_back(start_
 # ---- privacy and audit ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cached_tokens_are_reported_only_when_the_operator_opts_in(start_agent) -> None:
     body = {"prompt": "a shared system prompt and a question", "max_tokens": 2}
     quiet = start_agent("--pool-pages", "64", "--segment-pages", "16")

@@ -23,67 +23,15 @@ import httpx
 import pytest
 import yaml
 from local_tools import find_binary, free_port
+from pool_readings import pool_snapshot
 
 from kvctl import api
-
-QUIET_SNAPSHOT = dict(
-    pool="demo",
-    timestamp=1_700_000_000.0,
-    device="cpu",
-    page_size=16,
-    bytes_per_page=65536,
-    segment_pages=64,
-    segments=8,
-    capacity_pages=512,
-    used_pages=200,
-    cached_pages=56,
-    free_pages=256,
-    capacity_bytes=512 * 65536,
-    used_bytes=200 * 65536,
-    utilization_ratio=0.5,
-    fragmentation_ratio=0.05,
-    free_extents=2,
-    largest_free_run=243,
-    max_pool_pages=None,
-    alloc_attempts_total=1000,
-    alloc_failures_total=0,
-    alloc_success_ratio=1.0,
-    window_seconds=300.0,
-    prefix_cache_enabled=True,
-    prefix_queries_tokens_total=10_000,
-    prefix_hits_tokens_total=6_000,
-    prefix_hit_ratio=0.6,
-    prefix_evictions_total=0,
-    defrag_runs_total={"manual": 0, "threshold": 0},
-    defrag_pages_moved_total=0,
-    defrag_active=False,
-    last_defrag=None,
-    last_defrag_age_seconds=None,
-    auto_defrag_enabled=True,
-    resizes_total={"grow": 0, "shrink": 0},
-    requests_running=4,
-    requests_waiting=0,
-    preemptions_total=0,
-    gpus=[],
-    pressure_ratio=200 / 512,
-    max_waiting=256,
-    oldest_waiting_seconds=0.0,
-    queue_stalled_seconds=0.0,
-    window_alloc_attempts=400,
-    window_alloc_failures=0,
-)
-"""A healthy pool: 39% held by running requests, half used with the cache, barely fragmented,
-every allocation served, nothing waiting. No alert applies."""
 
 
 @pytest.fixture
 def make_snapshot() -> Callable[..., api.PoolSnapshot]:
-    """A snapshot of a healthy pool with the given fields changed."""
-
-    def make(**changes: object) -> api.PoolSnapshot:
-        return api.PoolSnapshot(**{**QUIET_SNAPSHOT, **changes})
-
-    return make
+    """A snapshot of a healthy pool with the given fields changed (see `pool_snapshot`)."""
+    return pool_snapshot
 
 
 # ---- a real Prometheus and Alertmanager -----------------------------------------------------

@@ -43,10 +43,8 @@ def gpu(used: float, split: float = 0.0) -> list[api.GpuMemory]:
     ]
 
 
-FRAGMENTED = dict(fragmentation_ratio=0.71, free_pages=212, free_extents=37)
-FULL = dict(
-    utilization_ratio=0.97, pressure_ratio=0.96, used_pages=492, cached_pages=5, free_pages=15
-)
+FRAGMENTED = dict(fragmentation=0.71, used_pages=244, free_pages=212, free_extents=37)
+FULL = dict(used_pages=492, cached_pages=5)
 FAILING = dict(window_alloc_attempts=100, window_alloc_failures=10)
 STALLED = dict(requests_waiting=8, requests_running=0, queue_stalled_seconds=120.0)
 WAITING = dict(requests_waiting=12, oldest_waiting_seconds=90.0)
@@ -55,15 +53,15 @@ CASES = [
     # (alert, changes, expected description after the headline, expected remediation)
     (
         "KvctlAllocationFailures",
-        dict(FAILING, max_pool_pages=512, free_pages=0, cached_pages=0),
+        dict(FAILING, max_pool_pages=512, used_pages=512, cached_pages=0),
         "the pool is at its limit of 512 pages (0 free, 0 cached) and may not grow",
         "Restart the agent with `--max-pool-pages 640` if the device has the memory; otherwise "
         "send fewer concurrent or shorter requests",
     ),
     (
         "KvctlAllocationFailures",
-        dict(FAILING, requests_waiting=6, pressure_ratio=0.99),
-        "6 requests wait while running requests hold 99% of the pool: demand outgrows its 512 "
+        dict(FAILING, requests_waiting=6, used_pages=507, cached_pages=0),
+        "6 requests wait while running requests hold 99.02% of the pool: demand outgrows its 512 "
         "pages",
         f"Run `kvctl --agent {AGENT} pool resize --pages 640`; to grow on demand, set "
         "`resize.enabled=true` and `resize.high_water=0.85` (PATCH /v1/config)",
@@ -152,14 +150,14 @@ CASES = [
     ),
     (
         "KvctlPoolOverProvisioned",
-        dict(utilization_ratio=0.1, used_pages=40, cached_pages=11, capacity_pages=512),
+        dict(used_pages=40, cached_pages=11, capacity_pages=512),
         "51 of 512 pages in use with 4 requests running",
         f"Run `kvctl --agent {AGENT} pool resize --pages 128`; to shrink automatically, set "
         "`resize.enabled=true` (PATCH /v1/config)",
     ),
     (
         "KvctlPoolOverProvisioned",
-        dict(utilization_ratio=0.1, capacity_pages=64, used_pages=6, cached_pages=0),
+        dict(capacity_pages=64, used_pages=6, cached_pages=0),
         "the pool is a single segment of 64 pages and cannot shrink",
         "Nothing to shrink at run time; if the memory is needed elsewhere, restart the agent "
         "with `--pool-pages 64` and a smaller `--segment-pages`",
@@ -167,7 +165,7 @@ CASES = [
     (
         "KvctlPrefixHitRateLow",
         dict(FULL, prefix_hit_ratio=0.03, prefix_evictions_total=4096),
-        "the pool is 97% full and the cache has evicted 4096 entries since start: prefixes are "
+        "the pool is 97.07% full and the cache has evicted 4096 entries since start: prefixes are "
         "pushed out before they are reused",
         'Keep often reused prefixes: set `prefix_cache.eviction_policy="lfu"` (PATCH '
         f"/v1/config); or give the cache room: Run `kvctl --agent {AGENT} pool resize --pages "
@@ -200,8 +198,8 @@ CASES = [
     ),
     (
         "KvctlGpuMemoryNearCapacity",
-        dict(gpus=gpu(78), utilization_ratio=0.2, used_pages=80, cached_pages=22),
-        "the KV pool holds 32.0 MiB of the GPU's 80.0 GiB but only 20% of it is in use",
+        dict(gpus=gpu(78), used_pages=80, cached_pages=22),
+        "the KV pool holds 32.0 MiB of the GPU's 80.0 GiB but only 19.92% of it is in use",
         f"Give memory back with `kvctl --agent {AGENT} pool resize --pages 256`",
     ),
     (
@@ -268,7 +266,7 @@ CASES = [
     (
         "KvctlQueueWaitLong",
         {**WAITING, **FULL, "max_pool_pages": 512, "requests_running": 30},
-        "the pool is at its limit of 512 pages and running requests hold 96% of the pool: "
+        "the pool is at its limit of 512 pages and running requests hold 96.09% of the pool: "
         "waiting requests need room the pool may not grow to",
         "Restart the agent with `--max-pool-pages 640` if the device has the memory; otherwise "
         "send fewer concurrent or shorter requests",
@@ -383,14 +381,14 @@ SETTINGS_CASES = [
     ),
     (
         "KvctlPoolOverProvisioned",
-        dict(utilization_ratio=0.1, used_pages=40, cached_pages=11),
+        dict(used_pages=40, cached_pages=11),
         runtime(resize={"enabled": True, "min_pages": 256}),
         f"Run `kvctl --agent {AGENT} pool resize --pages 128`; to shrink automatically, set "
         "`resize.min_pages=128` (PATCH /v1/config)",
     ),
     (
         "KvctlPoolOverProvisioned",
-        dict(utilization_ratio=0.1, used_pages=40, cached_pages=11),
+        dict(used_pages=40, cached_pages=11),
         runtime(resize={"enabled": True}),
         f"Run `kvctl --agent {AGENT} pool resize --pages 128`; automatic resize is on and "
         "shrinks one segment once the pool stays below `resize.low_water=0.3` for "
@@ -451,7 +449,7 @@ def test_no_remedy_suggests_a_setting_already_in_force(make_snapshot) -> None:
         dict(FULL, prefix_hit_ratio=0.03, prefix_evictions_total=4096),
         dict(FRAGMENTED, last_defrag=defrag(0.6, 0.02, 150), last_defrag_age_seconds=60.0),
         dict(FRAGMENTED, last_defrag=defrag(0.8, 0.6, 64, False), last_defrag_age_seconds=30.0),
-        dict(utilization_ratio=0.1, used_pages=40, cached_pages=11),
+        dict(used_pages=40, cached_pages=11),
         dict(WAITING, requests_waiting=256, requests_running=30),
     ]
     in_force = [

@@ -56,7 +56,7 @@ def test_pending_until_for_then_firing_then_held_down_to_the_clear_level(
         (0.51, "pending"),
     ]
     for value, expected in timeline:
-        alerts = ev.evaluate(make_snapshot(fragmentation_ratio=value))
+        alerts = ev.evaluate(make_snapshot(fragmentation=value))
         assert states(alerts).get("KvctlFragmentationHigh") == expected, (clock.now - T0, value)
         clock.now += 15
     [alert] = ev.alerts
@@ -65,11 +65,11 @@ def test_pending_until_for_then_firing_then_held_down_to_the_clear_level(
 
 def test_a_pending_alert_needs_the_trigger_all_along(clock, make_snapshot) -> None:
     ev = evaluator(clock, for_s=60)
-    ev.evaluate(make_snapshot(fragmentation_ratio=0.6))
+    ev.evaluate(make_snapshot(fragmentation=0.6))
     clock.now += 15
-    assert ev.evaluate(make_snapshot(fragmentation_ratio=0.45)) == []
+    assert ev.evaluate(make_snapshot(fragmentation=0.45)) == []
     clock.now += 15
-    [alert] = ev.evaluate(make_snapshot(fragmentation_ratio=0.6))
+    [alert] = ev.evaluate(make_snapshot(fragmentation=0.6))
     assert alert.state == "pending" and alert.active_since == T0 + 30
 
 
@@ -132,8 +132,6 @@ def test_a_full_prefix_cache_is_not_pressure(clock, make_snapshot) -> None:
         used_pages=0,
         cached_pages=500,
         free_pages=12,
-        utilization_ratio=500 / 512,
-        pressure_ratio=0.0,
         requests_running=0,
         window_alloc_attempts=0,
     )
@@ -142,8 +140,6 @@ def test_a_full_prefix_cache_is_not_pressure(clock, make_snapshot) -> None:
         used_pages=497,
         cached_pages=3,
         free_pages=12,
-        utilization_ratio=500 / 512,
-        pressure_ratio=497 / 512,
     )
     [alert] = evaluator(clock, for_s=0).evaluate(busy)
     assert alert.name == "KvctlPoolNearlyFull"
@@ -154,7 +150,7 @@ def test_a_full_prefix_cache_is_not_pressure(clock, make_snapshot) -> None:
 
 
 def test_a_threshold_no_value_can_cross_turns_its_alert_off(clock, make_snapshot) -> None:
-    idle = make_snapshot(utilization_ratio=0.0, used_pages=0, cached_pages=0, free_pages=512)
+    idle = make_snapshot(used_pages=0, cached_pages=0, free_pages=512)
     ev = evaluator(clock, for_s=0, utilization_low=0.5)
     assert states(ev.evaluate(idle)) == {"KvctlPoolOverProvisioned": "firing"}
     ev.settings = api.AlertSettings(for_s=0, utilization_low=0.0)  # 0 is below nothing: off
@@ -162,7 +158,7 @@ def test_a_threshold_no_value_can_cross_turns_its_alert_off(clock, make_snapshot
     ev.settings = api.AlertSettings(for_s=0, utilization_low=0.5)
     assert states(ev.evaluate(idle)) == {"KvctlPoolOverProvisioned": "firing"}
     clock.now += 15
-    full = make_snapshot(fragmentation_ratio=0.9)
+    full = make_snapshot(fragmentation=0.9)
     assert "KvctlFragmentationHigh" in states(evaluator(clock, for_s=0).evaluate(full))
     assert evaluator(clock, for_s=0, fragmentation_max=1.0).evaluate(full) == []
 
@@ -195,7 +191,7 @@ def test_a_stalled_queue_and_a_long_wait_fire_and_resolve_when_it_moves(
 
 def test_longer_for_of_slow_alerts_scales_with_alert_for(clock, make_snapshot) -> None:
     ev = evaluator(clock, for_s=60)
-    idle = make_snapshot(utilization_ratio=0.1, used_pages=40, cached_pages=11, free_pages=461)
+    idle = make_snapshot(used_pages=40, cached_pages=11, free_pages=461)
     ev.evaluate(idle)
     clock.now += 29 * 60
     assert states(ev.evaluate(idle)) == {"KvctlPoolOverProvisioned": "pending"}
@@ -244,11 +240,11 @@ def test_one_alert_per_gpu_that_is_nearly_full(clock, make_snapshot) -> None:
 def test_changed_settings_apply_at_the_next_evaluation(clock, make_snapshot) -> None:
     """Thresholds alone or the whole runtime settings: both are what the agent has in force."""
     ev = evaluator(clock, for_s=0)
-    assert states(ev.evaluate(make_snapshot(fragmentation_ratio=0.6))) == {
+    assert states(ev.evaluate(make_snapshot(fragmentation=0.6))) == {
         "KvctlFragmentationHigh": "firing"
     }
     ev.settings = api.RuntimeSettings(alerts=api.AlertSettings(for_s=0, fragmentation_max=0.8))
-    assert ev.evaluate(make_snapshot(fragmentation_ratio=0.6)) == []  # clear level now 0.7
+    assert ev.evaluate(make_snapshot(fragmentation=0.6)) == []  # clear level now 0.7
 
 
 def test_labels_are_what_prometheus_would_attach_and_links_are_absolute(
@@ -263,7 +259,7 @@ def test_labels_are_what_prometheus_would_attach_and_links_are_absolute(
         job="llm-kv",
     )
     alerts = ev.evaluate(
-        make_snapshot(fragmentation_ratio=0.7, prefix_hit_ratio=0.01, **allocations(400, 40))
+        make_snapshot(fragmentation=0.7, prefix_hit_ratio=0.01, **allocations(400, 40))
     )
     assert [a.name for a in alerts] == [
         "KvctlAllocationFailures",  # critical first
@@ -290,7 +286,7 @@ def test_a_runbook_base_replaces_the_agents_own(clock, make_snapshot) -> None:
         clock,
         runbook_base="https://wiki.example.com/kvctl/alerts/",
     )
-    [alert] = ev.evaluate(make_snapshot(fragmentation_ratio=0.7))
+    [alert] = ev.evaluate(make_snapshot(fragmentation=0.7))
     assert alert.runbook_url == "https://wiki.example.com/kvctl/alerts#kvctlfragmentationhigh"
     assert alert.labels["job"] == "kvctl-agent"  # the default scrape job
 
@@ -299,9 +295,9 @@ TRIGGERS = {
     "KvctlAllocationFailures": dict(window_alloc_attempts=1000, window_alloc_failures=20),
     "KvctlQueueStalled": dict(requests_waiting=3, queue_stalled_seconds=45.0),
     "KvctlQueueWaitLong": dict(requests_waiting=3, oldest_waiting_seconds=75.0),
-    "KvctlFragmentationHigh": dict(fragmentation_ratio=0.7),
+    "KvctlFragmentationHigh": dict(fragmentation=0.7),
     "KvctlDefragIneffective": dict(
-        fragmentation_ratio=0.7,
+        fragmentation=0.7,
         last_defrag_age_seconds=120.0,
         last_defrag=api.DefragResult(
             trigger="threshold",
@@ -315,8 +311,8 @@ TRIGGERS = {
             complete=True,
         ),
     ),
-    "KvctlPoolNearlyFull": dict(pressure_ratio=0.97, used_pages=497, free_pages=15),
-    "KvctlPoolOverProvisioned": dict(utilization_ratio=0.1),
+    "KvctlPoolNearlyFull": dict(used_pages=497, cached_pages=0),
+    "KvctlPoolOverProvisioned": dict(used_pages=40, cached_pages=11),
     "KvctlPrefixHitRateLow": dict(prefix_hit_ratio=0.02),
     "KvctlPreemptionStorm": dict(preemptions_total=1000),
     "KvctlGpuMemoryNearCapacity": dict(
@@ -341,3 +337,13 @@ def test_every_alert_fires_with_a_value_a_cause_and_a_command(
     assert "`" in alert.remediation  # a command, setting or flag to paste
     assert alert.runbook_url == f"http://node-1:8477/runbook#{definition.name.lower()}"
     assert (alert.labels["job"], alert.labels["instance"]) == ("kvctl-agent", "node-1:8477")
+
+
+def test_a_pool_with_waiting_requests_is_never_over_provisioned(clock, make_snapshot) -> None:
+    """Advising a shrink while requests queue would make the wait longer."""
+    nearly_empty = dict(used_pages=10, cached_pages=0)
+    ev = evaluator(clock, for_s=0)
+    assert states(ev.evaluate(make_snapshot(**nearly_empty))) == {
+        "KvctlPoolOverProvisioned": "firing"
+    }
+    assert ev.evaluate(make_snapshot(**nearly_empty, requests_waiting=3)) == []

@@ -17,10 +17,10 @@ from kv_device import DEVICE
 from kvctl import api
 from kvctl.agent.alerting import AlertLoop
 from kvctl.agent.model import SamplingParams
-from kvctl.agent.pool import DefragPolicy
 from kvctl.agent.runtime import Engine, EngineConfig, Scheduler
 from kvctl.agent.service import AgentService
 from kvctl.alerts import AlertEvaluator
+from kvctl.settings import DefragSettings
 
 AGENT = "http://node-1:8477"
 STEP_S = 2.0
@@ -58,7 +58,7 @@ def stack(demo) -> Iterator[tuple[AgentService, AlertLoop, Clock]]:
         pool_pages=64,
         segment_pages=16,
         max_pool_pages=128,
-        defrag=DefragPolicy(enabled=False),
+        defrag=DefragSettings(enabled=False),
     )
     engine = Engine(model, tokenizer, config, clock=clock)
     service = AgentService(engine, "demo", SETTINGS, clock=clock, wall_clock=clock, window=60)

@@ -57,7 +57,9 @@ def test_status_json_keys(kvctl, agent) -> None:
     assert set(entry) == {"agent", "up", "error", "health", "pool", "alerts"}
     assert (entry["agent"], entry["up"], entry["error"]) == (agent.url, True, None)
     assert set(entry["health"]) == set(Health.model_fields)
-    assert set(entry["pool"]) == set(PoolSnapshot.model_fields)
+    assert set(entry["pool"]) == set(PoolSnapshot.model_fields) | set(
+        PoolSnapshot.model_computed_fields
+    )
     assert isinstance(entry["alerts"], list)
 
 
@@ -167,7 +169,7 @@ def test_token_from_option_or_environment(kvctl, token_agent) -> None:
 
 def test_pool_show(kvctl, agent) -> None:
     data = json.loads(kvctl("-a", agent.url, "pool", "show", "--json").stdout)
-    assert set(data) == set(PoolSnapshot.model_fields)
+    assert set(data) == set(PoolSnapshot.model_fields) | set(PoolSnapshot.model_computed_fields)
     human = kvctl("-a", agent.url, "pool", "show")
     assert human.exit_code == 0
     assert f"{data['capacity_pages']} pages (" in human.stdout
@@ -378,6 +380,7 @@ def test_top_headless_json_is_one_line_per_table(kvctl) -> None:
     assert all(tick["agents"][0]["up"] is False and tick["time"] > 0 for tick in ticks)
 
 
+@pytest.mark.slow
 def test_agent_run_is_kvctl_agent(tmp_path) -> None:
     """`kvctl agent run` becomes the agent: same flags, same ready line, SIGTERM exits 0."""
     cmd = [sys.executable, "-m", "kvctl.cli.main", "agent", "run", "--port", "0"]
@@ -396,6 +399,7 @@ def test_agent_run_is_kvctl_agent(tmp_path) -> None:
         process.kill()
 
 
+@pytest.mark.slow
 def test_load_stopped_by_sigterm_prints_its_report(agent) -> None:
     import signal
     import time

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pool_readings import pool_snapshot
 
 from kvctl.api import PoolSnapshot, ResizeRequest
 from kvctl.sizing import amount_in_pages, plan_from_text, plan_resize
@@ -12,29 +13,15 @@ PAGE = 64 << 10  # bytes per page of the small test pool
 
 def pool(capacity: int = 256, segment: int = 32) -> PoolSnapshot:
     """A pool of `capacity` pages of 64 KiB in segments of `segment` pages, nothing used."""
-    return PoolSnapshot.model_validate(
-        {
-            **dict.fromkeys(
-                (
-                    "timestamp", "used_pages", "cached_pages", "used_bytes", "free_extents",
-                    "largest_free_run", "alloc_attempts_total", "alloc_failures_total",
-                    "prefix_queries_tokens_total", "prefix_hits_tokens_total",
-                    "prefix_evictions_total", "defrag_pages_moved_total", "requests_running",
-                    "requests_waiting", "preemptions_total", "utilization_ratio",
-                    "fragmentation_ratio",
-                ),
-                0,
-            ),
-            "pool": "demo", "device": "cpu", "page_size": 16, "bytes_per_page": PAGE,
-            "segment_pages": segment, "segments": capacity // segment,
-            "capacity_pages": capacity, "free_pages": capacity,
-            "capacity_bytes": capacity * PAGE, "max_pool_pages": None,
-            "alloc_success_ratio": None, "window_seconds": 300.0,
-            "prefix_cache_enabled": True, "prefix_hit_ratio": None, "defrag_runs_total": {},
-            "defrag_active": False, "last_defrag": None, "last_defrag_age_seconds": None,
-            "auto_defrag_enabled": True, "resizes_total": {}, "gpus": [],
-        }
-    )  # fmt: skip
+    return pool_snapshot(
+        capacity_pages=capacity,
+        segment_pages=segment,
+        bytes_per_page=PAGE,
+        used_pages=0,
+        cached_pages=0,
+        free_extents=1,
+        fragmentation=0.0,
+    )
 
 
 def test_amount_is_pages_without_a_unit_and_bytes_with_one() -> None:

@@ -2,6 +2,7 @@
 
 import hashlib
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -42,6 +43,7 @@ def test_demo_shape_and_tokenizer_agree(demo):
     assert 3_000_000 < sum(p.numel() for p in model.parameters()) < 3_500_000
 
 
+@pytest.mark.slow
 def test_greedy_continuations_depend_on_the_prompt(demo, generate):
     _, model, tokenizer = demo
     texts = ["Hello world", "The quick brown fox", "kvctl pages", "1234"]

@@ -292,6 +292,7 @@ def decode_run(
     return torch.stack(logits), paths
 
 
+@pytest.mark.slow
 def test_flex_decode_matches_the_gather_through_the_model(demo) -> None:
     _, model, _ = demo
     expected, _ = decode_run(model, "gather")

@@ -5,12 +5,12 @@ import pytest
 from kvctl.agent.pool import (
     AutoDefrag,
     Defragmenter,
-    DefragPolicy,
     DefragTrigger,
     PagePool,
     moves_needed,
     plan_moves,
 )
+from kvctl.settings import DefragSettings
 
 
 class RecordingCopier:
@@ -112,7 +112,7 @@ def test_moves_update_cached_holds_and_listeners() -> None:
 def test_auto_defrag_threshold_with_hysteresis() -> None:
     p = fragmented()  # fragmentation 0.5 with 4 free pages
     now = [0.0]
-    policy = DefragPolicy(
+    policy = DefragSettings(
         fragmentation_threshold=0.4,
         fragmentation_target=0.1,
         min_free_pages=1,
@@ -121,7 +121,7 @@ def test_auto_defrag_threshold_with_hysteresis() -> None:
     )
     auto = AutoDefrag(Defragmenter(p, batch_pages=1), policy, clock=lambda: now[0])
     first = auto.tick()
-    assert first is not None and first.trigger is DefragTrigger.THRESHOLD
+    assert first is not None and first.trigger == DefragTrigger.THRESHOLD
     assert first.pages_moved == 1
     # the session goes on below the threshold until it reaches the target
     while auto.active is not None:
@@ -136,7 +136,7 @@ def test_auto_defrag_threshold_with_hysteresis() -> None:
 def test_auto_defrag_checks_thresholds_only_every_interval() -> None:
     p = PagePool(12, 4, segment_pages=4)
     now = [0.0]
-    policy = DefragPolicy(fragmentation_threshold=0.4, min_free_pages=1, check_interval_s=10.0)
+    policy = DefragSettings(fragmentation_threshold=0.4, min_free_pages=1, check_interval_s=10.0)
     auto = AutoDefrag(Defragmenter(p), policy, clock=lambda: now[0])
     assert auto.tick() is None  # compact pool: checked at t=0, nothing to do
     for name in "abcdef":
@@ -151,25 +151,25 @@ def test_auto_defrag_checks_thresholds_only_every_interval() -> None:
 
 def test_auto_defrag_starts_on_a_contiguous_miss_and_on_extents() -> None:
     p = fragmented()
-    policy = DefragPolicy(fragmentation_threshold=1.0, fragmentation_target=1.0, min_free_pages=1)
+    policy = DefragSettings(fragmentation_threshold=1.0, fragmentation_target=1.0, min_free_pages=1)
     auto = AutoDefrag(Defragmenter(p), policy, clock=lambda: 0.0)
     assert auto.tick() is None
     p.allocate("g", 12)  # three pages, no run of three: a contiguous miss
     report = auto.tick()
-    assert report is not None and report.trigger is DefragTrigger.ALLOC_FAILURE
+    assert report is not None and report.trigger == DefragTrigger.ALLOC_FAILURE
 
     p2 = fragmented()
-    policy2 = DefragPolicy(
-        fragmentation_threshold=1.0, max_free_extents=1, min_free_pages=1, check_interval_s=0
+    policy2 = DefragSettings(
+        fragmentation_threshold=1.0, max_free_extents=1, min_free_pages=1, check_interval_s=0.1
     )
     auto2 = AutoDefrag(Defragmenter(p2), policy2, clock=lambda: 0.0)
     report2 = auto2.tick()
-    assert report2 is not None and report2.trigger is DefragTrigger.EXTENTS
+    assert report2 is not None and report2.trigger == DefragTrigger.EXTENTS
 
 
 def test_disabled_auto_defrag_runs_only_when_asked() -> None:
     p = fragmented()
-    auto = AutoDefrag(Defragmenter(p), DefragPolicy(enabled=False), clock=lambda: 0.0)
+    auto = AutoDefrag(Defragmenter(p), DefragSettings(enabled=False), clock=lambda: 0.0)
     seen = []
     auto.add_listener(seen.append)
     assert auto.tick() is None
@@ -181,9 +181,9 @@ def test_disabled_auto_defrag_runs_only_when_asked() -> None:
 
 def test_policy_validation() -> None:
     with pytest.raises(ValueError, match="fragmentation_target"):
-        DefragPolicy(fragmentation_threshold=0.2, fragmentation_target=0.5)
+        DefragSettings(fragmentation_threshold=0.2, fragmentation_target=0.5)
     with pytest.raises(ValueError, match="step_max_pages"):
-        DefragPolicy(step_max_pages=0)
+        DefragSettings(step_max_pages=0)
 
 
 def test_a_full_defrag_of_a_large_churned_pool_leaves_one_free_run() -> None:

@@ -33,7 +33,8 @@ def test_allocation_falls_back_to_scattered_pages_and_counts_the_miss() -> None:
     assert sorted(t.pages) == [2, 3, 6, 7]
     assert not t.is_run
     stats = p.stats()
-    assert (stats.contiguous_misses, stats.alloc_attempts, stats.alloc_failures) == (1, 7, 0)
+    counts = (stats.contiguous_misses_total, stats.alloc_attempts_total, stats.alloc_failures_total)
+    assert counts == (1, 7, 0)
     p.check_invariants()
 
 
@@ -188,7 +189,7 @@ def test_reserved_pages_count_as_free_and_are_reclaimed_before_a_failure() -> No
     assert (p.reserved_pages, p.free_pages) == (7, 62)
     p.allocate("big", 4 * 62)  # needs every free page: the reservation is given back first
     assert p.reserved_pages == 0 and p.free_pages == 0
-    assert p.stats().alloc_failures == 0
+    assert p.stats().alloc_failures_total == 0
     p.check_invariants()
 
 
@@ -200,7 +201,7 @@ def test_shredded_free_space_is_handed_out_loose_and_filed_back_on_a_read() -> N
         p.free(i)  # free: 0 2 4 ... 14, no two adjacent
     t = p.allocate("x", 3)  # no run of 3: three loose pages
     assert not t.is_run and t.loose_from == 0 and len(set(t.pages)) == 3
-    assert p.stats().contiguous_misses == 1
+    assert p.stats().contiguous_misses_total == 1
     p.free("x")  # back loose, counted free
     assert p.free_pages == 8
     assert p.stats().free_extents == 8  # a read files them into the free runs

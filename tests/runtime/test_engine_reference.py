@@ -11,8 +11,8 @@ from hf_reference import SHAPE, peaked_weights
 from kv_device import DEVICE
 
 from kvctl.agent.model import SamplingParams, load_checkpoint
-from kvctl.agent.pool import DefragPolicy
 from kvctl.agent.runtime import Engine, EngineConfig
+from kvctl.settings import DefragSettings
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,7 +36,7 @@ def test_engine_greedy_matches_transformers_generate(variant, tmp_path) -> None:
             page_size=4,
             pool_pages=64,
             segment_pages=16,
-            defrag=DefragPolicy(enabled=False),
+            defrag=DefragSettings(enabled=False),
             device=DEVICE,
         ),
     )

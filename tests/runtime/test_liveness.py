@@ -135,6 +135,7 @@ def workloads(draw):
     return page_size, pages, actions
 
 
+@pytest.mark.slow
 @settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=workloads())
 def test_random_workloads_on_tiny_pools_always_progress(make_engine, workload):

@@ -3,10 +3,9 @@
 Import the bookkeeping from here; import `kvctl.agent.pool.storage` only where tensors are needed.
 """
 
-from kvctl.agent.pool.auto_defrag import AutoDefrag, DefragPolicy
+from kvctl.agent.pool.auto_defrag import AutoDefrag
 from kvctl.agent.pool.defrag import (
     Defragmenter,
-    DefragReport,
     DefragTrigger,
     PageCopier,
     moves_needed,
@@ -16,13 +15,11 @@ from kvctl.agent.pool.errors import PoolError, PoolExhausted, ResizeRefused, Unk
 from kvctl.agent.pool.extents import FreeExtents
 from kvctl.agent.pool.page_pool import CopyOnWrite, PagePool, PageTable, PoolCorrupted
 from kvctl.agent.pool.resize import PoolResizer, ResizeResult, SegmentStore
-from kvctl.agent.pool.stats import PageRun, PageState, PoolStats, fragmentation_ratio
+from kvctl.agent.pool.stats import PageRun, PageState, fragmentation_ratio
 
 __all__ = [
     "AutoDefrag",
     "CopyOnWrite",
-    "DefragPolicy",
-    "DefragReport",
     "DefragTrigger",
     "Defragmenter",
     "FreeExtents",
@@ -35,7 +32,6 @@ __all__ = [
     "PoolError",
     "PoolExhausted",
     "PoolResizer",
-    "PoolStats",
     "ResizeRefused",
     "ResizeResult",
     "SegmentStore",

@@ -12,38 +12,12 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 
-from kvctl.agent.pool.defrag import Defragmenter, DefragReport, DefragTrigger
+from kvctl.agent.pool.defrag import Defragmenter, DefragTrigger
+from kvctl.api import DefragResult
+from kvctl.settings import DefragSettings
 
-SessionListener = Callable[[DefragReport], None]
-
-
-@dataclass(frozen=True)
-class DefragPolicy:
-    """Thresholds and budgets of automatic defragmentation (all settable in the agent's config)."""
-
-    enabled: bool = True
-    fragmentation_threshold: float = 0.5  # start a session above this
-    fragmentation_target: float = 0.1  # a session stops at or below this
-    max_free_extents: int = 64  # start a session with more free runs than this
-    on_contiguous_miss: bool = True  # start one when a request got scattered pages
-    min_free_pages: int = 16  # below this the ratio says little: ignore threshold and extents
-    check_interval_s: float = 5.0  # how often thresholds are checked
-    step_max_pages: int = 64  # budget of one tick
-    step_max_seconds: float = 0.005
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.fragmentation_target <= self.fragmentation_threshold <= 1.0:
-            raise ValueError(
-                "need 0 <= fragmentation_target <= fragmentation_threshold <= 1, got "
-                f"{self.fragmentation_target} and {self.fragmentation_threshold}"
-            )
-        for name in ("max_free_extents", "min_free_pages", "step_max_pages"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
-        if self.check_interval_s < 0 or self.step_max_seconds <= 0:
-            raise ValueError("check_interval_s must be >= 0 and step_max_seconds > 0")
+SessionListener = Callable[[DefragResult], None]
 
 
 class AutoDefrag:
@@ -52,15 +26,15 @@ class AutoDefrag:
     def __init__(
         self,
         defragmenter: Defragmenter,
-        policy: DefragPolicy | None = None,
+        policy: DefragSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
         history: int = 32,
     ) -> None:
         self.defragmenter = defragmenter
-        self.policy = policy or DefragPolicy()
+        self.policy = policy or DefragSettings()
         self.clock = clock
-        self.active: DefragReport | None = None  # the running session, accumulated
-        self.completed: deque[DefragReport] = deque(maxlen=history)
+        self.active: DefragResult | None = None  # the running session, accumulated
+        self.completed: deque[DefragResult] = deque(maxlen=history)
         self.runs_total: Counter[DefragTrigger] = Counter()
         self.pages_moved_total = 0
         self._listeners: list[SessionListener] = []
@@ -71,15 +45,15 @@ class AutoDefrag:
         """Be told of every finished session (automatic, manual or a shrink's evacuation)."""
         self._listeners.append(listener)
 
-    def run_now(self, trigger: DefragTrigger, max_pages: int | None = None) -> DefragReport:
+    def run_now(self, trigger: DefragTrigger, max_pages: int | None = None) -> DefragResult:
         """Defragment at once, to completion or `max_pages`, and count it as a session."""
         report = self.defragmenter.run(trigger, max_pages=max_pages)
         self.record(report)
         return report
 
-    def record(self, report: DefragReport) -> None:
+    def record(self, report: DefragResult) -> None:
         """Count a defragmentation that ran outside the automatic sessions."""
-        self.runs_total[report.trigger] += 1
+        self.runs_total[DefragTrigger(report.trigger)] += 1
         self.pages_moved_total += report.pages_moved
         self._finish(report)
 
@@ -106,7 +80,7 @@ class AutoDefrag:
             return DefragTrigger.EXTENTS
         return None
 
-    def tick(self) -> DefragReport | None:
+    def tick(self) -> DefragResult | None:
         """Advance the session (starting one if a trigger is due); return this tick's work."""
         if self.active is None:
             trigger = self.due_trigger()
@@ -115,7 +89,7 @@ class AutoDefrag:
             self._start(trigger)
         assert self.active is not None
         report = self.defragmenter.run(
-            self.active.trigger,
+            DefragTrigger(self.active.trigger),
             max_pages=self.policy.step_max_pages,
             max_seconds=self.policy.step_max_seconds,
         )
@@ -125,8 +99,8 @@ class AutoDefrag:
     def _start(self, trigger: DefragTrigger) -> None:
         stats = self.defragmenter.pool.stats()
         self.runs_total[trigger] += 1
-        self.active = DefragReport(
-            trigger=trigger,
+        self.active = DefragResult(
+            trigger=trigger.value,
             fragmentation_before=stats.fragmentation_ratio,
             fragmentation_after=stats.fragmentation_ratio,
             free_extents_before=stats.free_extents,
@@ -137,17 +111,18 @@ class AutoDefrag:
             complete=False,
         )
 
-    def _accumulate(self, report: DefragReport) -> None:
+    def _accumulate(self, report: DefragResult) -> None:
         assert self.active is not None
         self.pages_moved_total += report.pages_moved
-        session = replace(
-            self.active,
-            fragmentation_after=report.fragmentation_after,
-            free_extents_after=report.free_extents_after,
-            pages_moved=self.active.pages_moved + report.pages_moved,
-            bytes_moved=self.active.bytes_moved + report.bytes_moved,
-            seconds=self.active.seconds + report.seconds,
-            complete=report.complete,
+        session = self.active.model_copy(
+            update=dict(
+                fragmentation_after=report.fragmentation_after,
+                free_extents_after=report.free_extents_after,
+                pages_moved=self.active.pages_moved + report.pages_moved,
+                bytes_moved=self.active.bytes_moved + report.bytes_moved,
+                seconds=self.active.seconds + report.seconds,
+                complete=report.complete,
+            )
         )
         compact_enough = (
             report.fragmentation_after <= self.policy.fragmentation_target
@@ -159,7 +134,7 @@ class AutoDefrag:
         else:
             self.active = session
 
-    def _finish(self, session: DefragReport) -> None:
+    def _finish(self, session: DefragResult) -> None:
         self.completed.append(session)
         for listener in self._listeners:
             listener(session)

@@ -20,11 +20,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import closing
-from dataclasses import asdict, dataclass
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvctl.agent.pool.page_pool import PagePool
+from kvctl.api import DefragResult
 
 
 class DefragTrigger(StrEnum):
@@ -41,26 +41,6 @@ class PageCopier(Protocol):
     """Whatever holds page contents: copies pages `src[i]` to `dst[i]` in one batch."""
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
-
-
-@dataclass(frozen=True)
-class DefragReport:
-    """What one defragmentation run did and what it cost."""
-
-    trigger: DefragTrigger
-    fragmentation_before: float
-    fragmentation_after: float
-    free_extents_before: int
-    free_extents_after: int
-    pages_moved: int
-    bytes_moved: int
-    seconds: float
-    complete: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["trigger"] = self.trigger.value
-        return data
 
 
 def plan_moves(pool: PagePool, limit: int, boundary: int | None = None) -> list[tuple[int, int]]:
@@ -144,7 +124,7 @@ class Defragmenter:
         max_pages: int | None = None,
         max_seconds: float | None = None,
         boundary: int | None = None,
-    ) -> DefragReport:
+    ) -> DefragResult:
         """Compact until done or a budget (pages, seconds) is spent; report the effect.
 
         With no budget it runs to completion: fragmentation 0 (or, with `boundary`, nothing
@@ -170,8 +150,8 @@ class Defragmenter:
         if not complete:
             complete = is_compact(self.pool, boundary)
         after = self.pool.stats()
-        return DefragReport(
-            trigger=trigger,
+        return DefragResult(
+            trigger=DefragTrigger(trigger).value,
             fragmentation_before=before.fragmentation_ratio,
             fragmentation_after=after.fragmentation_ratio,
             free_extents_before=before.free_extents,

@@ -33,7 +33,7 @@ from itertools import pairwise
 
 from kvctl.agent.pool.errors import PoolError, PoolExhausted, UnknownSequence
 from kvctl.agent.pool.extents import FreeExtents
-from kvctl.agent.pool.stats import PageRun, PageState, PageStates, PoolStats
+from kvctl.agent.pool.stats import PageRun, PageState, PageStates, PoolOccupancy
 
 SeqId = Hashable
 Evictor = Callable[[int], int]
@@ -264,12 +264,12 @@ class PagePool:
         self._settle_loose()
         return list(self._free.runs())
 
-    def stats(self) -> PoolStats:
+    def stats(self) -> PoolOccupancy:
         """One reading; loose pages are filed into the free runs first, so the fragmentation
         figures describe the free space as it is."""
         self._settle_loose()
         free = self._free
-        return PoolStats(
+        return PoolOccupancy(
             page_size=self.page_size,
             bytes_per_page=self.bytes_per_page,
             segment_pages=self.segment_pages,
@@ -281,9 +281,9 @@ class PagePool:
             free_extents=len(free),
             largest_free_run=free.largest(),
             sequences=len(self._tables),
-            alloc_attempts=self.alloc_attempts,
-            alloc_failures=self.alloc_failures,
-            contiguous_misses=self.contiguous_misses,
+            alloc_attempts_total=self.alloc_attempts,
+            alloc_failures_total=self.alloc_failures,
+            contiguous_misses_total=self.contiguous_misses,
             reserved_pages=self._reserved,
         )
 

@@ -115,6 +115,7 @@ def router(ctx: ServerContext) -> APIRouter:
         responses={**ERRORS, 429: ERRORS[409], 503: ERRORS[409]},
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI completions, streamed as server-sent events with `stream: true`."""
         if not service.accepting:
             raise refuse(503, "shutting_down", "the agent is shutting down")
         if body.model is not None and body.model != service.pool_name:

@@ -14,7 +14,7 @@ import json
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from kvctl import __version__
 from kvctl.agent.metrics import build_registry, render
@@ -49,6 +49,7 @@ def router(ctx: ServerContext) -> APIRouter:
 
     @api.get("/healthz", response_model=Health)
     async def healthz() -> Health:
+        """Liveness: answers while the process serves HTTP, without a token."""
         return Health(
             status="ok",
             pool=service.pool_name,
@@ -58,10 +59,12 @@ def router(ctx: ServerContext) -> APIRouter:
 
     @api.get("/v1/pool", response_model=PoolSnapshot)
     async def pool() -> PoolSnapshot:
+        """The latest snapshot of the pool, the queue and the counters (at most 100 ms old)."""
         return service.snapshot
 
     @api.get("/v1/pool/map", response_model=PoolMap)
     async def pool_map() -> PoolMap:
+        """Every page's state, run-length encoded, with the snapshot of the same moment."""
         states, snapshot = await ctx.on_engine(service.page_states_and_snapshot)
         runs = await asyncio.to_thread(states.runs)
         return PoolMap(
@@ -73,6 +76,7 @@ def router(ctx: ServerContext) -> APIRouter:
 
     @api.post("/v1/defrag", response_model=DefragResult, responses=ERRORS)
     async def defrag(request: Request, body: DefragRequest | None = None) -> DefragResult:
+        """Defragment now, to completion or `max_pages`, between two engine steps."""
         max_pages = body.max_pages if body else None
         result = await ctx.on_engine(lambda: service.defrag_now(max_pages))
         ctx.audit_request(
@@ -88,6 +92,7 @@ def router(ctx: ServerContext) -> APIRouter:
 
     @api.post("/v1/pool/resize", response_model=ResizeResult, responses=ERRORS)
     async def resize(request: Request, body: ResizeRequest) -> ResizeResult:
+        """Grow or shrink the pool in whole segments; a refused resize changes nothing."""
         bytes_per_page = service.snapshot.bytes_per_page
         pages = body.pages if body.pages is not None else -(-(body.bytes or 0) // bytes_per_page)
         try:
@@ -108,6 +113,7 @@ def router(ctx: ServerContext) -> APIRouter:
 
     @api.get("/v1/alerts", response_model=AlertList)
     async def alerts() -> AlertList:
+        """The agent's own pending and firing alerts, with cause and remediation."""
         return AlertList(alerts=service.alerts)
 
     @api.post("/v1/alerts/test", responses=ERRORS)
@@ -126,6 +132,7 @@ def router(ctx: ServerContext) -> APIRouter:
 
     @api.get("/v1/config", response_model=RuntimeSettings)
     async def get_config() -> RuntimeSettings:
+        """The runtime settings in force (docs/settings.md)."""
         return service.settings
 
     @api.patch(
@@ -159,10 +166,12 @@ def router(ctx: ServerContext) -> APIRouter:
 
     @api.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
+        """The model this agent serves, OpenAI style."""
         return ModelList(data=[ModelCard(id=service.pool_name, created=int(started_wall))])
 
-    @api.get("/metrics")
+    @api.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
+        """Prometheus text exposition of the snapshot (docs/metrics.md)."""
         payload, content_type = render(registry)
         return Response(payload, media_type=content_type)
 

@@ -25,6 +25,7 @@ def router() -> APIRouter:
 
     @api.get("/runbook", response_class=PlainTextResponse)
     async def runbook() -> PlainTextResponse:
+        """The alert runbook as Markdown (docs/alerts.md), without a token."""
         return PlainTextResponse(runbook_text(), media_type="text/markdown; charset=utf-8")
 
     return api

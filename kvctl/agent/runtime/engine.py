@@ -28,10 +28,8 @@ from kvctl.agent.model.tokenizer import Tokenizer
 from kvctl.agent.pool import (
     AutoDefrag,
     Defragmenter,
-    DefragPolicy,
     PagePool,
     PoolResizer,
-    PoolStats,
 )
 from kvctl.agent.pool.storage import KVStorage
 from kvctl.agent.prefix import EVICTION_POLICIES, PrefixCache, PrefixIsolation
@@ -39,6 +37,9 @@ from kvctl.agent.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kvctl.agent.runtime.paged_cache import PagedKVCache, ReadPath
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
 from kvctl.agent.runtime.scheduler import ScheduledBatch, Scheduler
+from kvctl.agent.runtime.thread_owner import ThreadOwner
+from kvctl.api import PoolOccupancy
+from kvctl.settings import DefragSettings
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class EngineConfig:
     min_pool_pages: int | None = None
     max_batch_seqs: int = 64
     max_batch_tokens: int = 4096
-    defrag: DefragPolicy = field(default_factory=DefragPolicy)
+    defrag: DefragSettings = field(default_factory=DefragSettings)
     prefix_cache: bool = True
     eviction_policy: str = "lru"
     prefix_isolation: str = "salt"
@@ -151,7 +152,7 @@ class TokenEvent:
 class EngineStats:
     """What the engine looks like after a step: the pool and the scheduler, read together."""
 
-    pool: PoolStats
+    pool: PoolOccupancy
     requests_running: int
     requests_waiting: int
     preemptions: int
@@ -241,6 +242,7 @@ class Engine:
         self._steps = 0
         self._generated = 0
         self._prompt_tokens = 0
+        self.owner = ThreadOwner()  # the agent's engine thread claims it while it runs
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -256,6 +258,7 @@ class Engine:
         context or could never fit the pool.
 
         Requests with different `cache_salt` never share prefix-cache pages."""
+        self.owner.check("Engine.add_request")
         params = params or SamplingParams()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string when given")
@@ -327,6 +330,7 @@ class Engine:
 
     def abort(self, request_id: str, detail: str = "the client went away") -> Request:
         """Stop a request now; its pages are freed before the next step."""
+        self.owner.check("Engine.abort")
         request = self.requests[request_id]
         if not request.finished:
             request.finish_reason = FinishReason.ABORT
@@ -341,6 +345,7 @@ class Engine:
 
     def set_eviction_policy(self, name: str) -> None:
         """Switch the prefix cache's eviction policy now (ValueError for an unknown name)."""
+        self.owner.check("Engine.set_eviction_policy")
         if self.prefix_cache is None:
             raise ValueError("the prefix cache is off (--no-prefix-cache): no eviction policy")
         self.prefix_cache.set_policy(name)
@@ -349,6 +354,7 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """Run one scheduling step; return the tokens it produced and the requests it ended."""
+        self.owner.check("Engine.step")
         batch = self.scheduler.schedule()
         events = [self._end(r) for r in batch.ended] if batch is not None else []
         if batch is not None and batch.requests:
@@ -444,6 +450,7 @@ class Engine:
     @property
     def stats(self) -> EngineStats:
         """The pool and the scheduler read together, built when asked (not on every step)."""
+        self.owner.check("Engine.stats")
         prefix = self.prefix_cache.stats() if self.prefix_cache is not None else None
         return EngineStats(
             pool=self.pool.stats(),

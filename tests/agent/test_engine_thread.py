@@ -1,0 +1,62 @@
+"""One thread owns the engine: while the agent's engine thread runs, engine-only methods called
+from any other thread raise at once instead of racing the step; queued through
+`AgentService.call` they run; once the engine thread has stopped, the caller may use them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvctl.agent.model import SamplingParams
+from kvctl.agent.runtime.thread_owner import WrongThread
+from kvctl.agent.service import AgentService
+from kvctl.api import RuntimeSettings
+
+
+@pytest.fixture
+def running(make_engine) -> Iterator[AgentService]:
+    service = AgentService(make_engine(), "demo", RuntimeSettings())
+    service.start()
+    try:
+        yield service
+    finally:
+        service.stop(grace=0)
+
+
+ENGINE_ONLY = [
+    ("Engine.step", lambda s: s.engine.step()),
+    ("Engine.stats", lambda s: s.engine.stats),
+    ("Engine.add_request", lambda s: s.engine.add_request([1, 2, 3], SamplingParams())),
+    ("Engine.abort", lambda s: s.engine.abort("req-0")),
+    ("Engine.set_eviction_policy", lambda s: s.engine.set_eviction_policy("lru")),
+    ("AgentService.resize", lambda s: s.resize(64)),
+    ("AgentService.defrag_now", lambda s: s.defrag_now(None)),
+    ("AgentService.page_states", lambda s: s.page_states()),
+    ("AgentService.page_states_and_snapshot", lambda s: s.page_states_and_snapshot()),
+    ("AgentService.change_settings", lambda s: s.change_settings({})),
+]
+
+
+@pytest.mark.parametrize(("name", "call"), ENGINE_ONLY, ids=[n for n, _ in ENGINE_ONLY])
+def test_engine_only_methods_refuse_another_thread(running, name, call) -> None:
+    capacity = running.engine.pool.capacity
+    with pytest.raises(WrongThread, match=rf"^{name} runs on the engine thread \(kvctl-engine\)"):
+        call(running)
+    assert running.engine.pool.capacity == capacity  # refused before it changed anything
+
+
+def test_queued_on_the_engine_thread_they_run(running) -> None:
+    result = running.call(lambda: running.resize(64)).result(timeout=30)
+    assert (result.old_pages, result.new_pages) == (256, 64)
+    states, snapshot = running.call(running.page_states_and_snapshot).result(timeout=30)
+    assert states.capacity == snapshot.capacity_pages == 64
+
+
+def test_after_the_engine_thread_stops_the_caller_owns_it(make_engine) -> None:
+    service = AgentService(make_engine(), "demo", RuntimeSettings())
+    service.start()
+    service.stop(grace=0)
+    assert service.resize(64).new_pages == 64
+    [request] = service.engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert len(request.output_ids) == 2
