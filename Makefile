@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # can resolve to a multi-gigabyte CUDA build on a host with no GPU.
 TORCH := torch==2.13.0
 
-.PHONY: setup test demo lint clean
+.PHONY: setup test test-quick demo lint clean
 
 setup: $(STAMP)
 
@@ -26,8 +26,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 	@echo "setup done: $(VENV)"
 
+# The whole suite: what CI runs. `test-quick` leaves out the tests marked slow (real agents under
+# long loads, real Prometheus and Alertmanager, the demo): the loop to run while editing.
 test: setup
 	$(BIN)/pytest -q
+
+test-quick: setup
+	$(BIN)/pytest -q -m "not slow"
 
 demo: setup
 	scripts/demo.sh

@@ -60,7 +60,11 @@ def top(
 ) -> None:
     """Watch the pool live: the four numbers with history, the page map, requests, alerts.
 
-    Keys: d defrag, r resize, a alerts, tab next agent, ? help, q quit.
+    Several agents: the fleet table first (s sort, S reverse, / filter, enter opens one).
+
+    One agent: d defrag, r resize, a alerts, w sparkline span, tab next, esc the fleet.
+
+    Anywhere: ? help, q quit.
     """
     from kvctl.fleet import read_fleet_once
 
@@ -106,6 +110,6 @@ def run_headless(
             out = console()
             stamp = datetime.now().strftime("%H:%M:%S")
             out.print(Rule(f"kvctl top · {stamp} · +{clock() - start:.0f} s", align="left"))
-            out.print(render.fleet_table(readings))
+            out.print(render.FleetTable(readings))
         tick += 1
     return code

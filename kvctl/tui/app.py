@@ -1,4 +1,8 @@
-"""The `kvctl top` application: polls a `DataSource`, shows one agent at a time, acts on keys.
+"""The `kvctl top` application: polls a `DataSource`, shows the fleet table and one agent's
+detail, acts on keys.
+
+The app owns the readings, the histories and the actions; the screens (`fleet_screen.py`,
+`detail.py`, `screens.py`) only show them and offer keys, so both views always agree.
 
 Polling is a timer that starts a worker coroutine; a poll still waiting on a slow agent is
 not started again, and Textual's timer schedules against its start, so the period does not
@@ -12,48 +16,32 @@ import time
 from collections.abc import Callable
 from typing import ClassVar
 
-from textual.app import App, ComposeResult
+from textual.app import App
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical
-from textual.widget import Widget
-from textual.widgets import Footer, Static
+from textual.screen import Screen
 from textual.worker import Worker
 
 from kvctl.api import DefragResult, ResizeRequest, ResizeResult
 from kvctl.client import AgentError
 from kvctl.fleet import Reading
 from kvctl.sizing import ResizePlan
-from kvctl.tui.history import History
+from kvctl.tui.detail import DetailScreen
+from kvctl.tui.fleet_screen import FleetScreen
+from kvctl.tui.history import WINDOWS, History
 from kvctl.tui.screens import AlertsScreen, ConfirmScreen, HelpScreen, ResizeScreen
 from kvctl.tui.source import DataSource
-from kvctl.tui.widgets.agent_bar import AgentBar
-from kvctl.tui.widgets.alerts import AlertsPanel
-from kvctl.tui.widgets.headlines import Headlines
-from kvctl.tui.widgets.pool_map import PoolMapView
-from kvctl.tui.widgets.requests import RequestsPanel
-
-ACTING = ("defrag", "resize")
 
 
 class TopApp(App[None]):
-    """Live dashboard of the agents of `source`, one shown at a time."""
+    """Live dashboard of the agents of `source`: the fleet table first when there are several,
+    an agent's detail straight away when there is one."""
 
     TITLE = "kvctl top"
+    ENABLE_COMMAND_PALETTE = False  # nothing in it an operator needs; its key takes footer room
     CSS = """
-    Screen { layout: vertical; }
-    .panel {
-        height: auto; border: round $primary-lighten-2; border-title-color: $text; padding: 0 1;
-    }
-    #panels { height: auto; }
-    #panels > Vertical { width: 1fr; height: auto; }
-    #message { height: 1; color: $text-muted; padding: 0 1; }
+    ToastRack { margin-bottom: 2; }  /* above the status line and the footer, never on them */
     """
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("d", "defrag", "defrag"),
-        Binding("r", "resize", "resize"),
-        Binding("a", "alerts", "alerts"),
-        Binding("tab", "next_agent(1)", "next agent", priority=True),
-        Binding("shift+tab", "next_agent(-1)", "previous", show=False, priority=True),
         Binding("question_mark", "help", "help"),
         Binding("q", "quit", "quit"),
     ]
@@ -71,33 +59,23 @@ class TopApp(App[None]):
         self.readonly = readonly
         self.clock = clock
         self.current = 0
+        self.window = WINDOWS[0]
         self.readings: dict[str, Reading] = {}
         self.last_good: dict[str, tuple[float, Reading]] = {}
-        self.histories: dict[str, History] = {agent: History() for agent in source.agents}
+        hold = 2.5 * interval  # a poll a little late is not a gap in the sparklines
+        self.histories: dict[str, History] = {agent: History(hold) for agent in source.agents}
         self.message = ""
+        self.detail = DetailScreen(id="detail")
+        self.fleet = FleetScreen()
         self._poll_worker: Worker[None] | None = None
 
-    # ---- layout ---------------------------------------------------------------------------
-
-    def compose(self) -> ComposeResult:
-        yield AgentBar(id="agent")
-        yield self._panel(Headlines(id="headlines"), "the four numbers")
-        with Horizontal(id="panels"):
-            yield self._panel(RequestsPanel(id="requests"), "requests and memory")
-            yield self._panel(AlertsPanel(id="alerts"), "firing alerts")
-        map_panel = self._panel(PoolMapView(id="map"), "pool map")
-        map_panel.styles.height = "1fr"
-        yield map_panel
-        yield Static("", id="message")
-        yield Footer()
-
-    @staticmethod
-    def _panel(widget: Widget, title: str) -> Vertical:
-        box = Vertical(widget, classes="panel")
-        box.border_title = title
-        return box
+    def get_default_screen(self) -> Screen[None]:
+        return self.detail
 
     def on_mount(self) -> None:
+        self.install_screen(self.fleet, "fleet")
+        if len(self.source.agents) > 1:
+            self.push_screen("fleet")
         self.poll()
         self.set_interval(self.interval, self.poll)
 
@@ -121,69 +99,75 @@ class TopApp(App[None]):
         for reading in readings:
             self._remember(reading, now)
         self.show_current()
+        self.fleet.show([self.readings[a] for a in self.source.agents if a in self.readings])
 
     def _remember(self, reading: Reading, now: float) -> None:
         previous = self.readings.get(reading.agent)
         self.readings[reading.agent] = reading
         if reading.up and reading.pool is not None:
             self.last_good[reading.agent] = (now, reading)
-            self.histories[reading.agent].add(reading.pool)
+            self.histories[reading.agent].add(reading.pool, now)
             if previous is not None and not previous.up:
                 self.say(f"{reading.agent} answers again")
         elif previous is None or previous.up:
             self.say(str(reading.error), severity="error")
 
     def show_current(self) -> None:
-        """Fill every panel from the shown agent's latest (or last good) reading."""
+        """Fill the detail screen from the shown agent's latest (or last good) reading."""
         agent = self.agent
         reading = self.readings.get(agent)
         if reading is None:
             return
+        now = self.clock()
         seen, good = self.last_good.get(agent, (None, None))
-        age = None if seen is None else self.clock() - seen
+        age = None if seen is None else now - seen
         position = (self.current, len(self.source.agents))
-        self.query_one(AgentBar).show(position, reading, age, self.interval, self.readonly)
-        self.refresh_bindings()  # the acting keys follow whether this agent answers
-        shown = reading if reading.up else good
-        pool = shown.pool if shown else None
-        self.query_one(Headlines).show(pool, self.histories[agent], stale=not reading.up)
-        self.query_one(PoolMapView).show(shown.map if shown else None)
-        self.query_one(RequestsPanel).show(pool)
-        self.query_one(AlertsPanel).show(shown.alerts if shown else ())
+        self.detail.bar.show(position, reading, age, self.interval, self.readonly)
+        self.detail.refresh_bindings()  # the acting keys follow whether this agent answers
+        self.detail.show(reading, good, self.histories[agent], self.window, now)
         if isinstance(self.screen, AlertsScreen):
+            shown = reading if reading.up else good
             self.screen.show(agent, shown.alerts if shown else ())
 
     def say(self, message: str, severity: str = "information") -> None:
         """Tell the operator what happened: a toast and the message line under the panels."""
         self.message = message
-        self.query_one("#message", Static).update(message)
+        self.detail.say(message)
         self.notify(message, severity=severity)  # type: ignore[arg-type]
+
+    # ---- navigation -----------------------------------------------------------------------
+
+    def select(self, index: int) -> None:
+        """Show the agent at `index` (wrapping around) on the detail screen."""
+        self.current = index % len(self.source.agents)
+        self.show_current()
+
+    def open_agent(self, agent: str) -> None:
+        """From the fleet table into `agent`'s detail."""
+        self.select(list(self.source.agents).index(agent))
+        if self.screen is self.fleet:
+            self.pop_screen()
+
+    def show_fleet(self) -> None:
+        if self.screen is not self.fleet:
+            self.push_screen("fleet")
+
+    def next_window(self) -> None:
+        """The next time span of the sparklines: 1m, 10m, 1h, the whole session."""
+        self.window = WINDOWS[(WINDOWS.index(self.window) + 1) % len(WINDOWS)]
+        self.show_current()
 
     # ---- keys -----------------------------------------------------------------------------
 
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Acting keys are not offered at all with --readonly, and shown disabled while the
-        agent on screen does not answer (they could not reach it)."""
-        if action in ACTING:
-            if self.readonly:
-                return False
-            reading = self.readings.get(self.agent)
-            if reading is None or not reading.up:
-                return None
-        return True
-
-    def action_next_agent(self, step: int) -> None:
-        self.current = (self.current + step) % len(self.source.agents)
-        self.show_current()
-
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
 
-    def action_alerts(self) -> None:
+    def show_alerts(self) -> None:
         reading = self.readings.get(self.agent)
         self.push_screen(AlertsScreen(self.agent, reading.alerts if reading else (), self.clock))
 
-    def action_defrag(self) -> None:
+    def ask_defrag(self) -> None:
         agent = self.agent
 
         def answered(yes: bool | None) -> None:
@@ -192,7 +176,7 @@ class TopApp(App[None]):
 
         self.push_screen(ConfirmScreen(f"Defragment the pool of {agent} now?"), answered)
 
-    def action_resize(self) -> None:
+    def ask_resize(self) -> None:
         agent = self.agent
         seen = self.last_good.get(agent)
         if seen is None or seen[1].pool is None:

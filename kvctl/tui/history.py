@@ -1,28 +1,135 @@
-"""The recent values of the four headline numbers of one agent, for the sparklines."""
+"""The four headline numbers of one agent over the whole session, in bounded memory.
+
+Recent readings are kept as they came; older ones are merged into coarser buckets, level by
+level (each level `factor` times coarser than the one below and at most `level_size` long), so
+a week of one-second polls costs a few thousand buckets, and the last minutes stay at full
+resolution. A bucket keeps the *worst* value of each number (lowest success and prefix hit
+rate, highest fragmentation and utilisation): a one-poll dip in allocation success stays
+visible in the hour-long view instead of being averaged away.
+"""
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvctl.api import PoolSnapshot
 
 SERIES = ("alloc_success_ratio", "fragmentation_ratio", "utilization_ratio", "prefix_hit_ratio")
+WORST: dict[str, Callable[[float, float], float]] = {
+    "alloc_success_ratio": min,
+    "fragmentation_ratio": max,
+    "utilization_ratio": max,
+    "prefix_hit_ratio": min,
+}
+
+
+@dataclass(frozen=True)
+class Window:
+    """A span of time the sparklines show: the last `seconds`, or the session when None."""
+
+    label: str
+    seconds: float | None
+
+
+WINDOWS = (Window("1m", 60.0), Window("10m", 600.0), Window("1h", 3600.0), Window("session", None))
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Readings from `start` to `end` (one reading: start == end), worst value per series."""
+
+    start: float
+    end: float
+    values: tuple[float | None, ...]
+
+
+def _worse(name: str, a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return WORST[name](a, b)
+
+
+def _merge(buckets: list[Bucket]) -> Bucket:
+    values = list(buckets[0].values)
+    for bucket in buckets[1:]:
+        values = [_worse(n, v, w) for n, v, w in zip(SERIES, values, bucket.values, strict=True)]
+    return Bucket(buckets[0].start, buckets[-1].end, tuple(values))
 
 
 class History:
-    """The last `length` readings of each headline ratio (None where nothing was measured)."""
+    """Every reading of the session, downsampled with age; drawn as bars over a time window.
 
-    def __init__(self, length: int = 240) -> None:
-        self._series: dict[str, deque[float | None]] = {
-            name: deque(maxlen=length) for name in SERIES
-        }
+    A reading stands for the time since the reading before it (the agent's ratios cover a
+    trailing window), where that is at most `hold` seconds (a little more than the poll
+    interval): a longer silence, an agent that did not answer, is a gap in the sparkline.
+    """
 
-    def add(self, pool: PoolSnapshot) -> None:
-        for name, values in self._series.items():
-            values.append(getattr(pool, name))
+    def __init__(self, hold: float = 2.0, level_size: int = 256, factor: int = 4) -> None:
+        self.hold = hold
+        self.level_size = level_size
+        self.factor = factor
+        self._levels: list[deque[Bucket]] = [deque()]
+        self._count = 0
 
-    def values(self, name: str) -> list[float | None]:
-        return list(self._series[name])
+    def add(self, pool: PoolSnapshot, at: float) -> None:
+        """Record `pool`'s four numbers as read at time `at` (seconds, never decreasing)."""
+        self._levels[0].append(Bucket(at, at, tuple(getattr(pool, name) for name in SERIES)))
+        self._count += 1
+        for level, buckets in enumerate(self._levels):
+            while len(buckets) > self.level_size:
+                merged = _merge([buckets.popleft() for _ in range(self.factor)])
+                if level + 1 == len(self._levels):
+                    self._levels.append(deque())
+                self._levels[level + 1].append(merged)
+
+    def buckets(self) -> list[Bucket]:
+        """All buckets, oldest first."""
+        return [bucket for level in reversed(self._levels) for bucket in level]
+
+    @property
+    def start(self) -> float | None:
+        """When the first reading of the session was taken."""
+        for level in reversed(self._levels):
+            if level:
+                return level[0].start
+        return None
+
+    def bars(self, name: str, width: int, now: float, window: float | None) -> list[float | None]:
+        """`width` values, oldest first, for equal slices of the last `window` seconds before
+        `now` (of the whole session when None): the worst reading in each slice, None where
+        there was none."""
+        bars: list[float | None] = [None] * max(0, width)
+        buckets = self.buckets()
+        if not bars or not buckets:
+            return bars
+        index = SERIES.index(name)
+        start = buckets[0].start if window is None else now - window
+        span = now - start
+        if span <= 0:
+            bars[-1] = buckets[-1].values[index]
+            return bars
+        step = span / width
+        previous: Bucket | None = None
+        for bucket in buckets:
+            begin, end = bucket.start, bucket.end
+            if previous is not None and begin - previous.end <= self.hold:
+                begin = previous.end  # a reading stands for the time since the one before
+            if bucket is buckets[-1] and now - end <= self.hold:
+                end = now  # and the latest for the present, until the next poll is due
+            previous = bucket
+            if end < start:
+                continue
+            first = min(width - 1, max(0, math.floor((begin - start) / step)))
+            last = min(width - 1, max(first, math.ceil((end - start) / step) - 1))
+            for slot in range(first, last + 1):
+                bars[slot] = _worse(name, bars[slot], bucket.values[index])
+        return bars
 
     def __len__(self) -> int:
-        return len(self._series[SERIES[0]])
+        """Readings recorded this session (not the buckets they are kept in)."""
+        return self._count

@@ -5,15 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
+from rich.console import Group, RenderableType
+from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Label, Static
 
 from kvctl.api import Alert, PoolSnapshot
 from kvctl.sizing import ResizePlan, plan_from_text
+from kvctl.tui.widgets.alert_list import alert_blocks
 from kvctl.units import format_bytes
 from kvctl.view import render
 
@@ -102,45 +105,91 @@ class ResizeScreen(ModalScreen[ResizePlan | None]):
         self.dismiss(None)
 
 
-HELP = """\
-[b]kvctl top[/b]: the KV-cache pool of one agent or a fleet, refreshed every --interval.
+HELP_INTRO = (
+    "[b]kvctl top[/b]: the KV-cache pool of one agent or a fleet, refreshed every --interval. "
+    "With several agents it opens on the fleet table; with one, on that agent."
+)
+HELP_KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    (
+        "Fleet table",
+        (
+            ("enter", "open the highlighted agent (or click it twice)"),
+            ("s", "sort by the next column, worst first (or click a header)"),
+            ("S", "reverse the sort"),
+            ("/", "filter by part of an agent URL or an alert name; esc clears it"),
+        ),
+    ),
+    (
+        "One agent",
+        (
+            ("esc, f", "back to the fleet table"),
+            ("tab", "next agent of the fleet (shift+tab: previous)"),
+            ("d", "defragment the shown pool now (asks first)"),
+            ("r", "resize the shown pool: pages, a size, +X to grow, -X to shrink"),
+            ("a", "alerts of the shown agent, with what to do about each"),
+            ("w", "time span of the sparklines: last 1m, 10m, 1h, whole session"),
+        ),
+    ),
+    ("Anywhere", (("?", "this help (↑ ↓ to scroll)"), ("q", "quit"))),
+)
+HELP_NOTES = (
+    "The four numbers: allocation success (should stay 100 %), fragmentation of free pages "
+    "(0 is contiguous), utilisation (used + cached pages of capacity), prefix hits (prompt "
+    "tokens found in the cache). Red means the matching alert fires at the agent's default "
+    "threshold. Each sparkline bar is the worst reading in its slice of the span, so a short "
+    "dip stays visible; older history is kept at a coarser grain, never dropped.",
+    "Pool map: one glyph per slice of pages, its height how full the slice is; magenta used, "
+    "cyan cached, grey free; ╵ marks where a segment (the unit of resize) begins.",
+    "With --readonly, d and r are not offered; while the shown agent does not answer, they are "
+    "shown dimmed and do nothing. A down agent stays in the fleet table, with why.",
+)
 
-[b]d[/b]    defragment the shown pool now (asks first)
-[b]r[/b]    resize the shown pool: pages, a size, +X to grow, -X to shrink
-[b]a[/b]    alerts of the shown agent, with what to do about each
-[b]tab[/b]  next agent of the fleet (shift+tab: previous)
-[b]?[/b]    this help
-[b]q[/b]    quit
 
-The four numbers: allocation success (should stay 100 %), fragmentation of free pages \
-(0 is contiguous), utilisation (used + cached pages of capacity), prefix hits (prompt tokens \
-found in the cache). Red means the matching alert fires at the agent's default threshold.
-
-Pool map: one glyph per slice of pages, its height how full the slice is; magenta used, \
-cyan cached, grey free; ╵ marks where a segment (the unit of resize) begins.
-
-With --readonly, d and r are not offered; while the shown agent does not answer, they are
-shown dimmed and do nothing.
-"""
+def help_text() -> Group:
+    """The help: keys in a column of their own, so a wrapped description stays indented."""
+    parts: list[RenderableType] = [Text.from_markup(HELP_INTRO)]
+    for title, keys in HELP_KEYS:
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold", no_wrap=True, min_width=6)
+        grid.add_column()
+        for key, what in keys:
+            grid.add_row(key, what)
+        parts += [Text(""), Text(title, style="bold underline"), grid]
+    for note in HELP_NOTES:
+        parts += [Text(""), Text(note)]
+    return Group(*parts)
 
 
 class HelpScreen(ModalScreen[None]):
-    """Keys and how to read the screen."""
+    """Keys and how to read the screen; scrolls where the terminal is too small for it."""
 
-    DEFAULT_CSS = DIALOG_CSS.format(name="HelpScreen").replace("width: 72", "width: 100")
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > VerticalScroll {
+        width: 100; max-width: 100%; height: auto; max-height: 100%;
+        padding: 0 1; border: thick $accent; background: $surface;
+        scrollbar-size-vertical: 1;
+    }
+    """
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,question_mark,q", "close", "close")]
 
     def compose(self) -> ComposeResult:
-        with Vertical():
-            yield Static(HELP)
+        box = VerticalScroll()
+        box.border_subtitle = "esc close"
+        with box:
+            yield Static(help_text())
 
     def action_close(self) -> None:
         self.dismiss(None)
 
 
 class AlertsScreen(Screen[None]):
-    """All alerts of the shown agent as a table, refreshed with each poll."""
+    """All alerts of the shown agent in full, refreshed with each poll."""
 
+    DEFAULT_CSS = """
+    AlertsScreen #alerts-title { height: 1; background: $boost; }
+    AlertsScreen VerticalScroll { height: 1fr; padding: 0 1; scrollbar-size-vertical: 1; }
+    """
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,a", "close", "back")]
 
     def __init__(self, agent: str, alerts: tuple[Alert, ...], clock: Callable[[], float]) -> None:
@@ -151,7 +200,8 @@ class AlertsScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         yield Static(id="alerts-title")
-        yield Static(id="alerts-table")
+        with VerticalScroll():
+            yield Static(id="alerts-list")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -159,9 +209,13 @@ class AlertsScreen(Screen[None]):
 
     def show(self, agent: str, alerts: tuple[Alert, ...]) -> None:
         self.agent, self.alerts = agent, alerts
-        self.query_one("#alerts-title", Static).update(Text(f"alerts of {agent}", style="bold"))
-        table = render.alerts_table(alerts, now=self.clock())
-        self.query_one("#alerts-table", Static).update(table)
+        firing = sum(1 for alert in alerts if alert.state == "firing")
+        title = Text.assemble(
+            (f" alerts of {agent} ", "reverse"),
+            f"  {firing} firing, {len(alerts) - firing} pending",
+        )
+        self.query_one("#alerts-title", Static).update(title)
+        self.query_one("#alerts-list", Static).update(alert_blocks(alerts, now=self.clock()))
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -7,10 +7,10 @@ print the same thing and tests can render them without an agent.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -113,7 +113,9 @@ def alerts_table(alerts: Sequence[Alert], now: float | None = None) -> Renderabl
     now = time.time() if now is None else now
     order = {"critical": 0, "warning": 1, "info": 2}
     table = Table(show_edge=False, expand=False, pad_edge=False)
-    for column in ("severity", "state", "alert", "for", "summary", "remediation"):
+    for column in ("severity", "state", "alert", "for"):
+        table.add_column(column, no_wrap=True)  # names whole: a broken name cannot be searched
+    for column in ("summary", "remediation"):
         table.add_column(column, overflow="fold")
     for alert in sorted(alerts, key=lambda a: (a.state != "firing", order[a.severity], a.name)):
         style = fmt.severity_style(alert.severity) if alert.state == "firing" else "dim"
@@ -141,21 +143,70 @@ def status_detail(reading: Reading) -> RenderableType:
     return Group(title, headline_table(pool), pool_table(pool), alerts_table(reading.alerts))
 
 
-def fleet_table(readings: Sequence[Reading]) -> Table:
-    """One row per agent; an agent that did not answer is a red row with the reason."""
-    table = Table(show_edge=False, pad_edge=False)
-    columns = ("agent", "state", "pool", "capacity", "util", "frag", "alloc ok", "prefix")
-    for column in columns:
-        left = column in ("agent", "state", "pool")
-        table.add_column(column, justify="left" if left else "right", no_wrap=left)
-    table.add_column("run/wait", justify="right")
-    table.add_column("alerts", overflow="fold")
-    for reading in readings:
-        table.add_row(*fleet_row(reading))
+WIDE_FLEET = 120
+"""Columns from which the fleet table also shows each pool's name and capacity; below, the four
+numbers keep their room and the agent and alert names give way, cut with an ellipsis."""
+
+_NUMBERS = {"util": 6, "frag": 4, "alloc ok": 8, "prefix": 6, "run/wait": 8}
+_GAP = 2  # spaces between two columns
+
+
+class FleetTable:
+    """The fleet table, laid out for the width it is printed at (80 columns included)."""
+
+    def __init__(self, readings: Sequence[Reading]) -> None:
+        self.readings = readings
+
+    def __rich_console__(
+        self, console: Console, options: ConsoleOptions
+    ) -> Iterator[RenderableType]:
+        yield fleet_table(self.readings, width=options.max_width)
+
+
+def fleet_table(readings: Sequence[Reading], width: int = WIDE_FLEET) -> Table:
+    """One row per agent; an agent that did not answer is a row with the reason. Alert names
+    are one a line and never folded: a name cut in two reads as two names and cannot be
+    searched for."""
+    wide = width >= WIDE_FLEET
+    rows = [fleet_row(reading) for reading in readings]
+    if not wide:
+        rows = [row[:2] + row[4:] for row in rows]
+    table = Table(box=None, show_edge=False, pad_edge=False, padding=(0, _GAP // 2))
+    numbers = {"capacity": 8, **_NUMBERS} if wide else _NUMBERS
+    if wide:
+        table.add_column("agent", no_wrap=True)
+        table.add_column("state", no_wrap=True)
+        table.add_column("pool", no_wrap=True)
+    else:  # split what the numbers leave between the agent and the alerts
+        state = 5
+        left = width - state - sum(max(w, len(c)) for c, w in numbers.items())
+        left -= _GAP * (len(numbers) + 2)
+        alerts = min(max((len(row[-1]) for row in rows), default=6), max(12, left // 2))
+        agent = max(8, left - alerts)
+        rows = [(_cut(row[0], agent), *row[1:-1], _cut(row[-1], alerts)) for row in rows]
+        table.add_column("agent", no_wrap=True, width=agent)
+        table.add_column("state", no_wrap=True, width=state)
+    for column, least in numbers.items():
+        table.add_column(column, justify="right", no_wrap=True, min_width=max(least, len(column)))
+    table.add_column("alerts", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
+def _cut(cell: RenderableType, width: int) -> RenderableType:
+    """Every line of a text cell at most `width` cells, cut with an ellipsis."""
+    text = Text(cell) if isinstance(cell, str) else cell
+    if not isinstance(text, Text):
+        return cell
+    lines = text.split("\n")
+    for line in lines:
+        line.truncate(width, overflow="ellipsis")
+    return Text("\n").join(lines)
+
+
 def fleet_row(reading: Reading) -> tuple[RenderableType, ...]:
+    """agent, state, pool, capacity, util, frag, alloc ok, prefix, run/wait, alerts."""
     if not reading.up or reading.pool is None:
         reason = reading.error.reason if reading.error else "no answer"
         blank = ("–",) * 7
@@ -184,7 +235,7 @@ def alerts_cell(alerts: Sequence[Alert]) -> Text:
     text = Text()
     for index, alert in enumerate(firing):
         if index:
-            text.append(", ")
+            text.append("\n")
         text.append(alert.name, style=fmt.severity_style(alert.severity))
     return text
 
@@ -193,7 +244,7 @@ def status(readings: Sequence[Reading]) -> RenderableType:
     """One agent in detail, or a fleet as a table."""
     if len(readings) == 1 and readings[0].up:
         return status_detail(readings[0])
-    return fleet_table(readings)
+    return FleetTable(readings)
 
 
 def defrag_state(pool: PoolSnapshot) -> Table:

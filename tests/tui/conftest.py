@@ -2,17 +2,22 @@
 
 `reading(...)` builds a Reading with the numbers a test names; `FakeSource` serves one list of
 readings per agent, one per poll (the last one repeats), and records defrag/resize calls.
+`make_app` gives the dashboard a clock that advances one second per poll, so the screen (ages,
+sparklines) depends on what was polled, never on when the test ran.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from pool_readings import pool_snapshot as shared_pool_snapshot
 from rich.console import Console
 
 from kvctl.api import (
@@ -27,30 +32,29 @@ from kvctl.api import (
 )
 from kvctl.client import AgentUnreachable
 from kvctl.fleet import Reading
+from kvctl.tui.app import TopApp
 
 PAGE = 64 << 10
+SNAPSHOTS = Path(__file__).parent / "snapshots"
 NOW = 1_800_000_000.0
 
 
+DASHBOARD_POOL: dict[str, Any] = dict(
+    timestamp=NOW, bytes_per_page=PAGE, segment_pages=32, capacity_pages=256, used_pages=150,
+    cached_pages=83, free_extents=9, largest_free_run=5, max_pool_pages=1024,
+    alloc_attempts_total=2000, alloc_failures_total=30, alloc_success_ratio=0.985,
+    prefix_hits_tokens_total=4200, prefix_hit_ratio=0.42, prefix_evictions_total=17,
+    defrag_runs_total={"manual": 1, "threshold": 3}, defrag_pages_moved_total=640,
+    resizes_total={"grow": 1}, requests_running=7, requests_waiting=2, preemptions_total=5,
+    gpus=[GpuMemory(index=0, name="H200", used_bytes=100 << 30, total_bytes=140 << 30)],
+)  # fmt: skip
+"""A busy 256-page pool of 64 KiB pages in 32-page segments: 150 used, 83 cached, 23 free in
+9 runs, the largest 5 pages long."""
+
+
 def pool_snapshot(**numbers: Any) -> PoolSnapshot:
-    """A 256-page pool of 64 KiB pages in 32-page segments, with `numbers` overriding."""
-    base: dict[str, Any] = {
-        "pool": "demo", "timestamp": NOW, "device": "cpu", "page_size": 16,
-        "bytes_per_page": PAGE, "segment_pages": 32, "segments": 8, "capacity_pages": 256,
-        "used_pages": 150, "cached_pages": 83, "free_pages": 23, "capacity_bytes": 256 * PAGE,
-        "used_bytes": 150 * PAGE, "utilization_ratio": 0.91, "fragmentation_ratio": 0.62,
-        "free_extents": 9, "largest_free_run": 5, "max_pool_pages": 1024,
-        "alloc_attempts_total": 2000, "alloc_failures_total": 30, "alloc_success_ratio": 0.985,
-        "window_seconds": 300.0, "prefix_cache_enabled": True,
-        "prefix_queries_tokens_total": 10000, "prefix_hits_tokens_total": 4200,
-        "prefix_hit_ratio": 0.42, "prefix_evictions_total": 17,
-        "defrag_runs_total": {"manual": 1, "threshold": 3}, "defrag_pages_moved_total": 640,
-        "defrag_active": False, "last_defrag": None, "last_defrag_age_seconds": None,
-        "auto_defrag_enabled": True, "resizes_total": {"grow": 1}, "requests_running": 7,
-        "requests_waiting": 2, "preemptions_total": 5,
-        "gpus": [GpuMemory(index=0, name="H200", used_bytes=100 << 30, total_bytes=140 << 30)],
-    }  # fmt: skip
-    return PoolSnapshot.model_validate({**base, **numbers})
+    """The dashboard's pool with `numbers` changed (ratios follow from the page counts)."""
+    return shared_pool_snapshot(**{**DASHBOARD_POOL, **numbers})
 
 
 PAGE_MAP = PoolMap(
@@ -61,8 +65,8 @@ PAGE_MAP = PoolMap(
 )  # fmt: skip
 
 FIRING = Alert(
-    name="KvctlFragmentationHigh", severity="critical", state="firing", value=0.62,
-    summary="free pages are scattered: fragmentation 0.62",
+    name="KvctlFragmentationHigh", severity="critical", state="firing", value=0.78,
+    summary="free pages are scattered: fragmentation 0.78",
     description="9 free extents", remediation="kvctl defrag --now",
     runbook_url="docs/alerts.md#kvctlfragmentationhigh", active_since=NOW - 120,
 )  # fmt: skip
@@ -71,15 +75,26 @@ PENDING = FIRING.model_copy(
 )
 
 
-def reading(agent: str = "http://node1:8477", **numbers: Any) -> Reading:
+def reading(
+    agent: str = "http://node1:8477", alerts: Sequence[Alert] = (FIRING, PENDING), **numbers: Any
+) -> Reading:
+    """An agent that answered: the 256-page pool of `pool_snapshot(**numbers)` and `alerts`.
+
+    The ratios are computed from the page counts, so a test changes `used_pages`,
+    `largest_free_run`, … rather than the ratios."""
     health = Health(status="ok", pool="demo", version="0.1.0", uptime_seconds=3725.0)
     return Reading(
         agent=agent,
         health=health,
         pool=pool_snapshot(**numbers),
-        alerts=(FIRING, PENDING),
+        alerts=tuple(alerts),
         map=PAGE_MAP,
     )
+
+
+def alert(name: str, severity: str = "warning", state: str = "firing") -> Alert:
+    """Another alert like FIRING, named `name`."""
+    return FIRING.model_copy(update={"name": name, "severity": severity, "state": state})
 
 
 def down(agent: str = "http://node1:8477") -> Reading:
@@ -128,6 +143,23 @@ class FakeSource:
         self.closed = True
 
 
+def make_app(
+    readings: dict[str, Sequence[Reading]], readonly: bool = False, step: float = 1.0
+) -> TopApp:
+    """An app that polls only when told (a long interval), on a clock of `step` s a poll."""
+    source = FakeSource(readings)
+    clock = lambda: NOW + step * source.polls  # noqa: E731
+    return TopApp(source, interval=3600, readonly=readonly, clock=clock)
+
+
+async def polled(app: TopApp, pilot, count: int = 1) -> None:
+    """Wait until `count` polls (the first one at start included) have finished."""
+    while app.source.polls < count or not app._poll_worker.is_finished:
+        app.poll()  # starts one only when none is running
+        await pilot.pause(0.01)
+    await pilot.pause()
+
+
 def screen_text(app) -> str:
     """The screen as plain text, as a terminal would show it (no colours).
 
@@ -138,7 +170,17 @@ def screen_text(app) -> str:
     console = Console(width=width, height=height, file=io.StringIO(), record=True)
     update = app.screen._compositor.render_update(full=True, screen_stack=app._background_screens)
     console.print(update)
-    return console.export_text()
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
+
+
+def check_snapshot(name: str, text: str) -> None:
+    """`text` must equal snapshots/`name`.txt; KVCTL_UPDATE_SNAPSHOTS=1 rewrites the file
+    instead (after a deliberate change; review the diff)."""
+    path = SNAPSHOTS / f"{name}.txt"
+    if os.environ.get("KVCTL_UPDATE_SNAPSHOTS"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"{path.name} differs; the screen now reads:\n{text}"
 
 
 def widget_text(widget, width: int = 100) -> str:
@@ -165,7 +207,11 @@ def fakes() -> SimpleNamespace:
         FakeSource=FakeSource,
         reading=reading,
         down=down,
+        alert=alert,
+        make_app=make_app,
+        polled=polled,
         screen_text=screen_text,
+        check_snapshot=check_snapshot,
         widget_text=widget_text,
         wait_until=wait_until,
     )

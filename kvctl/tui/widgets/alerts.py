@@ -14,6 +14,31 @@ from kvctl.view import fmt
 ORDER = {"critical": 0, "warning": 1, "info": 2}
 
 
+def worst_first(alerts: Sequence[Alert]) -> list[Alert]:
+    """Firing before pending, then by severity, then by name."""
+    return sorted(alerts, key=lambda a: (a.state != "firing", ORDER[a.severity], a.name))
+
+
+SUMMARY_MIN = 12
+"""Fewer columns than this left after the name: the summary is left out, not cut to a stub."""
+
+
+def heading(alert: Alert, width: int | None = None) -> Text:
+    """`● severity Name  summary` on one line, never wrapped: the summary only with `width`
+    and only where a useful part of it fits (cut with an ellipsis); a panel narrower than the
+    name cuts the name with an ellipsis rather than breaking it."""
+    text = Text.assemble(
+        (f"● {alert.severity} ", fmt.severity_style(alert.severity)),
+        (alert.name, "bold"),
+        no_wrap=True,
+        overflow="ellipsis",
+    )
+    summary = f"  {alert.summary}"
+    if width is not None and len(text) + min(len(summary), SUMMARY_MIN) <= width:
+        text.append(summary)
+    return text
+
+
 class AlertsPanel(Widget):
     """The firing alerts of the shown agent; pending ones are counted, not listed."""
 
@@ -30,23 +55,15 @@ class AlertsPanel(Widget):
         self.refresh(layout=True)
 
     def render(self) -> RenderableType:
-        firing = sorted(
-            (a for a in self.alerts if a.state == "firing"), key=lambda a: ORDER[a.severity]
-        )
+        firing = [alert for alert in worst_first(self.alerts) if alert.state == "firing"]
         pending = len(self.alerts) - len(firing)
         if not firing:
             note = f" ({pending} pending)" if pending else ""
             return Text(f"no alerts firing{note}", style=fmt.OK)
         lines: list[Text] = []
         for alert in firing:
-            lines.append(
-                Text.assemble(
-                    (f"● {alert.severity} ", fmt.severity_style(alert.severity)),
-                    (alert.name, "bold"),
-                    f"  {alert.summary}",
-                )
-            )
+            lines.append(heading(alert, self.size.width))
             lines.append(Text(f"  → {alert.remediation}", style="bold"))
         if pending:
-            lines.append(Text(f"{pending} pending", style="dim"))
+            lines.append(Text(f"{pending} pending (a: all alerts)", style="dim"))
         return Group(*lines)

@@ -7,7 +7,7 @@ from rich.text import Text
 from textual.widget import Widget
 
 from kvctl.api import PoolSnapshot
-from kvctl.tui.history import SERIES, History
+from kvctl.tui.history import SERIES, WINDOWS, History, Window
 from kvctl.tui.spark import sparkline
 from kvctl.view import fmt
 
@@ -24,9 +24,20 @@ class Headlines(Widget):
         self.pool: PoolSnapshot | None = None
         self.history: History | None = None
         self.stale = False
+        self.now = 0.0
+        self.window = WINDOWS[0]
 
-    def show(self, pool: PoolSnapshot | None, history: History | None, stale: bool) -> None:
+    def show(
+        self,
+        pool: PoolSnapshot | None,
+        history: History | None,
+        stale: bool,
+        now: float,
+        window: Window,
+    ) -> None:
+        """Show `pool`'s numbers, and `history` over `window` ending at `now`."""
         self.pool, self.history, self.stale = pool, history, stale
+        self.now, self.window = now, window
         self.refresh()
 
     def render(self) -> RenderableType:
@@ -45,4 +56,6 @@ class Headlines(Widget):
         return Group(labels, values, sparks)
 
     def _spark(self, name: str, width: int) -> str:
-        return sparkline(self.history.values(name) if self.history else [], width)
+        if self.history is None:
+            return ""
+        return sparkline(self.history.bars(name, width, self.now, self.window.seconds), width)

@@ -1,0 +1,150 @@
+"""One agent in detail: the four numbers with their history, requests, alerts, the page map.
+
+The screen only lays the panels out and offers the keys that act on the agent shown; the app
+owns the readings and does the acting, so the fleet screen and this one show the same data.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widget import Widget
+from textual.widgets import Footer, Static
+
+from kvctl.fleet import Reading
+from kvctl.tui.history import History, Window
+from kvctl.tui.widgets.agent_bar import AgentBar
+from kvctl.tui.widgets.alerts import AlertsPanel
+from kvctl.tui.widgets.headlines import Headlines
+from kvctl.tui.widgets.pool_map import PoolMapView
+from kvctl.tui.widgets.requests import RequestsPanel
+from kvctl.view import fmt
+
+if TYPE_CHECKING:
+    from kvctl.tui.app import TopApp
+
+ACTING = ("defrag", "resize")
+HEADLINES_TITLE = "the four numbers"
+
+
+class DetailScreen(Screen[None]):
+    """The dashboard of the agent the app has selected."""
+
+    DEFAULT_CSS = """
+    DetailScreen { layout: vertical; }
+    DetailScreen .panel {
+        height: auto; border: round $primary-lighten-2; border-title-color: $text; padding: 0 1;
+    }
+    DetailScreen #panels { height: auto; }
+    DetailScreen #panels > Vertical { width: 1fr; height: auto; }
+    DetailScreen #message { height: 1; color: $text-muted; padding: 0 1; }
+    """
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape,f", "fleet", "fleet", key_display="esc"),
+        Binding("tab", "next_agent(1)", "next", priority=True),
+        Binding("shift+tab", "next_agent(-1)", "previous", show=False, priority=True),
+        Binding("d", "defrag", "defrag"),
+        Binding("r", "resize", "resize"),
+        Binding("a", "alerts", "alerts"),
+        Binding("w", "window", "window"),
+    ]
+
+    def __init__(self, id: str | None = None) -> None:
+        super().__init__(id=id)
+        # Held, not queried: the app fills them from its first poll, which may come before
+        # the screen has mounted them.
+        self.bar = AgentBar(id="agent")
+        self.headlines = Headlines(id="headlines")
+        self.requests = RequestsPanel(id="requests")
+        self.alerts = AlertsPanel(id="alerts")
+        self.pool_map = PoolMapView(id="map")
+        self.message = Static("", id="message")
+        self.headlines_panel = self._panel(self.headlines, HEADLINES_TITLE)
+
+    @property
+    def top(self) -> TopApp:
+        return self.app  # type: ignore[return-value]
+
+    def compose(self) -> ComposeResult:
+        yield self.bar
+        yield self.headlines_panel
+        with Horizontal(id="panels"):
+            yield self._panel(self.requests, "requests and memory")
+            yield self._panel(self.alerts, "firing alerts")
+        map_panel = self._panel(self.pool_map, "pool map")
+        map_panel.styles.height = "1fr"
+        yield map_panel
+        yield self.message
+        yield Footer()
+
+    @staticmethod
+    def _panel(widget: Widget, title: str) -> Vertical:
+        box = Vertical(widget, classes="panel")
+        box.border_title = title
+        return box
+
+    def show(
+        self,
+        reading: Reading,
+        good: Reading | None,
+        history: History,
+        window: Window,
+        now: float,
+    ) -> None:
+        """Fill every panel: `good` (the last reading that answered) while `reading` failed."""
+        shown = reading if reading.up else good
+        pool = shown.pool if shown else None
+        self.headlines.show(pool, history, stale=not reading.up, now=now, window=window)
+        self.headlines_panel.border_title = (
+            f"{HEADLINES_TITLE} · {window_label(window, history, now)}"
+        )
+        self.pool_map.show(shown.map if shown else None)
+        self.requests.show(pool)
+        self.alerts.show(shown.alerts if shown else ())
+
+    def say(self, message: str) -> None:
+        self.message.update(message)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Acting keys are not offered at all with --readonly, and shown disabled while the
+        agent on screen does not answer (they could not reach it); the fleet key only where
+        there is a fleet."""
+        if action in ACTING:
+            if self.top.readonly:
+                return False
+            reading = self.top.readings.get(self.top.agent)
+            if reading is None or not reading.up:
+                return None
+        if action in ("fleet", "next_agent"):
+            return len(self.top.source.agents) > 1
+        return True
+
+    def action_fleet(self) -> None:
+        self.top.show_fleet()
+
+    def action_next_agent(self, step: int) -> None:
+        self.top.select(self.top.current + step)
+
+    def action_defrag(self) -> None:
+        self.top.ask_defrag()
+
+    def action_resize(self) -> None:
+        self.top.ask_resize()
+
+    def action_alerts(self) -> None:
+        self.top.show_alerts()
+
+    def action_window(self) -> None:
+        self.top.next_window()
+
+
+def window_label(window: Window, history: History, now: float) -> str:
+    """What the sparklines span: "last 10m", or the session and how long it has run."""
+    if window.seconds is not None:
+        return f"last {window.label}"
+    start = history.start
+    return "whole session" + ("" if start is None else f" ({fmt.seconds(now - start)})")

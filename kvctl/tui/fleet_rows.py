@@ -1,0 +1,214 @@
+"""The fleet table's rows: which columns, how each is sorted, filtered and fitted to a width.
+
+Pure functions of `kvctl.fleet.Reading`, so sorting and filtering are tested without a
+terminal. A row is one agent today; its key is the agent URL, and a pool column (several pools
+per agent) would add the pool name to the key and one `Column` here.
+
+Sorting puts the worst rows first on the first press (lowest allocation success, highest
+fragmentation, …): that is what an operator sorts a fleet for. Rows that have no value in the
+sorted column (down agents, nothing measured yet) go last in either direction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rich.text import Text
+
+from kvctl.fleet import Reading
+from kvctl.tui.widgets.alerts import ORDER
+from kvctl.view import fmt
+
+SortValue = float | str | None
+
+
+@dataclass(frozen=True)
+class Column:
+    """A fleet column: its label, content width (None: shares what is left), alignment, what
+    it sorts by, and whether high values are the worst."""
+
+    key: str
+    label: str
+    width: int | None
+    value: Callable[[Reading], SortValue]
+    right: bool = True
+    worst_high: bool = True
+
+
+def _pool(attribute: str) -> Callable[[Reading], SortValue]:
+    def value(reading: Reading) -> SortValue:
+        return None if reading.pool is None else getattr(reading.pool, attribute)
+
+    return value
+
+
+def _alerts(reading: Reading) -> SortValue:
+    if not reading.up:
+        return None
+    firing = reading.firing
+    critical = sum(1 for alert in firing if alert.severity == "critical")
+    return critical * 1000 + len(firing) * 10 + min(9, len(reading.alerts) - len(firing))
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("agent", "agent", None, lambda r: r.agent, right=False, worst_high=False),
+    Column("state", "state", 5, lambda r: 0.0 if r.up else 1.0, right=False),
+    Column("alloc", "alloc ok", 8, _pool("alloc_success_ratio"), worst_high=False),
+    Column("frag", "frag", 4, _pool("fragmentation_ratio")),
+    Column("util", "util", 7, _pool("utilization_ratio")),
+    Column("prefix", "prefix", 7, _pool("prefix_hit_ratio"), worst_high=False),
+    Column("run", "run", 3, _pool("requests_running")),
+    Column("wait", "wait", 4, _pool("requests_waiting")),
+    Column("alerts", "firing alerts", None, _alerts, right=False),
+)
+BY_KEY = {column.key: column for column in COLUMNS}
+
+
+@dataclass(frozen=True)
+class Sort:
+    """The sorted column (None: the order the agents were given) and its direction."""
+
+    key: str | None = None
+    descending: bool = False
+
+    def next_column(self) -> Sort:
+        """The next column, worst first; after the last, back to the order given."""
+        keys = [None, *BY_KEY]
+        key = keys[(keys.index(self.key) + 1) % len(keys)]
+        return Sort(key, key is not None and BY_KEY[key].worst_high)
+
+    def on(self, key: str) -> Sort:
+        """Sort by `key`, worst first; the column already sorted by is reversed."""
+        if key == self.key:
+            return self.reversed()
+        return Sort(key, BY_KEY[key].worst_high)
+
+    def reversed(self) -> Sort:
+        return Sort(self.key, not self.descending)
+
+    def describe(self) -> str:
+        if self.key is None:
+            return "in the order given" + (", reversed" if self.descending else "")
+        column = BY_KEY[self.key]
+        worst = self.descending == column.worst_high
+        order = "worst first" if worst else "best first"
+        if self.key == "agent":
+            order = "Z to A" if self.descending else "A to Z"
+        return f"sorted by {column.label}, {order}"
+
+
+def sort_rows(readings: Sequence[Reading], sort: Sort) -> list[Reading]:
+    """`readings` in `sort`'s order; ties keep the order given, rows without a value last."""
+    if sort.key is None:
+        return list(reversed(readings)) if sort.descending else list(readings)
+    value = BY_KEY[sort.key].value
+    present = [r for r in readings if value(r) is not None]
+    missing = [r for r in readings if value(r) is None]
+    present.sort(key=value, reverse=sort.descending)  # type: ignore[arg-type]
+    return present + missing
+
+
+def matches(reading: Reading, text: str) -> bool:
+    """Whether the filter `text` is in the agent's URL or the name of one of its alerts."""
+    needle = text.strip().lower()
+    if not needle:
+        return True
+    names = [reading.agent, *(alert.name for alert in reading.alerts)]
+    return any(needle in name.lower() for name in names)
+
+
+def short_agent(url: str) -> str:
+    """The URL as a row shows it: `http://` is the default and says nothing."""
+    return url.removeprefix("http://")
+
+
+def ellipsize(text: str, width: int) -> str:
+    """`text` cut to `width` cells with an ellipsis, never wrapped."""
+    if width <= 0:
+        return ""
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def widths(total: int, agents: Sequence[str]) -> dict[str, int]:
+    """Content width of every column for a table `total` cells wide (one cell between
+    columns): fixed columns as they are, the agent column as wide as its longest name but at
+    most 40 % of the rest, the alerts column what remains."""
+    fixed = {c.key: c.width for c in COLUMNS if c.width is not None}
+    rest = max(0, total - sum(fixed.values()) - len(COLUMNS))
+    longest = max((len(short_agent(agent)) for agent in agents), default=5)
+    agent = max(5, min(longest, rest * 2 // 5))
+    return {**fixed, "agent": agent, "alerts": max(5, rest - agent)}
+
+
+def alerts_text(reading: Reading, width: int) -> Text:
+    """Firing alert names, worst first, whole where they fit, then `+N`; the error of a down
+    agent; `N pending` or `none` when nothing fires."""
+    if not reading.up:
+        reason = reading.error.reason if reading.error else "no answer"
+        return Text(ellipsize(reason, width), style=fmt.BAD)
+    firing = sorted(reading.firing, key=lambda a: (ORDER[a.severity], a.name))
+    if not firing:
+        pending = len(reading.alerts)
+        label, style = (f"{pending} pending", "dim") if pending else ("none", fmt.OK)
+        return Text(ellipsize(label, width), style=style)
+    text = Text()
+    for index, alert in enumerate(firing):
+        more = len(firing) - index - 1
+        tail = f" +{more}" if more else ""
+        sep = ", " if index else ""
+        if len(text) + len(sep) + len(alert.name) + len(tail) > width:
+            if index == 0:
+                text.append(
+                    ellipsize(alert.name, width - len(tail)), fmt.severity_style(alert.severity)
+                )
+                text.append(tail)
+            else:
+                text.append(f" +{len(firing) - index}")
+            break
+        text.append(sep)
+        text.append(alert.name, style=fmt.severity_style(alert.severity))
+    return text
+
+
+def cells(reading: Reading, fitted: dict[str, int]) -> list[Text]:
+    """The row of one agent, each cell exactly its column's width (`fitted`, from `widths`)."""
+    texts: dict[str, Text] = {
+        "agent": Text(ellipsize(short_agent(reading.agent), fitted["agent"]), style="bold"),
+        "alerts": alerts_text(reading, fitted["alerts"]),
+        "state": Text("up", style=fmt.OK) if reading.up else Text("down", style=fmt.BAD),
+    }
+    pool = reading.pool
+    if reading.up and pool is not None:
+        numbers = zip(("alloc", "frag", "util", "prefix"), fmt.headlines(pool), strict=True)
+        for key, headline in numbers:
+            texts[key] = Text(headline.text, style=headline.style)
+        texts["run"] = Text(str(pool.requests_running))
+        texts["wait"] = Text(
+            str(pool.requests_waiting), style=fmt.WARN if pool.requests_waiting else ""
+        )
+    return [_fit(texts.get(c.key, Text("–", style="dim")), c, fitted[c.key]) for c in COLUMNS]
+
+
+def header(column: Column, width: int, sort: Sort) -> Text:
+    """The column's label, with ▼ or ▲ next to it when the table is sorted by it (in the cell
+    between columns where the label fills its own)."""
+    label, lead = column.label, " "
+    if sort.key == column.key:
+        arrow = "▼" if sort.descending else "▲"
+        if len(label) < width:
+            label = f"{arrow}{label}" if column.right else f"{label}{arrow}"
+        else:
+            lead = arrow
+    return _fit(Text(label, style="bold"), column, width, lead)
+
+
+def _fit(text: Text, column: Column, width: int, lead: str = " ") -> Text:
+    """Cut to `width`, pad to it, and lead with the one cell that separates columns."""
+    text = text.copy()
+    text.truncate(width, overflow="ellipsis")
+    if column.right:
+        text.pad_left(width - len(text))
+    else:
+        text.pad_right(width - len(text))
+    return Text(lead) + text

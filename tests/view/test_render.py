@@ -1,0 +1,68 @@
+"""The CLI's tables at 80 columns: an alert name is whole, or visibly cut with an ellipsis when
+the terminal is too narrow for the row; never folded onto two lines, where it reads as two names
+and cannot be searched for in the runbook or in Alertmanager."""
+
+from __future__ import annotations
+
+import io
+
+from pool_readings import pool_snapshot
+from rich.console import Console
+
+from kvctl.api import Alert
+from kvctl.fleet import Reading
+from kvctl.view.render import FleetTable, alerts_table
+
+NAMES = ("KvctlAllocationFailures", "KvctlGpuMemoryNearCapacity", "KvctlPreemptionStorm")
+
+
+def alert(name: str) -> Alert:
+    return Alert(
+        name=name,
+        severity="warning",
+        state="firing",
+        value=0.5,
+        summary=f"{name} says what is wrong in a sentence long enough to wrap at 80 columns",
+        description="",
+        remediation="kvctl --agent http://gpu-node-17.example.com:8477 pool resize --pages 640",
+        runbook_url="http://gpu-node-17.example.com:8477/runbook",
+        active_since=0.0,
+    )
+
+
+def rendered(renderable: object, width: int = 80) -> str:
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(renderable)
+    return out.getvalue()
+
+
+def test_alert_names_are_whole_in_the_alerts_table() -> None:
+    text = rendered(alerts_table([alert(n) for n in NAMES], now=60.0))
+    for name in NAMES:
+        assert name in text, text
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def fleet(width: int) -> list[str]:
+    reading = Reading(
+        agent="http://gpu-node-17.example.com:8477",
+        pool=pool_snapshot(),
+        alerts=tuple(alert(n) for n in NAMES),
+    )
+    return rendered(FleetTable([reading]), width).splitlines()
+
+
+def test_alert_names_in_the_fleet_table_are_one_a_line_and_whole_when_there_is_room() -> None:
+    lines = fleet(160)
+    for name in NAMES:
+        assert sum(line.rstrip().endswith(name) for line in lines) == 1, "\n".join(lines)
+
+
+def test_at_80_columns_a_name_is_cut_with_an_ellipsis_not_folded_and_the_numbers_stay() -> None:
+    lines = fleet(80)
+    for number in ("50.0 %", "0.05", "100.00 %", "60.0 %", "4/0"):
+        assert number in lines[1], "\n".join(lines)
+    cells = [line[lines[0].index("alerts") :].strip() for line in lines[1:]]
+    assert len(cells) == len(NAMES), "\n".join(lines)  # one line per name, no more
+    for cell, name in zip(cells, NAMES, strict=True):
+        assert cell == name or (cell.endswith("…") and name.startswith(cell[:-1])), cell
