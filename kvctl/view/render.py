@@ -228,15 +228,19 @@ def fleet_row(reading: Reading) -> tuple[RenderableType, ...]:
 
 
 def alerts_cell(alerts: Sequence[Alert]) -> Text:
-    firing = [a for a in alerts if a.state == "firing"]
-    if not firing:
-        pending = len(alerts)
-        return Text(f"{pending} pending" if pending else "none", style="dim" if pending else fmt.OK)
+    """Every alert by name, one a line: firing ones first in their severity's colour, then
+    pending ones dimmed and marked (a count alone would not say which to look up)."""
+    if not alerts:
+        return Text("none", style=fmt.OK)
+    ordered = sorted(alerts, key=lambda a: a.state != "firing")
     text = Text()
-    for index, alert in enumerate(firing):
+    for index, alert in enumerate(ordered):
         if index:
             text.append("\n")
-        text.append(alert.name, style=fmt.severity_style(alert.severity))
+        if alert.state == "firing":
+            text.append(alert.name, style=fmt.severity_style(alert.severity))
+        else:
+            text.append(f"{alert.name} (pending)", style="dim")
     return text
 
 

@@ -66,3 +66,13 @@ def test_at_80_columns_a_name_is_cut_with_an_ellipsis_not_folded_and_the_numbers
     assert len(cells) == len(NAMES), "\n".join(lines)  # one line per name, no more
     for cell, name in zip(cells, NAMES, strict=True):
         assert cell == name or (cell.endswith("…") and name.startswith(cell[:-1])), cell
+
+
+def test_pending_alerts_are_named_after_the_firing_ones() -> None:
+    pending = alert("KvctlPoolOverProvisioned").model_copy(update={"state": "pending"})
+    reading = Reading(
+        agent="http://node1:8477", pool=pool_snapshot(), alerts=(pending, alert(NAMES[0]))
+    )
+    lines = rendered(FleetTable([reading]), 160).splitlines()
+    assert lines[1].rstrip().endswith(NAMES[0])
+    assert lines[2].rstrip().endswith("KvctlPoolOverProvisioned (pending)")
