@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import socket
 import statistics
 import sys
@@ -30,7 +29,7 @@ import time
 import httpx
 import torch
 import uvicorn
-from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
+from paired import MIN_ROUNDS, command_line, environment, load_average, paired_rounds, spread
 
 from kvctl.agent.config import AgentConfig
 from kvctl.agent.main import alert_loop, default_torch_threads
@@ -173,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         f"overhead: {statistics.median(overheads):+5.1f} % (median of {args.rounds} paired "
         f"rounds; per round {min(overheads):+.1f} % to {max(overheads):+.1f} %; target under 2 %)"
     )
-    print(f"# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(load_average())
     return 0
 
 

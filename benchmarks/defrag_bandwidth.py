@@ -19,7 +19,6 @@ per-round ratios with their min and max. Torch's CPU thread count defaults to th
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shlex
 import sys
@@ -28,7 +27,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from paired import MIN_ROUNDS, Paired, command_line, environment, paired_rounds, spread
+from paired import (
+    MIN_ROUNDS,
+    Paired,
+    command_line,
+    environment,
+    load_average,
+    paired_rounds,
+    spread,
+)
 
 from kvctl.agent.main import default_torch_threads
 from kvctl.agent.pool.defrag import Defragmenter, DefragTrigger
@@ -292,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "KVStorage.copy_pages alone; copy_ms = time in copy_pages, other_ms = planning and "
         "page-table bookkeeping (measured in a second, otherwise identical defragmentation)"
     )
-    print(f"# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(load_average())
     return 0
 
 

@@ -23,7 +23,6 @@ speedup the median (min-max) of the per-round ratios numpy ms / kvctl ms.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -31,7 +30,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
+from paired import MIN_ROUNDS, command_line, environment, load_average, paired_rounds, spread
 
 from kvctl.agent.pool import PagePool
 from kvctl.agent.pool.stats import PageState
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{spread(paired.ratios, fmt='.0f') + 'x':>22}"
         )
     print("target: kvctl under 5 ms per computation at 1,000,000 pages")
-    print(f"# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(load_average())
     return 0
 
 

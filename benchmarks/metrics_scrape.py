@@ -23,7 +23,6 @@ render / kvctl render.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -31,7 +30,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
+from paired import MIN_ROUNDS, command_line, environment, load_average, paired_rounds, spread
 
 from kvctl.agent.metrics import Histograms, build_registry, render
 from kvctl.agent.pool import PagePool
@@ -193,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     for pages in args.pages:
         measure(pages, args.seed, args.rounds, args.repeat)
     print("target: kvctl render under 10 ms at 1,000,000 pages")
-    print(f"# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(load_average())
     return 0
 
 

@@ -33,6 +33,11 @@ def environment() -> str:
     return "# " + "; ".join(parts)
 
 
+def load_average() -> str:
+    """The closing line of every benchmark: how busy the machine was while it ran."""
+    return f"# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+
+
 def command_line() -> str:
     return "command: python " + " ".join([sys.argv[0], *sys.argv[1:]])
 

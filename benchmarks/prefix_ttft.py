@@ -19,12 +19,11 @@ per side and round; TTFTs are the median (min-max) over the rounds, and the spee
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 
 import torch
-from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
+from paired import MIN_ROUNDS, command_line, environment, load_average, paired_rounds, spread
 
 from kvctl.agent.main import default_torch_threads
 from kvctl.agent.model import SamplingParams, build_demo_model
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         f"speedup without/with: {paired.ratio_summary()} (target {TARGET_SPEEDUP:.0f}x): "
         f"{'met' if met else 'NOT met'}"
     )
-    print(f"# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(load_average())
     return 0 if met else 1
 
 

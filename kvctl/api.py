@@ -27,6 +27,15 @@ MAX_STOP_STRINGS = 16
 """Stop strings one request may give (OpenAI allows 4; some frameworks send a few more)."""
 MAX_STOP_LENGTH = 256
 """Characters in one stop string. With the count, this bounds the per-token cost of matching."""
+MAX_CHOICES = 16
+"""`n` of one request; with a list of prompts, at most this many choices in all."""
+MAX_PROMPTS = 16
+"""Prompts in one completions request (`prompt` as a list of strings or of token-id lists)."""
+MAX_MESSAGES = 1024
+"""Messages in one chat request."""
+MAX_LOGIT_BIAS = 1024
+"""Entries of one `logit_bias` map (OpenAI allows 300; frameworks send a few more)."""
+MAX_STOP_TOKEN_IDS = 64
 
 
 class Strict(BaseModel):
@@ -72,6 +81,12 @@ class ModelCard(Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kvctl"
+    root: str | None = None
+    """The served model this name is an alias of (the first `--served-model-name`)."""
+    capabilities: list[Literal["completions", "chat"]] = []
+    """The endpoints that serve it: `chat` only when the checkpoint has a chat template."""
+    max_model_len: int | None = None
+    """The model's context in tokens: prompt plus output of one request."""
 
 
 class ModelList(Response):
@@ -347,20 +362,41 @@ class RuntimeSettingsPatch(Strict):
 # ---- completions (OpenAI-compatible) --------------------------------------------------------
 
 
-class CompletionRequest(Strict):
-    """POST /v1/completions, OpenAI's fields plus `top_k`, `cache_salt`, `return_token_ids`."""
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    """A last chunk with `choices: []` and the whole request's usage, before `[DONE]`."""
+
+
+class GenerationFields(Strict):
+    """The sampling and output fields completions and chat share (docs/operations.md)."""
 
     model: str | None = None
-    prompt: str | list[Annotated[int, Field(ge=0)]]
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] = 16
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1, le=1 << 20)] = 0
     seed: Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)] | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    n: Literal[1] = 1
-    user: str | None = None
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                Annotated[float, Field(ge=-100.0, le=100.0)],
+            ],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_COMPLETION_TOKENS)] = 0
+    user: str | None = None  # accepted and ignored: the agent keeps no per-user state
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
     return_token_ids: bool = False
     ignore_eos: bool = False
@@ -384,6 +420,54 @@ class CompletionRequest(Strict):
         return value
 
 
+class CompletionRequest(GenerationFields):
+    """POST /v1/completions, OpenAI's fields plus `top_k`, `cache_salt`, `return_token_ids`,
+    `ignore_eos`, `min_tokens`, `stop_token_ids`. `prompt` is one prompt (text or token ids) or
+    a list of them; each gets `n` choices, numbered prompt by prompt."""
+
+    prompt: (
+        str
+        | list[TokenId]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] = 16
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0)] | None = None  # 0..5, checked by the route (400)
+    best_of: Annotated[int, Field(ge=1)] | None = None  # only 1 (or n): refused otherwise
+    suffix: str | None = None  # refused when given: no insertion mode
+
+
+class ChatContentPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, object]] | None = None  # refused: no tool calling
+    tool_call_id: str | None = None  # refused: no tool calling
+
+
+class ChatCompletionRequest(GenerationFields):
+    """POST /v1/chat/completions: OpenAI's chat fields, rendered with the model's chat template.
+    Tool calling and structured output are refused with 400 naming the field."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None  # 0..20, checked by the route (400)
+    response_format: dict[str, object] | None = None  # only {"type": "text"}
+    tools: list[object] | None = None
+    tool_choice: object | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[object] | None = None
+    function_call: object | None = None
+
+
 RejectReason = Literal["queue_full", "too_large", "invalid", "shutting_down"]
 """Why a request was refused before it was queued (`requests_rejected_total`): `queue_full`,
 429, the queue is at --max-waiting; `too_large`, its prompt plus max_tokens can never fit the pool
@@ -400,12 +484,22 @@ lost its pages and the pool can no longer hold it (the agent's resize and admiss
 this from happening; it is reported, never silent, if it does)."""
 
 
+class CompletionLogprobs(Response):
+    """OpenAI's legacy completions shape: one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(Response):
     index: int = 0
     text: str
     finish_reason: FinishReasonName | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
     finish_detail: str | None = None  # why a request ended early ("abort", "capacity")
 
 
@@ -428,3 +522,73 @@ class CompletionResponse(Response):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class ChatTopLogprob(Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = []
+
+
+class ChatLogprobs(Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(Response):
+    index: int = 0
+    message: ChatResponseMessage
+    finish_reason: FinishReasonName | None
+    logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None
+    finish_detail: str | None = None
+
+
+class ChatCompletionResponse(Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # the rendered conversation, with return_token_ids
+
+
+# ---- tokenize -------------------------------------------------------------------------------
+
+MAX_TOKENIZE_TEXTS = 256
+"""Texts one /v1/tokenize call may carry (the body limit bounds their size)."""
+
+
+class TokenizeRequest(Strict):
+    """POST /v1/tokenize: texts to count in the served model's tokens (vLLM has `/tokenize`).
+
+    `prompt` is one text or a batch, so a client sizing many prompts pays one round trip."""
+
+    model: str | None = None
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_TOKENIZE_TEXTS)]
+    return_token_ids: bool = True
+    add_special_tokens: bool = True
+    """False: the text alone, without the BOS a prompt gets (to count a piece of a prompt)."""
+
+
+class TokenizedText(Response):
+    count: int
+    """Tokens the prompt is, as /v1/completions counts it (`usage.prompt_tokens`)."""
+    tokens: list[int] | None = None
+
+
+class TokenizeResponse(Response):
+    model: str
+    max_model_len: int
+    """The model's context: prompt plus max_tokens of one request."""
+    results: list[TokenizedText]
+    """One per text, in the order given."""

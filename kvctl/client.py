@@ -11,7 +11,7 @@ optional httpx transport, so tests can answer without a socket.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Self, TypeVar
 from urllib.parse import urlsplit
@@ -23,6 +23,7 @@ from kvctl import __version__
 from kvctl.api import (
     DEFAULT_PORT,
     AlertList,
+    ChatCompletionRequest,
     CompletionRequest,
     CompletionResponse,
     DefragRequest,
@@ -36,6 +37,8 @@ from kvctl.api import (
     ResizeResult,
     RuntimeSettings,
     RuntimeSettingsPatch,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 
 DEFAULT_AGENT = f"http://127.0.0.1:{DEFAULT_PORT}"
@@ -43,6 +46,7 @@ DEFAULT_TIMEOUT = 10.0
 """Seconds to wait for one answer; a pool read takes milliseconds, so this only bounds a hang."""
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -136,6 +140,8 @@ CONFIG = Endpoint("GET", "/v1/config", RuntimeSettings, "config read")
 CONFIG_PATCH = Endpoint("PATCH", "/v1/config", RuntimeSettings, "config change")
 MODELS = Endpoint("GET", "/v1/models", ModelList, "models read")
 COMPLETION = Endpoint("POST", "/v1/completions", CompletionResponse, "completion")
+CHAT = Endpoint("POST", "/v1/chat/completions", BaseModel, "chat completion")
+TOKENIZE = Endpoint("POST", "/v1/tokenize", TokenizeResponse, "tokenize")
 
 
 def _headers(token: str | None) -> dict[str, str]:
@@ -246,8 +252,9 @@ def parse_answer(agent: str, endpoint: Endpoint[M], content: bytes | str) -> M:
         ) from None
 
 
-def parse_event(agent: str, line: str) -> CompletionResponse | None:
-    """One server-sent event line of a streamed completion; None for keep-alives and [DONE]."""
+def _event(agent: str, line: str, what: str) -> tuple[str, Any] | None:
+    """One server-sent event line as (data, its JSON or None); None for keep-alives and [DONE].
+    An error event raises: the agent failed the request after the stream began."""
     if not line.startswith("data:"):
         return None
     data = line[len("data:") :].strip()
@@ -259,8 +266,25 @@ def parse_event(agent: str, line: str) -> CompletionResponse | None:
         payload = None
     if isinstance(payload, dict) and "error" in payload:
         message = ErrorBody.model_validate(payload).error.message
-        raise AgentServerError(agent, f"agent {agent}: completion failed mid-stream: {message}")
-    return parse_answer(agent, COMPLETION, data)
+        raise AgentServerError(agent, f"agent {agent}: {what} failed mid-stream: {message}")
+    return data, payload
+
+
+def parse_event(agent: str, line: str) -> CompletionResponse | None:
+    """One server-sent event line of a streamed completion; None for keep-alives and [DONE]."""
+    event = _event(agent, line, "completion")
+    return None if event is None else parse_answer(agent, COMPLETION, event[0])
+
+
+def parse_chat_event(agent: str, line: str) -> dict[str, Any] | None:
+    """One server-sent event line of a streamed chat completion as a JSON object (its
+    `choices[].delta` and `usage`); None for keep-alives and [DONE]."""
+    event = _event(agent, line, "chat completion")
+    if event is None:
+        return None
+    if not isinstance(event[1], dict):
+        raise not_an_agent(agent, "a chat stream event is not a JSON object")
+    return event[1]
 
 
 def _check(
@@ -436,14 +460,28 @@ class AsyncAgentClient:
         self, request: CompletionRequest
     ) -> AsyncIterator[CompletionResponse]:
         """The chunks of a streamed completion as they arrive, ending at `data: [DONE]`."""
+        async for chunk in self._stream(COMPLETION, request, parse_event):
+            yield chunk
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        return await self._call(TOKENIZE, request)
+
+    async def stream_chat(self, request: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of a streamed chat completion as JSON objects, ending at `data: [DONE]`."""
+        async for chunk in self._stream(CHAT, request, parse_chat_event):
+            yield chunk
+
+    async def _stream(
+        self, endpoint: Endpoint[Any], request: BaseModel, parse: Callable[[str, str], T | None]
+    ) -> AsyncIterator[T]:
         body = _body(request.model_copy(update={"stream": True}))
         try:
-            async with self._http.stream("POST", COMPLETION.path, json=body) as response:
+            async with self._http.stream("POST", endpoint.path, json=body) as response:
                 if response.status_code >= 400:
                     await response.aread()
-                    raise status_error(self.url, COMPLETION, response, self.token)
+                    raise status_error(self.url, endpoint, response, self.token)
                 async for line in response.aiter_lines():
-                    chunk = parse_event(self.url, line)
+                    chunk = parse(self.url, line)
                     if chunk is not None:
                         yield chunk
         except httpx.TransportError as error:

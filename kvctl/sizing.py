@@ -116,3 +116,47 @@ def plan_from_text(pool: PoolSnapshot, text: str) -> ResizePlan:
     if _PAGES.match(value):
         return plan_resize(pool, pages=amount_in_pages(value, pool.bytes_per_page))
     return plan_resize(pool, size=value)
+
+
+# ---- what a pool holds ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolFit:
+    """What a pool of `pages` holds for a model of `context` tokens (None: not known).
+
+    One computation for the agent's start-up log and `kvctl pool show`, so both say the same.
+    A request needs pages for its prompt plus `max_tokens` at once (the agent refuses one that
+    could never fit), so the largest request is the smaller of the pool and the context.
+    """
+
+    page_size: int
+    bytes_per_page: int
+    pages: int
+    context: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.pages * self.page_size
+
+    @property
+    def largest_request(self) -> int:
+        """The most tokens (prompt + max_tokens) one request may have."""
+        return self.tokens if self.context is None else min(self.tokens, self.context)
+
+    @property
+    def short_of_context(self) -> bool:
+        """The pool holds fewer tokens than the model's context."""
+        return self.context is not None and self.tokens < self.context
+
+    def pages_for(self, tokens: int) -> int:
+        return max(1, math.ceil(tokens / self.page_size))
+
+    def concurrent(self, tokens: int) -> int:
+        """Requests of `tokens` each that fit at once."""
+        return self.pages // self.pages_for(tokens)
+
+    def pages_for_contexts(self, requests: int) -> int:
+        """Pages that hold the model's full context for `requests` at once (needs `context`)."""
+        assert self.context is not None
+        return requests * self.pages_for(self.context)

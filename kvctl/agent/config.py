@@ -28,6 +28,13 @@ from kvctl.units import parse_duration, parse_size
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 DEFAULT_MAX_WAITING = 256
+DEFAULT_MAX_BATCHED_TOKENS = 256
+CPU_PREFILL_WHILE_DECODING = 32
+"""Prompt tokens a CPU step computes while other requests decode. A prompt token costs a CPU
+about as much as 1/30 of a whole decode step of a 135M model, so ~32 of them keep the streams'
+gap under 3x (docs/performance.md); a GPU computes hundreds for the price of one decode step."""
+"""Tokens one engine step computes at most (decode tokens + prompt chunks); docs/performance.md,
+chunked prefill, says why 256."""
 
 
 class ConfigError(ValueError):
@@ -42,6 +49,7 @@ class AgentConfig(BaseModel):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = DEFAULT_PORT
     model: str = "demo"
+    served_model_name: list[str] = []  # names clients may ask for; the first is reported
     device: str = "cpu"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     page_size: Annotated[int, Field(ge=1, le=4096)] = 16
@@ -55,7 +63,9 @@ class AgentConfig(BaseModel):
     max_batch_seqs: Annotated[int, Field(ge=1, le=4096)] = 64
     torch_threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # default: cores - 1
     decode_read_path: Literal["auto", "gather", "flex"] = "auto"
-    max_batch_tokens: Annotated[int, Field(ge=1)] = 4096
+    max_batched_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = DEFAULT_MAX_BATCHED_TOKENS
+    # prompt tokens a step computes while requests decode; 0: no cap; default: 32 on CPU, else 0
+    max_prefill_while_decoding: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
     max_tokens_limit: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] = 1024
     max_prompt_tokens: Annotated[int, Field(ge=1)] = 8192
     max_body_bytes: Annotated[int, Field(ge=1024)] = 1 << 20
@@ -81,6 +91,21 @@ class AgentConfig(BaseModel):
 
     settings: dict[str, dict[str, Any]] = {}  # runtime settings given at start-up
     token: str | None = Field(default=None, exclude=True, repr=False)  # read from token_file/env
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, values: Any) -> Any:
+        """`max_batch_tokens` (the former key) is another name of `max_batched_tokens`."""
+        if isinstance(values, dict) and "max_batch_tokens" in values:
+            values = dict(values)
+            old = values.pop("max_batch_tokens")
+            if old is not None and values.get("max_batched_tokens") not in (None, old):
+                raise ValueError(
+                    "max_batch_tokens is another name of max_batched_tokens; give one of them"
+                )
+            if old is not None:
+                values["max_batched_tokens"] = old
+        return values
 
     @field_validator("pool_memory", mode="before")
     @classmethod
@@ -149,6 +174,15 @@ class AgentConfig(BaseModel):
             )
         return value.rstrip("/")
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _served_names(cls, value: list[str]) -> list[str]:
+        if any(not name.strip() or len(name) > 256 for name in value):
+            raise ValueError("each served model name is 1 to 256 characters, not blank")
+        if len(set(value)) != len(value):
+            raise ValueError(f"served model names repeat: {value}")
+        return value
+
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
@@ -172,6 +206,11 @@ class AgentConfig(BaseModel):
         if self.max_pool_pages and self.pool_pages and self.pool_pages > self.max_pool_pages:
             raise ValueError(
                 f"--pool-pages {self.pool_pages} is above --max-pool-pages {self.max_pool_pages}"
+            )
+        if self.max_batched_tokens < self.max_batch_seqs:
+            raise ValueError(
+                f"--max-batched-tokens {self.max_batched_tokens} is below --max-batch-seqs "
+                f"{self.max_batch_seqs}: every running request decodes a token in every step"
             )
         if self.alertmanager_bearer_token_file and self.alertmanager_basic_auth_user:
             raise ValueError("give Alertmanager a bearer token or basic auth, not both")
@@ -210,7 +249,15 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
-    return {key.replace("-", "_"): value for key, value in data.items()}
+    values = {key.replace("-", "_"): value for key, value in data.items()}
+    if "max_batch_tokens" in values:  # the former name, so that a flag can override it
+        if "max_batched_tokens" in values:
+            raise ConfigError(
+                f"config file {path}: max_batch_tokens is another name of max_batched_tokens; "
+                "give one of them"
+            )
+        values["max_batched_tokens"] = values.pop("max_batch_tokens")
+    return values
 
 
 def _read_token(config: AgentConfig) -> str | None:

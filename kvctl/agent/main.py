@@ -24,9 +24,17 @@ from urllib.parse import urlsplit
 import typer
 
 from kvctl import __version__
-from kvctl.agent.config import DEFAULT_MAX_WAITING, AgentConfig, ConfigError, load_config
+from kvctl.agent.config import (
+    DEFAULT_MAX_BATCHED_TOKENS,
+    DEFAULT_MAX_WAITING,
+    AgentConfig,
+    ConfigError,
+    load_config,
+)
 from kvctl.api import DEFAULT_PORT
 from kvctl.settings import FLAGS, SettingsError, StartupLimits, apply_changes
+from kvctl.sizing import PoolFit
+from kvctl.units import format_bytes
 
 log = logging.getLogger("kvctl.agent")
 DEFAULT_POOL_PAGES = 1024
@@ -62,6 +70,35 @@ def pool_pages(config: AgentConfig, bytes_per_page: int, free_device_bytes: int 
     return DEFAULT_POOL_PAGES
 
 
+def log_pool_size(fit: PoolFit) -> None:
+    """One line saying what the pool holds, and a warning when it cannot hold the model's
+    context: requests longer than the pool are refused, which the operator should learn now
+    rather than from a client's 400."""
+    whole = f"{fit.pages:,} pages of {fit.page_size} tokens"
+    limit = "the model's context" if fit.largest_request == fit.context else "the pool"
+    log.info(
+        "pool: %s, %s each (%s): %s tokens; largest request %s tokens (prompt + max_tokens, %s)",
+        whole,
+        format_bytes(fit.bytes_per_page),
+        format_bytes(fit.pages * fit.bytes_per_page),
+        f"{fit.tokens:,}",
+        f"{fit.largest_request:,}",
+        limit,
+    )
+    if fit.short_of_context and fit.context is not None:
+        pages = fit.pages_for(fit.context)
+        mib = -(-pages * fit.bytes_per_page // (1 << 20))
+        log.warning(
+            "the pool holds %s tokens, fewer than the model's context of %s: longer requests "
+            "are refused; start with --pool-pages %d or --pool-memory %dMiB to hold one full "
+            "context",
+            f"{fit.tokens:,}",
+            f"{fit.context:,}",
+            pages,
+            mib,
+        )
+
+
 def default_torch_threads() -> int:
     """One core fewer than the host has: the HTTP server, the metrics and the alerts get a core
     of their own, so they never stall torch's parallel kernels (which wait for their slowest
@@ -75,8 +112,10 @@ def build_service(config: AgentConfig) -> Any:
 
     from kvctl.agent.gpu import GpuProbe
     from kvctl.agent.model import CheckpointError, build_demo_model, load_checkpoint
+    from kvctl.agent.model.chat_template import demo_chat_template
     from kvctl.agent.pool.storage import KVStorage
     from kvctl.agent.runtime import Engine, EngineConfig
+    from kvctl.agent.served import ServedModel
     from kvctl.agent.service import AgentService
 
     torch.manual_seed(config.seed)
@@ -113,6 +152,8 @@ def build_service(config: AgentConfig) -> Any:
             f"the pool's initial size of {pages} pages is above --max-pool-pages "
             f"{config.max_pool_pages}; give a smaller size or a larger limit"
         )
+    capacity = -(-pages // segment) * segment  # the engine rounds up to whole segments
+    log_pool_size(PoolFit(config.page_size, bytes_per_page, capacity, mc.max_context_len))
     limits = StartupLimits(segment, max(config.max_pool_pages or 4 * pages, segment))
     defaults = limits.defaults()
     try:
@@ -129,7 +170,8 @@ def build_service(config: AgentConfig) -> Any:
             segment_pages=segment,
             max_pool_pages=limits.max_pool_pages,
             max_batch_seqs=config.max_batch_seqs,
-            max_batch_tokens=config.max_batch_tokens,
+            max_batched_tokens=config.max_batched_tokens,
+            max_prefill_while_decoding=config.max_prefill_while_decoding,
             defrag=settings.defrag,
             prefix_cache=config.prefix_cache,
             eviction_policy=settings.prefix_cache.eviction_policy,
@@ -138,7 +180,11 @@ def build_service(config: AgentConfig) -> Any:
         ),
     )
     pool_name = mc.name or Path(config.model).name
-    return AgentService(
+    try:
+        template = demo_chat_template() if config.model == "demo" else mc.chat_template
+    except CheckpointError as error:
+        raise ConfigError(f"--model {config.model}: {error}") from None
+    service = AgentService(
         engine,
         pool_name,
         settings,
@@ -148,6 +194,9 @@ def build_service(config: AgentConfig) -> Any:
         limits=limits,
         max_waiting=config.max_waiting,
     )
+    names = tuple(config.served_model_name) or (pool_name,)
+    service.served = ServedModel(names, template, mc.max_context_len)
+    return service
 
 
 def _secret(path: Path | None, flag: str) -> str | None:
@@ -284,7 +333,16 @@ def serve(config: AgentConfig) -> int:
 def main_command(
     host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help=f"Port (default {DEFAULT_PORT}).")] = None,
-    model: Annotated[str | None, typer.Option(help="`demo` or a checkpoint directory.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="`demo`, a checkpoint directory or a .gguf file.")
+    ] = None,
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A name clients may give as `model` (repeatable; the first is the one "
+            "reported; default the model's name)."
+        ),
+    ] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default cpu).")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto, float32, float16, bfloat16.")] = None,
     page_size: Annotated[int | None, typer.Option(help="Tokens per page (default 16).")] = None,
@@ -328,6 +386,23 @@ def main_command(
     ] = None,
     max_batch_seqs: Annotated[
         int | None, typer.Option(help="Most requests running at once (default 64).")
+    ] = None,
+    max_batched_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--max-batched-tokens",
+            "--max-batch-tokens",
+            help="Most tokens one engine step computes: decode tokens first, then chunks of "
+            f"prompts (default {DEFAULT_MAX_BATCHED_TOKENS}; at least --max-batch-seqs).",
+        ),
+    ] = None,
+    max_prefill_while_decoding: Annotated[
+        int | None,
+        typer.Option(
+            help="Most prompt tokens one step computes while other requests decode, so a long "
+            "prompt does not stall their streams (default 32 on CPU, no cap on a GPU; 0: no "
+            "cap beyond --max-batched-tokens).",
+        ),
     ] = None,
     max_waiting: Annotated[
         int | None,
@@ -395,6 +470,7 @@ def main_command(
         typer.echo(f"kvctl-agent {__version__}")
         raise typer.Exit(0)
     flags = {k: v for k, v in locals().items() if k not in ("config", "version", "set_")}
+    flags["served_model_name"] = served_model_name or None  # typer gives [] when not given
     try:
         settings = load_config(flags, config, set_)
         logging.basicConfig(

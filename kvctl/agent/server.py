@@ -25,6 +25,7 @@ from typing import TypeVar
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvctl import __version__
@@ -40,6 +41,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "unauthorized",
     404: "not_found",
+    405: "method_not_allowed",
     409: "conflict",
     413: "request_too_large",
     422: "invalid_request_error",
@@ -183,7 +185,7 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI application serving `service`. With `run_engine`, starting and stopping the
     application starts and stops the engine thread; without, the caller runs the engine."""
-    from kvctl.agent.routes import completions, ops, runbook
+    from kvctl.agent.routes import chat, completions, ops, runbook, tokenize
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -208,8 +210,8 @@ def create_app(
     app.add_middleware(TokenGate, token=config.token, audit=audit)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+    @app.exception_handler(StarletteHTTPException)  # also the router's own 404 and 405
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
         return error_response(error.status_code, str(error.detail), error.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -223,5 +225,7 @@ def create_app(
 
     app.include_router(ops.router(context))
     app.include_router(completions.router(context))
+    app.include_router(chat.router(context))
+    app.include_router(tokenize.router(context))
     app.include_router(runbook.router())
     return app

@@ -40,6 +40,7 @@ from kvctl.agent.metrics import Histograms
 from kvctl.agent.pool import DefragTrigger
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.runtime import Engine, Request, RequestRefused, RequestSummary, TokenEvent
+from kvctl.agent.served import ServedModel
 from kvctl.agent.window import CounterRatioWindow
 from kvctl.api import (
     Alert,
@@ -146,6 +147,7 @@ class AgentService:
         self.auto_resize = AutoResize(self.settings.resize, clock)
         self.resizes_total: Counter[str] = Counter({"grow": 0, "shrink": 0})
         self.alerting: AlertLoop | None = None  # set by the agent when it serves
+        self.served = ServedModel((pool_name,), None, engine.model_config.max_context_len)
         self.histograms = Histograms()
         self.window = window
         self._alloc_window = CounterRatioWindow(window, clock)

@@ -1,7 +1,7 @@
 """`kvctl load`: drive realistic traffic at an agent and report what users would have seen.
 
 The runner and profiles are imported inside the command so `kvctl --help` stays fast. The
-progress bar goes to stderr, so the report (or the JSON) alone is on stdout.
+progress bar and notices go to stderr, so the report (or the JSON) alone is on stdout.
 """
 
 from __future__ import annotations
@@ -91,7 +91,10 @@ def load(
     json_out: JsonOption = False,
     timeout: TimeoutOption = None,
 ) -> None:
-    """Send completions from a workload profile, then print latency percentiles and tokens/s.
+    """Send requests from a workload profile, then print latency percentiles and tokens/s.
+
+    Chat goes to /v1/chat/completions when the model has a chat template, else text prompts
+    to /v1/completions; lengths are in the model's tokens, counted by the agent.
 
     Profiles: chat (multi-turn, shared system prompt), random-lengths, long-context, burst
     (--list-profiles says what each sends).
@@ -138,14 +141,19 @@ def load(
 
 
 async def _drive(target: Target, settings: LoadSettings) -> LoadReport:
-    """Check the agent answers (a clear error beats a run of failures), then run."""
+    """Check the agent answers (a clear error beats a run of failures), learn its model's chat
+    support and tokens, then run."""
     from kvctl.client import AsyncAgentClient
     from kvctl.load.runner import LoadRun
+    from kvctl.load.setup import prepare
 
     timeout = max(target.timeout, 120.0)
     async with AsyncAgentClient(target.agents[0], target.token, timeout) as client:
         await client.health()
-        run = LoadRun(client, settings)
+        plan = await prepare(client)
+        for notice in plan.notices:
+            typer.echo(f"kvctl load: {notice}", err=True)
+        run = LoadRun(client, settings, plan=plan)
         with _stopping_on_signals(run):
             if target.json:
                 return await run.run()
@@ -223,7 +231,8 @@ def _print_profiles(as_json: bool) -> None:
 def report_view(report: LoadReport) -> Group:
     """Percentiles of time to first token and of total latency, then throughput and errors."""
     data = report.to_json()
-    latency = Table(title=f"kvctl load: {report.profile}, seed {report.seed}", show_edge=False)
+    title = f"kvctl load: {report.profile}, seed {report.seed}, {report.endpoint}"
+    latency = Table(title=title, show_edge=False)
     latency.add_column("seconds", style="bold")
     for column in QUANTILES:
         latency.add_column(column, justify="right")
@@ -246,6 +255,13 @@ def _summary(report: LoadReport, data: dict[str, Any]) -> Table:
         f"{counts['sent']} sent, {counts['completed']} ok, {counts['failed']} failed, "
         f"{counts['cancelled']} cancelled ({data['requests_per_s']:.2f}/s)",
     )
+    prompts = data["prompt_tokens"]
+    if prompts["max"] is not None:
+        table.add_row(
+            "prompts",
+            f"{prompts['p50']:,.0f} tokens p50, {prompts['p90']:,.0f} p90, "
+            f"{prompts['max']:,.0f} max",
+        )
     table.add_row(
         "tokens",
         f"{tokens['output']:,} out ({data['output_tokens_per_s']:.1f}/s), "

@@ -37,18 +37,47 @@ pool_app = typer.Typer(
 @pool_app.command("show")
 def show(
     ctx: typer.Context,
+    requests: Annotated[
+        int,
+        typer.Option(
+            "--requests", "-n", min=1, max=100_000, help="Full contexts at once to size for."
+        ),
+    ] = 8,
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
     timeout: TimeoutOption = None,
 ) -> None:
-    """Show the pool: the four headline numbers, geometry, requests, defrag, GPU memory."""
+    """Show the pool: the four headline numbers, geometry, requests, defrag, GPU memory, and
+    what it holds (requests of the model's context; the size for --requests of them).
+
+    With --json: the pool snapshot alone.
+    """
     target = resolve(ctx, agent, token, json_out, timeout)
-    finish(target, on_each(target, lambda client: client.pool()), _render_pool)
+    if target.json:
+        finish(target, on_each(target, lambda client: client.pool()), render.pool_table)
+        return
+    outcomes = on_each(target, lambda client: (client.pool(), _context(client)))
+    finish(target, outcomes, lambda reading: _render_pool(*reading, requests))
 
 
-def _render_pool(pool: PoolSnapshot) -> RenderableType:
-    return Group(render.headline_table(pool), render.pool_table(pool))
+def _context(client: AgentClient) -> int | None:
+    """The served model's context from /v1/models; None from an agent that does not say."""
+    from kvctl.client import AgentError
+
+    try:
+        cards = client.models().data
+    except AgentError:
+        return None
+    return cards[0].max_model_len if cards else None
+
+
+def _render_pool(pool: PoolSnapshot, context: int | None, requests: int) -> RenderableType:
+    return Group(
+        render.headline_table(pool),
+        render.pool_table(pool),
+        render.sizing_table(pool, context, requests),
+    )
 
 
 @pool_app.command("map")

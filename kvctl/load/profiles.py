@@ -1,9 +1,11 @@
 """Workload profiles: the prompts and the arrival pattern of `kvctl load`, from a seed alone.
 
-The same profile, seed and `max_tokens` always give the same requests in the same order, so a
-load run can be repeated against another build or setting and the difference is the agent's.
-Text is built from a small vocabulary: the demo model's tokenizer is byte-level, so a prompt's
-length in characters is its length in tokens, and lengths below are written in characters.
+The same profile, seed, `max_tokens` and model always give the same requests in the same order,
+so a load run can be repeated against another build or setting and the difference is the
+agent's. Lengths are in the served model's tokens: text is built from a small vocabulary whose
+words' costs the agent counted (`Lexicon`), and long prompts scale with the model's context.
+Each request carries both a chat conversation (`messages`) and its text rendering (`prompt`),
+for agents whose model has no chat template.
 """
 
 from __future__ import annotations
@@ -12,14 +14,10 @@ import itertools
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-WORDS = (
-    *("page", "pool", "cache", "token", "prefix", "request", "memory", "segment", "batch"),
-    *("decode", "prompt", "model", "layer", "block", "tensor", "queue", "agent", "shard"),
-    *("sequence", "attention", "window", "budget", "extent", "table", "kernel"),
-)
+from kvctl.load.tokens import Lexicon
 
 SYSTEM_PROMPT = (
     "You are the on-call assistant of an inference cluster. Answer briefly, name the metric "
@@ -28,6 +26,10 @@ SYSTEM_PROMPT = (
     "shared between requests that start with the same text.\n"
 )
 """The prefix every chat request shares: what the prefix cache should find again and again."""
+
+
+Message = tuple[str, str]
+"""A chat message: (role, content)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,12 @@ class LoadRequest:
     max_tokens: int
     conversation: int | None = None
     turn: int = 0
+    messages: tuple[Message, ...] = ()
+    """The prompt as a conversation; empty means one user message of `prompt`."""
+
+    @property
+    def chat(self) -> tuple[Message, ...]:
+        return self.messages or (("user", self.prompt),)
 
 
 class Profile(Protocol):
@@ -49,20 +57,11 @@ class Profile(Protocol):
     default_rate: float | None
     """Requests per second when the run gives no --rate; None means closed loop."""
 
-    def requests(self, rng: random.Random, max_tokens: int) -> Iterator[LoadRequest]: ...
+    def requests(
+        self, rng: random.Random, max_tokens: int, lexicon: Lexicon
+    ) -> Iterator[LoadRequest]: ...
 
     def gaps(self, rng: random.Random, rate: float) -> Iterator[float]: ...
-
-
-def words(rng: random.Random, chars: int) -> str:
-    """About `chars` characters of words (at least one word)."""
-    out: list[str] = []
-    length = 0
-    while length < chars or not out:
-        word = rng.choice(WORDS)
-        out.append(word)
-        length += len(word) + 1
-    return " ".join(out)
 
 
 def poisson_gaps(rng: random.Random, rate: float) -> Iterator[float]:
@@ -79,11 +78,14 @@ class RandomLengths:
     summary: str = "independent prompts of log-normal length, 8 to 1500 tokens"
     default_rate: float | None = None
 
-    def requests(self, rng: random.Random, max_tokens: int) -> Iterator[LoadRequest]:
+    def requests(
+        self, rng: random.Random, max_tokens: int, lexicon: Lexicon
+    ) -> Iterator[LoadRequest]:
+        longest = min(1500, lexicon.room(max_tokens))
         for index in itertools.count():
-            chars = min(1500, max(8, round(rng.lognormvariate(math.log(200), 0.9))))
+            length = min(longest, max(8, round(rng.lognormvariate(math.log(200), 0.9))))
             tokens = rng.randint(max(1, max_tokens // 4), max_tokens)
-            yield LoadRequest(index, words(rng, chars), tokens)
+            yield LoadRequest(index, lexicon.text(rng, length), tokens)
 
     def gaps(self, rng: random.Random, rate: float) -> Iterator[float]:
         return poisson_gaps(rng, rate)
@@ -91,15 +93,19 @@ class RandomLengths:
 
 @dataclass(frozen=True)
 class LongContext:
-    """Long prompts near the demo model's context: few requests, many pages each."""
+    """Long prompts near the model's context: few requests, many pages each."""
 
     name: str = "long-context"
-    summary: str = "prompts of 1500 to 3000 tokens, full max_tokens each"
+    summary: str = "prompts of 3/8 to 3/4 of the model's context in tokens, full max_tokens"
     default_rate: float | None = None
 
-    def requests(self, rng: random.Random, max_tokens: int) -> Iterator[LoadRequest]:
+    def requests(
+        self, rng: random.Random, max_tokens: int, lexicon: Lexicon
+    ) -> Iterator[LoadRequest]:
+        high = max(1, min(lexicon.context * 3 // 4, lexicon.room(max_tokens)))
+        low = min(high, lexicon.context * 3 // 8)
         for index in itertools.count():
-            yield LoadRequest(index, words(rng, rng.randint(1500, 3000)), max_tokens)
+            yield LoadRequest(index, lexicon.text(rng, rng.randint(low, high)), max_tokens)
 
     def gaps(self, rng: random.Random, rate: float) -> Iterator[float]:
         return poisson_gaps(rng, rate)
@@ -110,14 +116,18 @@ class Burst:
     """Short requests that arrive `size` at once, then a quiet gap: the pool's worst minute."""
 
     name: str = "burst"
-    summary: str = "bursts of 16 short prompts at once, then quiet (open loop, 8 req/s)"
+    summary: str = "bursts of 16 prompts of 32 to 256 tokens, then quiet (open loop, 8 req/s)"
     default_rate: float | None = 8.0
     size: int = 16
 
-    def requests(self, rng: random.Random, max_tokens: int) -> Iterator[LoadRequest]:
+    def requests(
+        self, rng: random.Random, max_tokens: int, lexicon: Lexicon
+    ) -> Iterator[LoadRequest]:
+        longest = min(256, lexicon.room(max_tokens))
         for index in itertools.count():
             tokens = rng.randint(max(1, max_tokens // 2), max_tokens)
-            yield LoadRequest(index, words(rng, rng.randint(32, 256)), tokens)
+            length = rng.randint(min(32, longest), longest)
+            yield LoadRequest(index, lexicon.text(rng, length), tokens)
 
     def gaps(self, rng: random.Random, rate: float) -> Iterator[float]:
         """`size` arrivals together every `size / rate` seconds (jittered by ±10 %)."""
@@ -129,39 +139,55 @@ class Burst:
 
 @dataclass
 class _Conversation:
-    history: str = ""
+    history: list[Message] = field(default_factory=list)
+    tokens: int = 0
     turns: int = 0
     length: int = 4
+
+    @property
+    def text(self) -> str:
+        names = {"user": "User", "assistant": "Assistant"}
+        return "".join(f"{names[role]}: {content}\n" for role, content in self.history)
 
 
 @dataclass(frozen=True)
 class Chat:
     """Multi-turn conversations behind one shared system prompt.
 
-    Each turn's prompt is the system prompt, the conversation so far and a new user message, so
+    Each turn is the system prompt, the conversation so far and a new user message, so
     consecutive turns share ever longer prefixes. The assistant's replies in the history are
     generated here, not read back from the agent, so the requests depend on the seed alone.
+    Lengths are in tokens: user messages of 20 to 120, replies of 1 to 3 times max_tokens, a
+    history of at most `history_tokens` (less where the context is smaller).
     """
 
     name: str = "chat"
-    summary: str = "multi-turn conversations behind one shared system prompt"
+    summary: str = "multi-turn conversations behind one shared system prompt, to 1800 tokens"
     default_rate: float | None = None
     conversations: int = 8
     max_turns: int = 6
-    history_chars: int = 1800
+    history_tokens: int = 1800
 
-    def requests(self, rng: random.Random, max_tokens: int) -> Iterator[LoadRequest]:
+    def requests(
+        self, rng: random.Random, max_tokens: int, lexicon: Lexicon
+    ) -> Iterator[LoadRequest]:
         chats = [self._fresh(rng) for _ in range(self.conversations)]
+        # beside the history: the system prompt (~300 tokens at worst, byte-level), a new turn
+        history = max(0, min(self.history_tokens, lexicon.room(max_tokens) - 420))
         for index in itertools.count():
             number = rng.randrange(self.conversations)
             chat = chats[number]
-            user = f"User: {words(rng, rng.randint(20, 120))}\n"
-            prompt = f"{SYSTEM_PROMPT}{chat.history}{user}Assistant:"
-            yield LoadRequest(index, prompt, max_tokens, number, chat.turns)
-            reply = f"Assistant: {words(rng, rng.randint(max_tokens, 3 * max_tokens))}\n"
-            chat.history += user + reply
+            user_tokens = rng.randint(20, 120)
+            user = lexicon.text(rng, user_tokens)
+            prompt = f"{SYSTEM_PROMPT}{chat.text}User: {user}\nAssistant:"
+            messages = (("system", SYSTEM_PROMPT.strip()), *chat.history, ("user", user))
+            yield LoadRequest(index, prompt, max_tokens, number, chat.turns, messages)
+            reply_tokens = rng.randint(max_tokens, 3 * max_tokens)
+            reply = lexicon.text(rng, reply_tokens)
+            chat.history += [("user", user), ("assistant", reply)]
+            chat.tokens += user_tokens + reply_tokens
             chat.turns += 1
-            if chat.turns >= chat.length or len(chat.history) > self.history_chars:
+            if chat.turns >= chat.length or chat.tokens > history:
                 chats[number] = self._fresh(rng)
 
     def _fresh(self, rng: random.Random) -> _Conversation:
@@ -176,7 +202,11 @@ PROFILES: dict[str, Profile] = {
 }
 
 
-def generate(name: str, seed: int, max_tokens: int, count: int) -> list[LoadRequest]:
-    """The first `count` requests of a profile: the same list for the same arguments."""
+def generate(
+    name: str, seed: int, max_tokens: int, count: int, lexicon: Lexicon | None = None
+) -> list[LoadRequest]:
+    """The first `count` requests of a profile: the same list for the same arguments
+    (`lexicon` defaults to a byte-level tokenizer's, the demo model's)."""
     rng = random.Random(seed)
-    return list(itertools.islice(PROFILES[name].requests(rng, max_tokens), count))
+    stream = PROFILES[name].requests(rng, max_tokens, lexicon or Lexicon.bytes())
+    return list(itertools.islice(stream, count))

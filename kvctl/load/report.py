@@ -1,10 +1,10 @@
 """What a load run measured: latency percentiles, throughput, errors, as a stable JSON shape.
 
-Keys of `LoadReport.to_json()` (documented in the README): profile, seed, mode, rate,
+Keys of `LoadReport.to_json()` (documented in the README): profile, seed, endpoint, mode, rate,
 concurrency, duration_s, requests {sent, completed, failed, cancelled}, ttft_s and latency_s
-{p50, p90, p99, max}, tokens {prompt, cached_prompt (null when the agent does not report
-it), output}, output_tokens_per_s,
-requests_per_s, errors {message: count}.
+{p50, p90, p99, max}, prompt_tokens {p50, p90, p99, max} (one request's prompt, in the model's
+tokens as the agent counted them), tokens {prompt, cached_prompt (null when the agent does not
+report it), output}, output_tokens_per_s, requests_per_s, errors {message: count}.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class LoadReport:
     duration_s: float
     results: tuple[RequestResult, ...]
     stopped_by: str | None = None  # a signal's name when the run was stopped early
+    endpoint: str = "/v1/completions"
 
     @property
     def completed(self) -> tuple[RequestResult, ...]:
@@ -98,6 +99,7 @@ class LoadReport:
         return {
             "profile": self.profile,
             "seed": self.seed,
+            "endpoint": self.endpoint,
             "mode": self.mode,
             "rate": self.rate,
             "concurrency": self.concurrency,
@@ -111,6 +113,7 @@ class LoadReport:
             },
             "ttft_s": spread([r.ttft for r in done if r.ttft is not None]),
             "latency_s": spread([r.latency for r in done]),
+            "prompt_tokens": spread([r.prompt_tokens for r in done if r.prompt_tokens]),
             "tokens": {
                 "prompt": sum(r.prompt_tokens for r in done),
                 "cached_prompt": _cached(done),

@@ -7,7 +7,8 @@ traffic, which is what fills a pool. Arrivals are scheduled against the start ti
 previous send, so the rate does not drift. Every run is bounded: no request starts after
 `duration` or past `requests`, and requests still running `drain` seconds after that are
 cancelled and counted as such. Each request streams, so the time to the first token is
-measured as the user would see it.
+measured as the user would see it. Requests go to `/v1/chat/completions` as conversations when
+the plan says the model has chat (`setup.prepare`), else to `/v1/completions` as text.
 """
 
 from __future__ import annotations
@@ -16,13 +17,22 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from kvctl.api import CompletionRequest
+from kvctl.api import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionChoice,
+    CompletionRequest,
+    StreamOptions,
+    Usage,
+)
 from kvctl.client import AgentError, AsyncAgentClient
 from kvctl.load.profiles import PROFILES, LoadRequest
 from kvctl.load.report import LoadReport, RequestResult
+from kvctl.load.setup import LoadPlan
 
 CLOSED_LOOP_USERS = 4
 OPEN_LOOP_CAP = 64
@@ -62,8 +72,11 @@ async def send(
     request: LoadRequest,
     settings: LoadSettings,
     clock: Callable[[], float] = time.monotonic,
+    chat: bool = False,
 ) -> RequestResult:
-    """Stream one completion; its latency, time to first token and token counts."""
+    """Stream one request; its latency, time to first token and token counts."""
+    if chat:
+        return await send_chat(client, request, settings, clock)
     body = CompletionRequest(
         prompt=request.prompt,
         max_tokens=request.max_tokens,
@@ -71,26 +84,85 @@ async def send(
         seed=settings.seed * 1_000_003 + request.index,
         ignore_eos=True,
         return_token_ids=True,
+        stream_options=StreamOptions(include_usage=True),
     )
+
+    async def chunks() -> AsyncIterator[tuple[int, Usage | None]]:
+        async for chunk in client.stream_completion(body):
+            yield sum(_completion_tokens(choice) for choice in chunk.choices), chunk.usage
+
+    return await _measure(request, chunks(), clock)
+
+
+async def send_chat(
+    client: AsyncAgentClient,
+    request: LoadRequest,
+    settings: LoadSettings,
+    clock: Callable[[], float] = time.monotonic,
+) -> RequestResult:
+    """Stream one chat completion of the request's conversation."""
+    body = ChatCompletionRequest(
+        messages=[ChatMessage.model_validate({"role": r, "content": c}) for r, c in request.chat],
+        max_tokens=request.max_tokens,
+        temperature=settings.temperature,
+        seed=settings.seed * 1_000_003 + request.index,
+        ignore_eos=True,
+        return_token_ids=True,
+        stream_options=StreamOptions(include_usage=True),
+    )
+
+    async def chunks() -> AsyncIterator[tuple[int, Usage | None]]:
+        async for chunk in client.stream_chat(body):
+            tokens = sum(_chat_tokens(choice) for choice in chunk.get("choices") or ())
+            usage = chunk.get("usage")
+            yield tokens, Usage.model_validate(usage) if usage else None
+
+    return await _measure(request, chunks(), clock)
+
+
+async def _measure(
+    request: LoadRequest,
+    chunks: AsyncIterator[tuple[int, Usage | None]],
+    clock: Callable[[], float],
+) -> RequestResult:
+    """Latency, time to first token and tokens of one stream of (tokens, usage) chunks; the
+    clock starts before the request is sent (the first chunk sends it)."""
     start = clock()
     ttft: float | None = None
     counted = 0
     usage = None
     try:
-        async for chunk in client.stream_completion(body):
-            for choice in chunk.choices:
-                tokens = len(choice.token_ids) if choice.token_ids else int(bool(choice.text))
-                if tokens and ttft is None:
-                    ttft = clock() - start
-                counted += tokens
-            usage = chunk.usage or usage
+        async for tokens, chunk_usage in chunks:
+            if tokens and ttft is None:
+                ttft = clock() - start
+            counted += tokens
+            usage = chunk_usage or usage
     except AgentError as error:
         return RequestResult(request.index, clock() - start, ttft, error=str(error))
+    return _result(request, clock() - start, ttft, counted, usage)
+
+
+def _completion_tokens(choice: CompletionChoice) -> int:
+    """Tokens in one streamed completion choice: its token ids, else one per piece of text."""
+    return len(choice.token_ids) if choice.token_ids else int(bool(choice.text))
+
+
+def _chat_tokens(choice: dict[str, Any]) -> int:
+    """Tokens in one streamed chat choice: its token ids, else one per piece of content."""
+    ids = choice.get("token_ids")
+    if ids:
+        return len(ids)
+    return int(bool((choice.get("delta") or {}).get("content")))
+
+
+def _result(
+    request: LoadRequest, latency: float, ttft: float | None, counted: int, usage: Usage | None
+) -> RequestResult:
     if usage is None:
-        return RequestResult(request.index, clock() - start, ttft, completion_tokens=counted)
+        return RequestResult(request.index, latency, ttft, completion_tokens=counted)
     return RequestResult(
         request.index,
-        clock() - start,
+        latency,
         ttft,
         prompt_tokens=usage.prompt_tokens,
         cached_tokens=details.cached_tokens if (details := usage.prompt_tokens_details) else None,
@@ -108,14 +180,18 @@ class LoadRun:
         on_result: OnResult | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        plan: LoadPlan | None = None,
     ) -> None:
         self.client = client
         self.settings = settings
+        self.plan = plan or LoadPlan()
         self.on_result = on_result
         self.clock = clock
         self.sleep = sleep
         profile = PROFILES[settings.profile]
-        stream = profile.requests(random.Random(settings.seed), settings.max_tokens)
+        stream = profile.requests(
+            random.Random(settings.seed), settings.max_tokens, self.plan.lexicon
+        )
         self.pending: Iterator[LoadRequest] = itertools.islice(stream, settings.requests)
         self.results: list[RequestResult] = []
         self.started = 0.0
@@ -157,7 +233,7 @@ class LoadRun:
 
     async def _one(self, request: LoadRequest) -> None:
         try:
-            result = await send(self.client, request, self.settings, self.clock)
+            result = await send(self.client, request, self.settings, self.clock, self.plan.chat)
         except asyncio.CancelledError:
             result = RequestResult(request.index, latency=0.0, cancelled=True)
             self._record(result)
@@ -215,11 +291,15 @@ class LoadRun:
             duration_s=self.clock() - self.started,
             results=tuple(self.results),
             stopped_by=self.stopped_by,
+            endpoint=self.plan.endpoint,
         )
 
 
 async def run_load(
     client: AsyncAgentClient, settings: LoadSettings, on_result: OnResult | None = None
 ) -> LoadReport:
-    """Run `settings` against `client` and return the report."""
-    return await LoadRun(client, settings, on_result).run()
+    """Run `settings` against `client` (chat or not, lengths in its tokens) and report."""
+    from kvctl.load.setup import prepare
+
+    plan = await prepare(client)
+    return await LoadRun(client, settings, on_result, plan=plan).run()

@@ -316,3 +316,38 @@ def resize_result(result: ResizeResult) -> Table:
     if result.pages_moved or result.pages_evicted:
         table.add_row("moved", f"{result.pages_moved:,} pages, {result.pages_evicted:,} evicted")
     return table
+
+
+def sizing_table(pool: PoolSnapshot, context: int | None, requests: int = 8) -> Table:
+    """What the pool holds in requests, and the size that would hold the model's full context
+    for `requests` at once: `kvctl simulate`'s question, answered from one snapshot."""
+    from kvctl.sizing import PoolFit
+
+    fit = PoolFit(pool.page_size, pool.bytes_per_page, pool.capacity_pages, context)
+    table = _pairs()
+    finished = sum(pool.requests_finished_total.values())
+    mean = (pool.prompt_tokens_total + pool.generation_tokens_total) // finished if finished else 0
+    holds = [f"{fit.tokens:,} tokens"]
+    if context is not None:
+        holds.append(f"{fit.concurrent(context):,} requests of the full {context:,}-token context")
+    if mean:
+        holds.append(f"{fit.concurrent(mean):,} of {mean:,} tokens (the mean so far)")
+    table.add_row("holds", ", ".join(holds))
+    limit = "the model's context" if fit.largest_request == context else "the pool"
+    largest = Text(f"{fit.largest_request:,} tokens (prompt + max_tokens; {limit})")
+    if fit.short_of_context:
+        largest.stylize(fmt.BAD)
+    table.add_row("largest request", largest)
+    if context is None:
+        table.add_row("to hold", Text("the model's context is unknown (not in /v1/models)", "dim"))
+        return table
+    pages = fit.pages_for_contexts(requests)
+    pages = -(-pages // pool.segment_pages) * pool.segment_pages  # resizes are whole segments
+    text = (
+        f"{requests} full contexts at once: {fmt.pages(pages, pool.bytes_per_page)}; "
+        f"kvctl pool resize --pages {pages}"
+    )
+    if pool.max_pool_pages is not None and pages > pool.max_pool_pages:
+        text += f" (above the max of {pool.max_pool_pages:,}: restart with --max-pool-pages)"
+    table.add_row("to hold", text)
+    return table

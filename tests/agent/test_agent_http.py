@@ -296,7 +296,7 @@ BAD_BODIES = [
     ("POST", "/v1/completions", {"prompt": []}),
     ("POST", "/v1/completions", {"prompt": "x" * 9000}),
     ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-9"}),
-    ("POST", "/v1/completions", {"prompt": "x", "n": 2}),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 17}),
     ("POST", "/v1/completions", {"prompt": "x", "stop": ["a"] * 17}),
     ("POST", "/v1/completions", {"prompt": "x", "stop": [""]}),
     ("POST", "/v1/completions", {}),

@@ -70,10 +70,12 @@ def test_report_json_keys_and_counts() -> None:
     )  # fmt: skip
     data = LoadReport("chat", 0, "closed", None, 2, 2.0, results).to_json()
     assert set(data) == {
-        "profile", "seed", "mode", "rate", "concurrency", "duration_s", "stopped_by", "requests",
-        "ttft_s",
-        "latency_s", "tokens", "output_tokens_per_s", "requests_per_s", "errors",
+        "profile", "seed", "endpoint", "mode", "rate", "concurrency", "duration_s",
+        "stopped_by", "requests", "ttft_s", "latency_s", "prompt_tokens", "tokens",
+        "output_tokens_per_s", "requests_per_s", "errors",
     }  # fmt: skip
+    assert data["endpoint"] == "/v1/completions"
+    assert data["prompt_tokens"]["p50"] == 15 and data["prompt_tokens"]["max"] == 20
     assert data["requests"] == {"sent": 4, "completed": 2, "failed": 1, "cancelled": 1}
     assert data["tokens"] == {"prompt": 30, "cached_prompt": 8, "output": 8}
     assert data["latency_s"]["p50"] == 1.0 and data["latency_s"]["max"] == 1.5

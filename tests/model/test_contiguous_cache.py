@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kv_device import DEVICE
 
 from kvctl.agent.model import (
@@ -14,6 +15,7 @@ from kvctl.agent.model import (
     attend_one,
     key_mask,
 )
+from kvctl.agent.model.attention import chunk_mask
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int) -> torch.Tensor:
@@ -36,6 +38,37 @@ def test_attend_one_matches_written_out_attention(t, cached):
     q = torch.randn(t, 8, 16, generator=gen)
     k, v = torch.randn(2, cached + t, 2, 16, generator=gen)
     torch.testing.assert_close(attend_one(q, k, v, cached), naive_attention(q, k, v, cached))
+
+
+@pytest.mark.parametrize(("t", "cached"), [(1, 3), (4, 0), (4, 6), (7, 1)])
+def test_chunk_mask_lets_new_token_i_see_keys_up_to_cached_plus_i(t, cached):
+    mask = chunk_mask(t, cached)
+    if not cached:
+        assert mask is None  # SDPA's is_causal covers it, with no mask tensor at all
+        return
+    visible = torch.arange(cached + t)[None, :] <= torch.arange(t)[:, None] + cached
+    assert mask.shape == (t, cached + t) and mask.dtype == torch.float32
+    assert torch.equal(mask == 0, visible) and bool((mask[~visible] == -math.inf).all())
+
+
+def test_a_chunk_reaches_sdpa_as_4d_operands_with_the_kv_heads_unrepeated(monkeypatch):
+    """3-D operands send a CPU's SDPA to its unfused math kernel, and repeating K/V per query
+    head copies the whole context per layer: the chunk path must do neither."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        calls.append((q.shape, k.shape, kwargs))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(5, 8, 16, generator=gen)
+    k, v = torch.randn(2, 11, 2, 16, generator=gen)
+    attend_one(q, k, v, cached_len=6)
+    [(q_shape, k_shape, kwargs)] = calls
+    assert (tuple(q_shape), tuple(k_shape)) == ((1, 8, 5, 16), (1, 2, 11, 16))
+    assert kwargs["enable_gqa"] and kwargs["attn_mask"].shape == (5, 11)
 
 
 def test_attend_decode_equals_attend_one_per_sequence_and_ignores_padding():

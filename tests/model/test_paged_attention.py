@@ -15,10 +15,19 @@ import pytest
 import torch
 from kv_device import DEVICE
 
-from kvctl.agent.model import BatchLayout, attend_decode, attend_one, key_mask
+from kvctl.agent.model import (
+    BatchLayout,
+    ContiguousKVCache,
+    attend_decode,
+    attend_one,
+    attention,
+    key_mask,
+)
+from kvctl.agent.model.attention import chunk_mask
 from kvctl.agent.model.paged_attention import BlockTable, PageTableAttention, attend_pages
 from kvctl.agent.pool import PagePool
 from kvctl.agent.pool.storage import KVStorage
+from kvctl.agent.runtime import paged_cache
 from kvctl.agent.runtime.paged_cache import PagedKVCache
 
 # On the CPU these tests run FlexAttention uncompiled on purpose (exact, slow): no warning.
@@ -235,6 +244,44 @@ def test_prefill_through_page_views_equals_prefill_through_gathers(demo) -> None
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (13, 9, 1, 6)]
     assert torch.equal(prefill_logits(model, prompts, False), prefill_logits(model, prompts, True))
+
+
+def test_a_mixed_step_builds_each_chunk_mask_once_and_equals_the_contiguous_cache(
+    demo, monkeypatch
+) -> None:
+    """Two decode tokens, a chunk after cached tokens and a fresh prompt in one step: the same
+    logits as the contiguous cache, with each chunk's mask built once for all layers (a mask
+    per layer and chunk was part of what made a chunk cost more than its matmuls)."""
+    _, model, _ = demo
+    gen = torch.Generator().manual_seed(3)
+    steps = [((0, 1, 2), (9, 5, 12)), ((0, 1, 2, 3), (1, 1, 7, 6))]
+    storage = model_storage(model, 6)
+    pool = fragmented_pool(storage, holes=True)
+    paged = PagedKVCache(pool, storage, "gather")
+    contiguous = ContiguousKVCache(model.config, max_seqs=4, max_len=32, device=DEVICE)
+    built: list[tuple[int, int]] = []
+
+    def counting(t: int, cached: int, *args):
+        built.append((t, cached))
+        return chunk_mask(t, cached, *args)
+
+    monkeypatch.setattr(paged_cache, "chunk_mask", counting)
+    monkeypatch.setattr(attention, "chunk_mask", counting)
+    for seqs, new in steps:
+        tokens = torch.randint(0, 256, (sum(new),), generator=gen).to(DEVICE)
+        layout = contiguous.begin_step(seqs, new)
+        for seq, n in zip(seqs, new, strict=True):
+            if seq in pool:
+                pool.append(seq, n)
+            else:
+                pool.allocate(seq, n)
+        built.clear()
+        paged.begin_step(layout)
+        got = model.logits(model(tokens, layout.positions(DEVICE), paged))
+        chunks = [(n, c) for c, n in zip(layout.cached_lens, new, strict=True) if n > 1]
+        assert sorted(built) == sorted(chunks)
+        expected = model.logits(model(tokens, layout.positions(DEVICE), contiguous))
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 DECODE_SEGMENT_PAGES = 16

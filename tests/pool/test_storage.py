@@ -609,3 +609,48 @@ def test_the_copy_plan_grows_with_runs_not_pages() -> None:
         (3, 1, 724, 1000),  # 1024-1299
     ]
     assert plan.staged == [] and plan.index.shape == (1000,)
+
+
+# ---- a decode batch's gather: in place, no reorder ------------------------------------------
+
+
+@pytest.mark.parametrize("direct_bytes", [1, 3 * 48, 1 << 20], ids=["direct", "mixed", "staged"])
+@pytest.mark.parametrize("num_segments", [1, 4])
+def test_gather_batch_equals_gather_for_random_tables(num_segments: int, direct_bytes: int) -> None:
+    """Stretches gathered in place and pages staged then scattered must land where the plain
+    gather (by segment, then reordered) puts them, whatever the mix."""
+    storage = make_storage(num_segments, 16 // num_segments, direct_gather_bytes=direct_bytes)
+    fill_distinct(storage)
+    rng = random.Random(num_segments * 7 + direct_bytes)
+    for _ in range(20):
+        rows = []
+        for _ in range(rng.randint(1, 6)):
+            start = rng.randrange(16)
+            run = [(start + i) % 16 for i in range(rng.randint(1, 6))]  # wraps across segments
+            rows.append(run + rng.choices(range(16), k=rng.randint(0, 3)))
+        width = max(map(len, rows))
+        padded = np.array([r + r[-1:] * (width - len(r)) for r in rows], dtype=np.int64)
+        index = storage.index_batch(padded)
+        buffers = storage.gather_buffers(index.buffer_pages)
+        for layer in range(2):
+            want_k, want_v = storage.gather(layer, torch.from_numpy(padded))
+            got_k, got_v = storage.gather_batch(layer, index, buffers)
+            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), padded
+    if num_segments == 4 and direct_bytes == 1 << 20:
+        assert index.scatter is not None  # the staged path ran
+
+
+def test_index_batch_checks_host_ids() -> None:
+    storage = make_storage(2, 4)
+    for bad in (8, -1):
+        with pytest.raises(IndexError):
+            storage.index_batch(np.array([[0, bad]], dtype=np.int64))
+
+
+def test_write_refuses_an_offset_beyond_the_page() -> None:
+    """Slots are rows of a flat view: an offset past the page would land in another layer."""
+    storage = make_storage(2, 4)
+    k, v = token_kv(1, start=0)
+    with pytest.raises(IndexError):
+        storage.write(0, torch.tensor([1]), torch.tensor([2]), k, v)  # page_size is 2
+    assert not storage.read_pages(range(8)).any()

@@ -120,7 +120,8 @@ def test_the_eviction_policy_is_validated_and_changes_at_run_time(make_engine) -
         engine.set_eviction_policy("random")
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# seeds whose arrivals press the pool into preemption (the assertion below checks they still do)
+@pytest.mark.parametrize("seed", [0, 2, 4])
 def test_random_interleavings_keep_every_invariant_and_every_token(make_engine, demo, seed):
     """Requests with shared prefixes arrive at random moments into a pool too small for all of
     them (preemption, eviction), with defragmentation steps, explicit evictions, policy changes

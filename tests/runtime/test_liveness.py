@@ -22,14 +22,18 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def step_checked(engine: Engine) -> list:
-    """One step; it must make progress whenever there is work, and keep the pool sound."""
+    """One step; it must make progress whenever there is work (a token, an end, or a chunk of a
+    prompt computed), and keep the pool sound."""
     had_work = engine.has_work()
+    scheduler = engine.scheduler
+    computed = {r: r.num_computed for r in (*scheduler.running, *scheduler.waiting)}
     events = engine.step()
     engine.pool.check_invariants()
     if engine.prefix_cache is not None:
         engine.prefix_cache.check()
     if had_work:
-        assert events, (
+        advanced = any(r.num_computed > c for r, c in computed.items() if not r.finished)
+        assert events or advanced, (
             f"no progress: {len(engine.scheduler.waiting)} waiting, "
             f"{len(engine.scheduler.running)} running, {engine.pool.stats()}"
         )
@@ -113,6 +117,7 @@ def prompt_of(prefix: int, suffix_len: int, seed: int) -> list[int]:
 def workloads(draw):
     page_size = draw(st.sampled_from([2, 3, 4]))
     pages = draw(st.integers(6, 12))
+    budget = draw(st.sampled_from([512, 2, 5]))  # tokens per step: 2 and 5 chunk most prompts
     arrival = st.tuples(
         st.just("add"),
         st.sampled_from(range(len(SHARED))),
@@ -132,19 +137,25 @@ def workloads(draw):
             max_size=30,
         )
     )
-    return page_size, pages, actions
+    return page_size, pages, budget, actions
 
 
 @pytest.mark.slow
 @settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=workloads())
 def test_random_workloads_on_tiny_pools_always_progress(make_engine, workload):
-    """Random arrivals (with shared prefixes), aborts and resizes on pools of 4-12 pages: every
+    """Random arrivals (with shared prefixes), aborts and resizes on pools of 4-12 pages, with
+    budgets that cut prompts into chunks of 1-5 tokens or none: every
     step with work makes progress, refusals happen at arrival and say why, and every request
     ends by its own rule — `length` exactly at max_tokens, `abort` when aborted, never cut."""
-    page_size, pages, actions = workload
+    page_size, pages, budget, actions = workload
     engine = make_engine(
-        page_size=page_size, pool_pages=pages, segment_pages=1, max_pool_pages=2 * pages
+        page_size=page_size,
+        pool_pages=pages,
+        segment_pages=1,
+        max_pool_pages=2 * pages,
+        max_batched_tokens=budget,
+        max_batch_seqs=min(budget, 64),
     )
     admitted: list[Request] = []
     aborted: set[str] = set()

@@ -12,8 +12,9 @@ only in where K/V come from:
   tensor with a key mask: one SDPA call for the whole decode batch.
 
 Query head i reads KV head i // group (group = num_heads // num_kv_heads), as in Hugging Face's
-`repeat_kv`. Decode groups the query heads by KV head ([B, kvh, group, d]) instead of repeating
-K/V, so reading the cache costs no copy of it.
+`repeat_kv`. Decode groups the query heads by KV head ([B, kvh, group, d]); several new tokens
+pass K/V with their own head count and `enable_gqa=True`. Neither repeats K/V, so reading the
+cache costs no copy of it.
 """
 
 from collections.abc import Hashable, Sequence
@@ -98,15 +99,16 @@ class BatchLayout:
         return torch.tensor(last, dtype=torch.long, device=device)
 
 
-def attend_one(q: Tensor, k_all: Tensor, v_all: Tensor, cached_len: int) -> Tensor:
+def attend_one(
+    q: Tensor, k_all: Tensor, v_all: Tensor, cached_len: int, mask: Tensor | None = None
+) -> Tensor:
     """Causal attention of one sequence's t new tokens.
 
     q [t, h, d]; k_all, v_all [L, kvh, d] with L = cached_len + t (cached tokens, then the new
     ones). New token i sees keys 0 .. cached_len + i. Returns [t, h, d].
 
-    A single token uses the grouped layout (no mask, no copy). Several tokens repeat K/V per
-    query head instead: prefill is compute-bound, and a plain causal call (`is_causal`, no mask
-    tensor) lets SDPA pick its flash kernel.
+    A single token uses the grouped layout (no mask, no copy). Several tokens go through
+    `attend_chunk`; `mask` is `chunk_mask(t, cached_len, ...)` when the caller built it already.
     """
     t, h, d = q.shape
     length, kvh, _ = k_all.shape
@@ -115,31 +117,48 @@ def attend_one(q: Tensor, k_all: Tensor, v_all: Tensor, cached_len: int) -> Tens
         qg = q.view(kvh, h // kvh, d)  # [kvh, g, d]
         out = F.scaled_dot_product_attention(qg, k_all.transpose(0, 1), v_all.transpose(0, 1))
         return out.reshape(1, h, d)
-    keys = k_all.repeat_interleave(h // kvh, dim=1)  # [L, h, d]
-    values = v_all.repeat_interleave(h // kvh, dim=1)  # [L, h, d]
-    return attend_causal(q, keys, values, cached_len)
+    return attend_chunk(q, k_all, v_all, cached_len, mask)
 
 
-def attend_causal(q: Tensor, keys: Tensor, values: Tensor, cached_len: int) -> Tensor:
-    """`attend_one` for several new tokens once K/V hold one head per query head.
+def chunk_mask(
+    t: int, cached_len: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Tensor | None:
+    """The additive mask [t, cached_len + t] of t new tokens after `cached_len` cached ones (0
+    where a key is visible, -inf elsewhere), or None when nothing is cached (`is_causal` then).
 
-    q [t, h, d]; keys, values [L, h, d] with L = cached_len + t. Separate so that a cache whose
-    K/V must be copied anyway (pages of a paged pool) can repeat them straight into this layout.
+    It depends on the two lengths only, so a step builds it once for all layers; additive and in
+    the queries' dtype, because SDPA would turn a boolean mask into this one on every call.
+    """
+    if not cached_len:
+        return None
+    hidden = np.triu(np.ones((t, t), dtype=bool), k=1)  # key j > query i within the chunk
+    mask = np.zeros((t, cached_len + t), dtype=np.float32)
+    mask[:, cached_len:][hidden] = -np.inf
+    return torch.from_numpy(mask).to(device=device, dtype=dtype)
+
+
+def attend_chunk(
+    q: Tensor, k_all: Tensor, v_all: Tensor, cached_len: int, mask: Tensor | None = None
+) -> Tensor:
+    """`attend_one` for several new tokens: one SDPA call over K/V as the cache holds them.
+
+    q [t, h, d]; k_all, v_all [L, kvh, d] with L = cached_len + t, any strides with a
+    contiguous last dimension. K/V keep their own head count (`enable_gqa`) rather than being
+    repeated per query head, and the operands are 4-D ([1, heads, tokens, d]): with 3-D ones
+    SDPA on a CPU falls back to its unfused math kernel, several times slower on a long context.
     """
     t = q.shape[0]
-    length = keys.shape[0]
-    mask = None
-    if cached_len:
-        rows = torch.arange(t, device=q.device)[:, None] + cached_len  # [t, 1]
-        mask = torch.arange(length, device=q.device)[None, :] <= rows  # [t, L]
+    if mask is None and cached_len:
+        mask = chunk_mask(t, cached_len, q.device, q.dtype)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        keys.transpose(0, 1),
-        values.transpose(0, 1),
+        q.transpose(0, 1).unsqueeze(0),
+        k_all.transpose(0, 1).unsqueeze(0),
+        v_all.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
         is_causal=not cached_len,
-    )  # [h, t, d]
-    return out.transpose(0, 1)
+        enable_gqa=True,
+    )  # [1, h, t, d]
+    return out[0].transpose(0, 1)
 
 
 def key_mask(lengths: Sequence[int], max_len: int, device: torch.device | str = "cpu") -> Tensor:

@@ -5,11 +5,14 @@ sliding window), so one frozen dataclass describes all three and one module runs
 """
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvctl.agent.model.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from kvctl.agent.model.chat_template import ChatTemplate
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -58,6 +61,8 @@ class ModelConfig:
     model_type: str = "llama"
     name: str = "model"
     sliding_window: int | None = None
+    # turns chat messages into a prompt (chat_template.jinja, tokenizer_config.json, GGUF metadata)
+    chat_template: "ChatTemplate | None" = field(default=None, repr=False)
 
     @property
     def max_context_len(self) -> int:

@@ -47,10 +47,15 @@ def demo_config() -> ModelConfig:
 
 
 def build_demo_model(
-    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    config: ModelConfig | None = None,
 ) -> tuple[ModelConfig, LlamaModel, ByteTokenizer]:
-    """(config, model in eval mode on `device`, tokenizer); same seed, same weights."""
-    config = demo_config()
+    """(config, model in eval mode on `device`, tokenizer); same seed, same weights. `config`
+    (default `demo_config()`) gives another shape the same way, e.g. a real model's for a
+    benchmark; the byte tokenizer only fits the demo's vocabulary."""
+    config = config or demo_config()
     with torch.device("meta"):
         model = LlamaModel(config)
     generator = torch.Generator(device="cpu").manual_seed(seed)

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from kvctl.agent.model.chat_template import read_chat_template
 from kvctl.agent.model.config import ModelConfig, token_ids
 from kvctl.agent.model.errors import CheckpointError
 from kvctl.agent.model.llama import LlamaModel
@@ -30,9 +31,14 @@ def load_checkpoint(
 ) -> tuple[ModelConfig, LlamaModel, HFTokenizer | None]:
     """(config, model in eval mode on `device`, tokenizer or None when there is no tokenizer.json).
 
-    `dtype` defaults to the checkpoint's own (`torch_dtype`/`dtype` in config.json).
+    `dtype` defaults to the checkpoint's own (`torch_dtype`/`dtype` in config.json). A path ending
+    in `.gguf` is a llama.cpp GGUF file instead (see `gguf_loader`).
     """
     root = Path(path)
+    if root.suffix.lower() == ".gguf":
+        from kvctl.agent.model.gguf_loader import load_gguf
+
+        return load_gguf(root, device, dtype)
     if not root.is_dir():
         raise CheckpointError(
             f"{root}: no such checkpoint directory; pass a local folder holding config.json and "
@@ -51,7 +57,7 @@ def read_config(root: Path) -> ModelConfig:
     if generation.get("eos_token_id") is not None:
         eos = token_ids(generation["eos_token_id"], "generation_config.json", "eos_token_id")
         config = replace(config, eos_token_ids=eos)
-    return config
+    return replace(config, chat_template=read_chat_template(root))
 
 
 def read_tokenizer(root: Path, config: ModelConfig) -> HFTokenizer | None:

@@ -4,8 +4,8 @@ Two readers, both numerically the attention of `attention.py`:
 
 - `attend_pages`: one sequence's new tokens over its K/V given page by page (`[n, page_size,
   kvh, d]`), as `KVStorage.read_sequence` returns them: a view of storage when the pages are one
-  run, a gathered copy otherwise. Several new tokens (prefill) repeat K/V per query head anyway;
-  repeating straight from the pages makes that the only copy, where gather-then-repeat made two.
+  run, a gathered copy otherwise. The pages are flattened into one `[tokens, kvh, d]` operand
+  (the only copy of a run; none for a gathered table) and attended with their own head count.
 - `PageTableAttention`: a decode batch through FlexAttention with a block-sparse mask built from
   the page tables, over `KVStorage.token_rows` (a zero-copy view of a whole segment). Nothing is
   gathered: the kernel reads each listed page's rows where they are. One FlexAttention call per
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvctl.agent.model.attention import attend_causal, attend_one
+from kvctl.agent.model.attention import attend_one
 from kvctl.agent.pool.storage import KVStorage
 
 Q_BLOCK = 128
@@ -43,26 +43,23 @@ Q_BLOCK = 128
 every query tile its kernels use."""
 
 
-def attend_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, cached_len: int) -> Tensor:
+def attend_pages(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, cached_len: int, mask: Tensor | None = None
+) -> Tensor:
     """Causal attention of one sequence's t new tokens over K/V given page by page.
 
     q [t, h, d]; k_pages, v_pages [n, page_size, kvh, d] holding the sequence's first
-    `cached_len + t` tokens in order (the rest of the last page is ignored). Returns [t, h, d],
-    bit for bit what `attend_one` returns on the same tokens.
+    `cached_len + t` tokens in order (the rest of the last page is ignored); `mask` as for
+    `attend_one`. Returns [t, h, d], bit for bit what `attend_one` returns on the same tokens.
     """
-    t, h, d = q.shape
+    t, _, d = q.shape
     n, page_size, kvh, _ = k_pages.shape
     total = cached_len + t
     if total > n * page_size:
         raise ValueError(f"{n} pages of {page_size} cannot hold {total} tokens")
-    if t == 1:
-        keys = k_pages.reshape(n * page_size, kvh, d)[:total]
-        values = v_pages.reshape(n * page_size, kvh, d)[:total]
-        return attend_one(q, keys, values, cached_len)
-    group = h // kvh
-    keys = k_pages.repeat_interleave(group, dim=2).view(n * page_size, h, d)[:total]
-    values = v_pages.repeat_interleave(group, dim=2).view(n * page_size, h, d)[:total]
-    return attend_causal(q, keys, values, cached_len)
+    keys = k_pages.reshape(n * page_size, kvh, d)[:total]
+    values = v_pages.reshape(n * page_size, kvh, d)[:total]
+    return attend_one(q, keys, values, cached_len, mask)
 
 
 def flex_available() -> bool:

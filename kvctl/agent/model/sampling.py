@@ -12,7 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvctl.agent.model.processing import check_processing
+
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's step: seeds of choices far apart
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,9 @@ class SamplingParams:
 
     temperature 0 means greedy; top_k 0 or -1 and top_p 1.0 mean no truncation; `stop` strings end
     generation (the engine matches them on decoded text); `ignore_eos` keeps generating past EOS.
+    The logit processing fields (penalties, `logit_bias` as (token id, bias) pairs, `min_tokens`,
+    `stop_token_ids`, `logprobs`: how many top alternatives to report, None for none) are
+    checked and applied by `kvctl.agent.runtime.logits`.
     """
 
     temperature: float = 1.0
@@ -30,6 +36,12 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] | list[str] | str = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -56,21 +68,35 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {list(stop)!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        check_processing(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before the choice (penalties, bias, min_tokens)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.logit_bias or self.min_tokens
+        )
+
+    def make_generator(
+        self, device: torch.device | str = "cpu", choice: int = 0
+    ) -> torch.Generator | None:
         """The request's RNG on `device` (the logits' device): seeded from `seed`, or randomly
-        when there is none; None for greedy requests, which draw nothing."""
+        when there is none; None for greedy requests, which draw nothing. Choice `choice` of a
+        request with `n` > 1 gets its own stream (choice 0 is the seed's own), so the choices
+        of a seeded request differ from each other and are the same on every run."""
         if self.greedy:
             return None
         generator = torch.Generator(device=device)
         if self.seed is None:
             generator.seed()
-        else:
+        elif choice == 0:
             generator.manual_seed(self.seed)
+        else:
+            generator.manual_seed((self.seed + choice * _GOLDEN_GAMMA) % (1 << 64))
         return generator
 
 

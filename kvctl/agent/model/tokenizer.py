@@ -21,8 +21,9 @@ class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]:
-        """The ids the model should see for `text`, BOS included when the model expects one."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids the model should see for `text`, BOS included when the model expects one
+        (and `add_special_tokens`: a rendered chat template writes its own)."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -53,8 +54,8 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return 258
 
-    def encode(self, text: str) -> list[int]:
-        return [self.BOS, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.BOS, *text.encode("utf-8")] if add_special_tokens else [*text.encode("utf-8")]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -84,8 +85,8 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)

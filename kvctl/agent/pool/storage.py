@@ -30,9 +30,12 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import torch
+
+from kvctl.agent.memory import release_free_memory
 
 _STAGING_BYTES = {"cpu": 8 << 20, "cuda": 64 << 20}
 """Bytes of the staging buffer `copy_pages` goes through, per device type.
@@ -63,6 +66,11 @@ tens of gathers, a plain copy one: with 2 threads on 2 busy cores a 65 MiB defra
 copies took ~300 ms instead of ~3. numpy never forks: one core's bandwidth, no stall, and a third
 of torch's fixed cost per operation.
 """
+_DIRECT_GATHER_BYTES = 16 << 10
+"""Shortest stretch of a decode batch's pages in one segment (bytes of one layer's K) that
+`gather_batch` gathers straight into place; shorter ones go through a staging area and a second
+copy. An operation costs ~2.5 us on CPU, the time a core copies ~20 KB: below that the second
+copy of a few pages is cheaper than an operation of their own."""
 try:
     _CORES = len(os.sched_getaffinity(0))
 except AttributeError:  # not on Linux
@@ -84,10 +92,44 @@ class PageIndex:
 
 
 @dataclass(frozen=True)
-class SlotIndex:
-    """Token slots `(page, offset)` split by segment: `(segment, positions, rows, offsets)`."""
+class BatchIndex:
+    """A padded batch of page tables (`[B, P]`) planned to be gathered in place, without the
+    second pass over K/V that `PageIndex`'s reorder costs.
 
-    groups: tuple[tuple[int, torch.Tensor | None, torch.Tensor, torch.Tensor], ...]
+    The flattened pages are cut where the segment changes: each stretch of at least
+    `_DIRECT_GATHER_BYTES` (per layer, K or V) is one gather straight into its place in the
+    output (`direct`: `(segment, start, end, rows)`); the pages of shorter stretches are
+    gathered by segment into the `staged` pages that follow the output in the buffer
+    (`(segment, start, end, rows)`, relative to that staging area), then copied to their
+    places `scatter` in one indexed copy.
+    """
+
+    shape: tuple[int, int]  # [B, P]
+    direct: tuple[tuple[int, int, int, torch.Tensor], ...]
+    staged: tuple[tuple[int, int, int, torch.Tensor], ...]
+    scatter: torch.Tensor | None  # [staged pages], output positions
+    scatter_host: np.ndarray | None  # the same on the host, for numpy's row copy on a CPU
+
+    @property
+    def buffer_pages(self) -> int:
+        """Pages the `out` buffers of `gather_batch` must hold: the output and the staging."""
+        staged = self.scatter.numel() if self.scatter is not None else 0
+        return self.shape[0] * self.shape[1] + staged
+
+
+@dataclass(frozen=True)
+class SlotIndex:
+    """Where a step's new tokens go, as rows of each segment's flat `[rows, kvh, hd]` view.
+
+    `rows[layer, i]` is the row of entry i of `source`: the K and V of the step's tokens
+    concatenated (`[2T]`), reordered by `source` when it is not None so that each segment's
+    entries are one slice. `groups` holds `(segment, start, end)`: one `index_copy_` per
+    segment and layer writes both K and V.
+    """
+
+    groups: tuple[tuple[int, int, int], ...]
+    rows: torch.Tensor  # [layers, 2T]
+    source: torch.Tensor | None  # [2T] into cat(k, v)
 
 
 class KVStorage:
@@ -106,6 +148,7 @@ class KVStorage:
         staging_bytes: int | None = None,
         direct_run_bytes: int | None = None,
         parallel_run_bytes: int | None = None,
+        direct_gather_bytes: int = _DIRECT_GATHER_BYTES,
     ) -> None:
         for name, value in (
             ("num_segments", num_segments),
@@ -125,6 +168,10 @@ class KVStorage:
         self._dtype = dtype
         self._device = torch.device(device)
         self._segments: list[torch.Tensor] = []  # each [segment_pages, layers, 2, ps, kvh, hd]
+        # per segment, views made once (a view costs ~1 us of dispatch, and a step takes
+        # several per layer): per layer (K, V) `[sp, ps, kvh, hd]`, and the flat token rows
+        self._layer_views: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self._flat: list[torch.Tensor] = []
         self.add_segments(num_segments)
         self._device = self._segments[0].device  # "cuda" -> "cuda:0"
         kind = self._device.type if self._device.type in _STAGING_BYTES else "cpu"
@@ -135,6 +182,8 @@ class KVStorage:
         staging_pages = max(1, staging_bytes // self.bytes_per_page)
         self._direct_run_pages = max(1, -(-direct_run_bytes // self.bytes_per_page))
         self._numpy_copies = self._device.type == "cpu"  # numpy sees host memory only
+        layer_page_bytes = page_size * num_kv_heads * head_dim * dtype.itemsize
+        self._direct_gather_pages = max(1, -(-direct_gather_bytes // layer_page_bytes))
         self._parallel_run_bytes = parallel_run_bytes  # None: as torch's threads allow
         self._staging = torch.empty(  # [staging_pages, page elements]
             staging_pages, self._page_elements, dtype=dtype, device=self._device
@@ -194,12 +243,18 @@ class KVStorage:
         shape = (self.segment_pages, *self._page_shape)
         new = [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in range(count)]
         self._segments.extend(new)
+        for seg in new:
+            self._layer_views.append([(seg[:, i, 0], seg[:, i, 1]) for i in range(self.num_layers)])
+            self._flat.append(seg.view(-1, self.num_kv_heads, self.head_dim))
 
     def release_segments(self, count: int) -> None:
         """Free the top `count` segments (their pages must already be empty in the pool).
 
         At least one segment always remains. On CUDA the memory goes back to the driver, not just
-        to torch's caching allocator, so other processes on the GPU can use it.
+        to torch's caching allocator, so other processes on the GPU can use it. On the CPU a
+        segment below malloc's mmap threshold lives in the heap, which keeps it resident after
+        the free (glibc raises the threshold up to 32 MiB as large blocks are freed: importing
+        torch does), so the heap is trimmed too; mmapped segments are unmapped by the free.
         """
         if count < 0 or count >= len(self._segments):
             raise ValueError(
@@ -209,8 +264,12 @@ class KVStorage:
         if count == 0:
             return
         del self._segments[-count:]
+        del self._layer_views[-count:]
+        del self._flat[-count:]
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
+        elif self._device.type == "cpu":
+            release_free_memory()
 
     # ---- moving whole pages -------------------------------------------------------------
 
@@ -344,27 +403,54 @@ class KVStorage:
     # ---- the model's reads and writes ---------------------------------------------------
 
     def index_slots(self, slots_page: torch.Tensor, slots_offset: torch.Tensor) -> SlotIndex:
-        """Split token slots by segment once, to `write` every layer without regrouping.
+        """Turn token slots (page, offset) into rows to `write` every layer without regrouping.
 
-        Ids given on the host (as the runtime gives them) are range-checked and grouped there,
-        then moved: building the index never waits for the device. Ids already on the device
-        are trusted, since checking them would stall the stream.
+        Ids given on the host (as the runtime gives them) are range-checked and grouped there
+        with numpy, then moved: building the index never waits for the device. Ids already on
+        the device are trusted, since checking them would stall the stream.
         """
         page, offset = slots_page.to(torch.long), slots_offset.to(torch.long)
-        self._check_page_range(page)
-        to_device = self._to_device
-        if len(self._segments) == 1:
-            return SlotIndex(((0, None, to_device(page), to_device(offset)),))
+        if page.device.type == "cpu" and offset.device.type == "cpu":
+            return self._index_slots_host(page.numpy(), offset.numpy())
+        sp, per_page = self.segment_pages, self.rows_per_page
+        base = (page % sp) * per_page + offset
+        layer = torch.arange(self.num_layers, device=page.device)[:, None] * (2 * self.page_size)
+        kv = torch.cat((base, base + self.page_size))  # [2T]: the K rows, then the V rows
+        by_segment = _group(torch.cat((page, page)) // sp, len(self._segments))
+        source = torch.cat([pos for _, pos in by_segment])
+        bounds = np.cumsum([0] + [pos.numel() for _, pos in by_segment]).tolist()
         groups = tuple(
-            (
-                s,
-                to_device(pos),
-                to_device(page[pos] - s * self.segment_pages),
-                to_device(offset[pos]),
-            )
-            for s, pos in _group(page // self.segment_pages, len(self._segments))
+            (s, a, b) for (s, _), (a, b) in zip(by_segment, pairwise(bounds), strict=True)
         )
-        return SlotIndex(groups)
+        rows = (kv[source][None, :] + layer).to(self._device)
+        return SlotIndex(groups, rows, source.to(self._device))
+
+    def _index_slots_host(self, page: np.ndarray, offset: np.ndarray) -> SlotIndex:
+        if page.size:
+            if int(page.view(np.uint64).max()) >= self.num_pages:  # as unsigned: both ends
+                raise IndexError(
+                    f"page ids must be in [0, {self.num_pages}), got {page.min()}..{page.max()}"
+                )
+            if int(offset.view(np.uint64).max()) >= self.page_size:
+                raise IndexError(f"slot offsets must be in [0, {self.page_size})")
+        segment, row = np.divmod(page, self.segment_pages)
+        base = row * self.rows_per_page + offset
+        kv = np.concatenate((base, base + self.page_size))  # the K rows, then the V rows
+        layer = np.arange(self.num_layers)[:, None] * (2 * self.page_size)
+        to_device = self._to_device
+        count = kv.size
+        if not page.size or segment.min() == segment.max():
+            first = int(segment[0]) if page.size else 0
+            rows = torch.from_numpy(kv[None, :] + layer)
+            return SlotIndex(((first, 0, count),), to_device(rows), None)
+        keys = np.concatenate((segment, segment))
+        source = np.argsort(keys, kind="stable")
+        keys = keys[source]
+        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        bounds = [*starts.tolist(), count]
+        groups = tuple((int(keys[a]), a, b) for a, b in pairwise(bounds))
+        rows = torch.from_numpy(kv[source][None, :] + layer)
+        return SlotIndex(groups, to_device(rows), to_device(torch.from_numpy(source)))
 
     def write(
         self,
@@ -379,6 +465,7 @@ class KVStorage:
         Pass the slots as two `[T]` id tensors, or as `index_slots(...)` with `slots_offset`
         None. With several segments the grouping reads segment counts back to the host, which
         on CUDA is a synchronisation: group once per step with `index_slots`, not per layer.
+        One `index_copy_` per segment writes K and V together.
         """
         if isinstance(slots_page, SlotIndex):
             index = slots_page
@@ -386,16 +473,12 @@ class KVStorage:
             if slots_offset is None:
                 raise ValueError("write: slots_offset is required with a page id tensor")
             index = self.index_slots(slots_page, slots_offset)
-        k, v = k.to(self._dtype), v.to(self._dtype)
-        for s, pos, rows, offsets in index.groups:
-            seg = self._segments[s]  # [sp, layers, 2, ps, kvh, hd]
-            seg_k, seg_v = seg[:, layer, 0], seg[:, layer, 1]  # [sp, ps, kvh, hd] each
-            if pos is None:
-                seg_k[rows, offsets] = k
-                seg_v[rows, offsets] = v
-            else:
-                seg_k[rows, offsets] = k.index_select(0, pos)
-                seg_v[rows, offsets] = v.index_select(0, pos)
+        kv = torch.cat((k, v)).to(self._dtype)  # [2T, kvh, hd]
+        if index.source is not None:
+            kv = kv.index_select(0, index.source)
+        rows = index.rows[layer]
+        for s, start, end in index.groups:
+            self._flat[s].index_copy_(0, rows[start:end], kv[start:end])
 
     def index_pages(self, page_ids: torch.Tensor) -> PageIndex:
         """Split a batch's page ids (`[B, P]`) by segment once, to `gather` every layer.
@@ -416,6 +499,82 @@ class KVStorage:
         restore = torch.empty_like(order)
         restore[order] = torch.arange(order.numel(), device=order.device)
         return PageIndex(shape, groups, to_device(restore))
+
+    def index_batch(self, padded: np.ndarray) -> BatchIndex:
+        """Plan `gather_batch` of a padded batch of page tables (`[B, P]` host int64 ids).
+
+        Host work only: a few numpy passes and one transfer of row ids to the device.
+        """
+        batch, width = padded.shape
+        if padded.size and int(padded.view(np.uint64).max()) >= self.num_pages:
+            raise IndexError(
+                f"page ids must be in [0, {self.num_pages}), got {padded.min()}..{padded.max()}"
+            )
+        to_device = self._to_device
+        flat = padded.reshape(-1)
+        count = flat.size
+        if len(self._segments) == 1 or not count:
+            whole = ((0, 0, count, to_device(torch.from_numpy(flat))),)
+            return BatchIndex((batch, width), whole, (), None, None)
+        segment, local = np.divmod(flat, self.segment_pages)
+        starts = np.flatnonzero(np.r_[True, segment[1:] != segment[:-1]])
+        ends = np.r_[starts[1:], count]
+        long = (ends - starts) >= self._direct_gather_pages
+        if long.all():
+            rows = to_device(torch.from_numpy(local))
+            direct = tuple(
+                (int(segment[a]), a, b, rows[a:b])
+                for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+            )
+            return BatchIndex((batch, width), direct, (), None, None)
+        short = ~np.repeat(long, ends - starts)
+        positions = np.flatnonzero(short)
+        order = np.argsort(segment[positions], kind="stable")
+        positions = positions[order]  # the staged pages, by segment
+        staged_segments = segment[positions]
+        bounds = np.flatnonzero(np.r_[True, staged_segments[1:] != staged_segments[:-1]])
+        bounds_end = np.r_[bounds[1:], positions.size]
+        rows = to_device(torch.from_numpy(np.concatenate((local, local[positions]))))
+        direct = tuple(
+            (int(segment[a]), a, b, rows[a:b])
+            for a, b in zip(starts[long].tolist(), ends[long].tolist(), strict=True)
+        )
+        staged = tuple(
+            (int(staged_segments[a]), a, b, rows[count + a : count + b])
+            for a, b in zip(bounds.tolist(), bounds_end.tolist(), strict=True)
+        )
+        scatter = to_device(torch.from_numpy(positions))
+        return BatchIndex((batch, width), direct, staged, scatter, positions)
+
+    def gather_batch(
+        self, layer: int, index: BatchIndex, out: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gather` of an `index_batch` plan: K, V `[B, P * page_size, kvh, hd]`, views of
+        `out` (two contiguous tensors of at least `index.buffer_pages` pages)."""
+        batch, pages = index.shape
+        count = batch * pages
+        views = self._layer_views
+        out_k, out_v = out
+        for s, start, end, rows in index.direct:
+            seg_k, seg_v = views[s][layer]
+            torch.index_select(seg_k, 0, rows, out=out_k[start:end])
+            torch.index_select(seg_v, 0, rows, out=out_v[start:end])
+        if index.scatter is not None:
+            for s, start, end, rows in index.staged:
+                seg_k, seg_v = views[s][layer]
+                torch.index_select(seg_k, 0, rows, out=out_k[count + start : count + end])
+                torch.index_select(seg_v, 0, rows, out=out_v[count + start : count + end])
+            staged = index.scatter.numel()
+            for buffer in (out_k, out_v):
+                if self._numpy_copies:  # numpy copies whole rows; torch's CPU index_copy_
+                    # moves one element at a time (5x slower here)
+                    host = buffer[: count + staged].view(count + staged, -1)
+                    host = host.view(torch.uint8).numpy()
+                    host[index.scatter_host] = host[count : count + staged]
+                else:
+                    buffer.index_copy_(0, index.scatter, buffer[count : count + staged])
+        shape = (batch, pages * self.page_size, self.num_kv_heads, self.head_dim)
+        return out_k[:count].view(shape), out_v[:count].view(shape)
 
     def _check_page_range(self, ids: torch.Tensor) -> None:
         """IndexError for a host id outside the pool: on CUDA a bad id in an index kernel is a
@@ -446,26 +605,29 @@ class KVStorage:
         index = page_ids if isinstance(page_ids, PageIndex) else self.index_pages(page_ids)
         batch, pages = index.shape
         count = batch * pages
-        shape = (count, self.page_size, self.num_kv_heads, self.head_dim)
         if out is None:
             out = self.gather_buffers(count)
         out_k, out_v = out[0][:count], out[1][:count]
+        self._gather_into(layer, index, out_k, out_v)
+        out_shape = (batch, pages * self.page_size, self.num_kv_heads, self.head_dim)
+        return out_k.view(out_shape), out_v.view(out_shape)
+
+    def _gather_into(
+        self, layer: int, index: PageIndex, out_k: torch.Tensor, out_v: torch.Tensor
+    ) -> None:
         staged_k, staged_v = out_k, out_v
         if index.restore is not None:  # several segments: gather by segment, then reorder
-            staged_k = torch.empty(shape, dtype=self._dtype, device=self._device)
-            staged_v = torch.empty(shape, dtype=self._dtype, device=self._device)
+            staged_k, staged_v = torch.empty_like(out_k), torch.empty_like(out_v)
         start = 0
         for s, rows in index.groups:
-            seg = self._segments[s]
+            seg_k, seg_v = self._layer_views[s][layer]
             end = start + rows.numel()
-            torch.index_select(seg[:, layer, 0], 0, rows, out=staged_k[start:end])
-            torch.index_select(seg[:, layer, 1], 0, rows, out=staged_v[start:end])
+            torch.index_select(seg_k, 0, rows, out=staged_k[start:end])
+            torch.index_select(seg_v, 0, rows, out=staged_v[start:end])
             start = end
         if index.restore is not None:
             torch.index_select(staged_k, 0, index.restore, out=out_k)
             torch.index_select(staged_v, 0, index.restore, out=out_v)
-        out_shape = (batch, pages * self.page_size, self.num_kv_heads, self.head_dim)
-        return out_k.view(out_shape), out_v.view(out_shape)
 
     def gather_buffers(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two uninitialised `[pages, page_size, kvh, hd]` tensors, K and V, for `gather`'s out."""

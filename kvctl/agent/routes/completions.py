@@ -1,272 +1,224 @@
 """`POST /v1/completions`: OpenAI-compatible completions, plain and streamed.
 
-Every limit is checked before the work it protects: `max_tokens` and the stop strings by the
-request model, a text prompt's size in bytes before it is tokenized (a prompt of many times the
-model's context can only be refused, so it is never turned into a token list), tokenizing on a
-worker thread one prompt at a time (the engine thread never waits on it), and the queue's length
-on the engine thread. A refusal says what was exceeded and what to do: 429 with `Retry-After`
-when the queue is full, 400 naming the pages needed and the resize that would make room when a
-request could never fit, 503 while the agent drains.
-
-A client that goes away is noticed: a stream ends when its connection does, and a plain request
-watches its connection while it waits, so its request is aborted and its pages released instead
-of running to the end for nobody.
+A prompt is text or token ids, or a list of either; each prompt gets `n` choices, numbered
+prompt by prompt (choice `p * n + i`). The checks, queueing and streaming shared with chat live
+in `generation`; this module turns prompts into ids and choices into OpenAI's completion shapes
+(legacy `logprobs` with tokens, token_logprobs, top_logprobs and text_offset; `echo`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvctl.agent.model.sampling import SamplingParams
-from kvctl.agent.routes.ops import ERRORS
-from kvctl.agent.runtime import (
-    Engine,
-    RequestRefused,
-    RequestSummary,
-    RequestTooLarge,
-    TokenEvent,
-)
-from kvctl.agent.runtime import Request as EngineRequest
+from kvctl.agent.model.processing import TokenLogprobs
+from kvctl.agent.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
 from kvctl.agent.server import ApiError, ServerContext
-from kvctl.agent.service import QueueFull, RequestStream, ShuttingDown
 from kvctl.api import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    PromptTokensDetails,
-    Usage,
 )
 
-MAX_BYTES_PER_TOKEN = 16
-"""A text prompt longer than this many bytes per token of its limit is refused untokenized:
-tokenizers average 1 (byte-level) to about 4-5 bytes per token on text and code, so such a
-prompt is far over the limit anyway, and tokenizing it would only cost memory."""
-RETRY_AFTER_S = 1
-"""`Retry-After` of a 429: a slot in the queue opens as soon as one request is admitted."""
+MAX_COMPLETION_LOGPROBS = 5
+"""OpenAI's limit of `logprobs` on completions."""
 
 
 def router(ctx: ServerContext) -> APIRouter:
     api = APIRouter()
-    service, config = ctx.service, ctx.config
-    tokenizing = asyncio.Semaphore(1)
+    gen = Generation(ctx, "cmpl")
 
-    def refuse(status: int, reason: str, message: str) -> ApiError:
-        service.rejected.add(reason)
-        return ApiError(status, message)
-
-    async def prompt_ids(body: CompletionRequest) -> list[int]:
-        """The prompt as token ids, refused before tokenizing when its text is too long."""
-        limit = min(config.max_prompt_tokens, service.engine.model_config.max_context_len)
+    async def prompt_list(body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
-        if isinstance(prompt, list):
-            ids = prompt
+        if isinstance(prompt, str):
+            prompts: list[str | list[int]] = [prompt]
+        elif prompt and isinstance(prompt[0], str | list):
+            prompts = list(prompt)  # type: ignore[arg-type]
         else:
-            tokenizer = service.engine.tokenizer
-            if tokenizer is None:
-                raise refuse(400, "invalid", "this model has no tokenizer: send token ids")
-            size, byte_limit = len(prompt.encode("utf-8")), limit * MAX_BYTES_PER_TOKEN
-            if size > byte_limit:
-                raise refuse(
-                    400,
-                    "invalid",
-                    f"the prompt is {size} bytes, over this agent's limit of {byte_limit} "
-                    f"({MAX_BYTES_PER_TOKEN} bytes per token of a {limit}-token prompt); "
-                    "shorten it",
-                )
-            async with tokenizing:
-                ids = await asyncio.to_thread(tokenizer.encode, prompt)
-        if len(ids) > limit:
-            raise refuse(
-                400,
-                "invalid",
-                f"the prompt has {len(ids)} tokens, over this agent's limit of {limit}",
-            )
-        return ids
+            prompts = [prompt]  # type: ignore[list-item]
+        gen.check_choices(len(prompts), body.n)
+        result = []
+        for one in prompts:
+            ids = await gen.tokenize(one) if isinstance(one, str) else list(one)
+            gen.check_length(ids)
+            result.append(ids)
+        return result
 
-    async def queue(body: CompletionRequest, ids: list[int]) -> RequestStream:
-        params = _sampling(body)
-        add = _adder(ids, params, body.cache_salt)
-        loop = asyncio.get_running_loop()
-        try:
-            return await asyncio.wrap_future(service.open_stream(add, loop))
-        except QueueFull as full:
-            raise ApiError(429, str(full), {"Retry-After": str(RETRY_AFTER_S)}) from None
-        except ShuttingDown as draining:
-            raise ApiError(503, str(draining)) from None
-        except RequestTooLarge as large:
-            raise ApiError(400, large.describe(ctx.kvctl)) from None
-        except RequestRefused as refused:
-            raise ApiError(400, str(refused)) from None
-        except ValueError as invalid:
-            service.rejected.add("invalid")
-            raise ApiError(400, str(invalid)) from None
+    def echoes(body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """The text `echo` puts before each prompt's choices: the prompt as sent, or decoded."""
+        if not body.echo:
+            return [""] * len(prompts)
+        if isinstance(body.prompt, str):
+            return [body.prompt]
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+            return list(body.prompt)  # type: ignore[arg-type]
+        tokenizer = gen.tokenizer
+        if tokenizer is None:
+            raise ApiError(400, "echo: this model has no tokenizer to turn token ids into text")
+        return [tokenizer.decode(ids) for ids in prompts]
 
     @api.post(
         "/v1/completions",
         response_model=CompletionResponse,
-        responses={**ERRORS, 429: ERRORS[409], 503: ERRORS[409]},
+        responses=GENERATION_ERRORS,
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI completions, streamed as server-sent events with `stream: true`."""
-        if not service.accepting:
-            raise refuse(503, "shutting_down", "the agent is shutting down")
-        if body.model is not None and body.model != service.pool_name:
-            raise ApiError(
-                404,
-                f"model {body.model!r} is not served here; this agent serves {service.pool_name!r}",
-            )
-        if body.max_tokens > config.max_tokens_limit:
-            raise refuse(
-                400,
-                "invalid",
-                f"max_tokens {body.max_tokens} is above this agent's limit of "
-                f"{config.max_tokens_limit}",
-            )
-        stream = await queue(body, await prompt_ids(body))
-        usage = _usage_of(config.report_cached_tokens)
+        gen.check_request(body, body.max_tokens)
+        _refuse_unsupported(body)
+        prompts = await prompt_list(body)
+        echo = echoes(body, prompts)
+        params = gen.sampling(body, body.max_tokens, body.logprobs)
+        opened = await gen.open(prompts, params, body.n, body.cache_salt)
+        shaper = _Shaper(gen, body, prompts, echo)
         if body.stream:
-            return StreamingResponse(_sse(stream, body, ctx, usage), media_type="text/event-stream")
-        collecting = asyncio.ensure_future(_collect(stream, body, ctx, usage))
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not collecting.done():  # the client left: stop its request, free its pages
-            collecting.cancel()
-            await asyncio.gather(collecting, return_exceptions=True)
-            return Response(status_code=499)
-        gone.cancel()
-        return JSONResponse(collecting.result().model_dump())
+            return StreamingResponse(shaper.sse(opened), media_type="text/event-stream")
+        outputs = await gen.collect(opened, request)
+        if isinstance(outputs, Response):
+            return outputs
+        return JSONResponse(shaper.response(opened, outputs).model_dump())
 
     return api
 
 
-async def _disconnected(request: Request) -> None:
-    """Return when the client closes its connection (the body has been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _sampling(body: CompletionRequest) -> SamplingParams:
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    try:
-        return SamplingParams(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=body.seed,
-            max_tokens=body.max_tokens,
-            stop=stop,
-            ignore_eos=body.ignore_eos,
+def _refuse_unsupported(body: CompletionRequest) -> None:
+    if body.logprobs is not None and body.logprobs > MAX_COMPLETION_LOGPROBS:
+        raise ApiError(
+            400, f"logprobs: at most {MAX_COMPLETION_LOGPROBS} on completions, got {body.logprobs}"
         )
-    except ValueError as error:
-        raise ApiError(400, str(error)) from None
-
-
-def _adder(
-    ids: Sequence[int], params: SamplingParams, cache_salt: str | None
-) -> Callable[[Engine], EngineRequest]:
-    """The function that queues the request on the engine thread."""
-    request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
-
-    def add(engine: Engine) -> EngineRequest:
-        return engine.add_request(ids, params, request_id=request_id, cache_salt=cache_salt)
-
-    return add
-
-
-def _usage_of(report_cached: bool) -> Callable[[RequestSummary], Usage]:
-    """OpenAI's usage block; `cached_tokens` only when the operator opted in, because it tells
-    a client whether others sent the same prompt prefix (docs/security.md)."""
-
-    def usage(summary: RequestSummary) -> Usage:
-        prompt, completion = summary.prompt_tokens, len(summary.output_ids)
-        details = PromptTokensDetails(cached_tokens=summary.cached_tokens)
-        return Usage(
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            total_tokens=prompt + completion,
-            prompt_tokens_details=details if report_cached else None,
+    if body.best_of is not None and body.best_of not in (1, body.n):
+        raise ApiError(
+            400,
+            f"best_of: {body.best_of} is not supported (choices are returned as sampled; "
+            "leave best_of out or set it to n)",
+        )
+    if body.suffix is not None:
+        raise ApiError(400, "suffix: insertion (text after the completion) is not supported")
+    if body.echo and body.logprobs is not None:
+        raise ApiError(
+            400,
+            "echo with logprobs: this agent does not compute the prompt's log-probabilities; "
+            "leave out one of them",
         )
 
-    return usage
 
+class _Shaper:
+    """One request's choices in OpenAI's completion shapes."""
 
-async def _events(stream: RequestStream, ctx: ServerContext) -> AsyncIterator[TokenEvent]:
-    """The request's events until it finishes; abandoning the iteration aborts the request."""
-    finished = False
-    try:
-        while not finished:
-            event = await stream.events.get()
-            finished = event.finish_reason is not None
-            yield event
-    finally:
-        if not finished:
-            ctx.service.abort(stream.request_id)
+    def __init__(
+        self, gen: Generation, body: CompletionRequest, prompts: list[list[int]], echo: list[str]
+    ) -> None:
+        self.gen, self.body, self.prompts, self.echo = gen, body, prompts, echo
+        self.created = int(time.time())
 
+    def _echo(self, index: int) -> str:
+        return self.echo[index // self.body.n]
 
-async def _collect(
-    stream: RequestStream,
-    body: CompletionRequest,
-    ctx: ServerContext,
-    usage: Callable[[RequestSummary], Usage],
-) -> CompletionResponse:
-    text: list[str] = []
-    last = None
-    async for event in _events(stream, ctx):
-        text.append(event.text)
-        last = event
-    assert last is not None and last.summary is not None, "a finished request has a summary"
-    summary = last.summary
-    reason = last.finish_reason
-    choice = CompletionChoice(
-        text="".join(text),
-        finish_reason=reason.value if reason else None,
-        token_ids=list(summary.output_ids) if body.return_token_ids else None,
-        finish_detail=summary.finish_detail,
-    )
-    return CompletionResponse(
-        id=stream.request_id,
-        created=int(time.time()),
-        model=ctx.service.pool_name,
-        choices=[choice],
-        usage=usage(summary),
-    )
+    def logprobs(
+        self, start: int, tokens: list[int], entries: list[TokenLogprobs | None], texts: list[str]
+    ) -> CompletionLogprobs | None:
+        """The legacy shape; `start` is where the first token's text starts in the choice's
+        text (after the echoed prompt), `texts` the text each token added."""
+        if self.body.logprobs is None:
+            return None
+        text = self.gen.token_text
+        offsets, at = [], start
+        for piece in texts:
+            offsets.append(at)
+            at += len(piece)
+        tops: list[dict[str, float] | None] = []
+        for token, entry in zip(tokens, entries, strict=True):
+            top = {text(t): lp for t, lp in entry.top} if entry else {}
+            if entry is not None:
+                top.setdefault(text(token), entry.logprob)
+            tops.append(top)
+        return CompletionLogprobs(
+            tokens=[text(t) for t in tokens],
+            token_logprobs=[e.logprob if e else None for e in entries],
+            top_logprobs=tops,
+            text_offset=offsets,
+        )
 
+    def response(self, opened: Opened, outputs: list[ChoiceOutput]) -> CompletionResponse:
+        body = self.body
+        choices = []
+        for out in outputs:
+            summary = out.summary
+            choices.append(
+                CompletionChoice(
+                    index=out.index,
+                    text=self._echo(out.index) + "".join(out.text),
+                    finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                    logprobs=self.logprobs(
+                        len(self._echo(out.index)), out.token_ids, out.logprobs, out.texts
+                    ),
+                    token_ids=list(summary.output_ids) if body.return_token_ids else None,
+                    prompt_token_ids=(
+                        self.prompts[out.index // body.n] if body.return_token_ids else None
+                    ),
+                    finish_detail=summary.finish_detail,
+                )
+            )
+        return CompletionResponse(
+            id=opened.request_id,
+            created=self.created,
+            model=self.gen.served.name,
+            choices=choices,
+            usage=self.gen.usage([o.summary for o in outputs], body.n),
+        )
 
-async def _sse(
-    stream: RequestStream,
-    body: CompletionRequest,
-    ctx: ServerContext,
-    usage: Callable[[RequestSummary], Usage],
-) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per token, the last with the finish reason and usage."""
-    created = int(time.time())
-    async for event in _events(stream, ctx):
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": event.text,
-            "finish_reason": event.finish_reason.value if event.finish_reason else None,
-            "logprobs": None,
-        }
-        if body.return_token_ids:
-            choice["token_ids"] = [] if event.token_id is None else [event.token_id]
-        chunk: dict[str, Any] = {
-            "id": stream.request_id,
+    async def sse(self, opened: Opened) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per token and choice, the last of a choice with its
+        finish reason (and its usage, unless `stream_options.include_usage` asks for one
+        usage chunk for the whole request at the end)."""
+        body = self.body
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        offsets: dict[int, int] = {}  # where each choice's next text starts
+        summaries: list[Any] = [None] * len(opened.streams)
+        async for index, event in self.gen.events(opened):
+            text = event.text
+            if index not in offsets:
+                offsets[index] = len(self._echo(index))
+                text = self._echo(index) + text
+            tokens = [] if event.token_id is None else [event.token_id]
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": text,
+                "finish_reason": event.finish_reason.value if event.finish_reason else None,
+                "logprobs": None,
+            }
+            if body.logprobs is not None and tokens:
+                logprobs = self.logprobs(offsets[index], tokens, [event.logprobs], [event.text])
+                choice["logprobs"] = logprobs.model_dump() if logprobs else None
+            offsets[index] += len(event.text)
+            if body.return_token_ids:
+                choice["token_ids"] = tokens
+            chunk = self._chunk(opened, [choice])
+            if event.finish_reason is not None and event.summary is not None:
+                summaries[index] = event.summary
+                if event.summary.finish_detail:
+                    choice["finish_detail"] = event.summary.finish_detail
+                if not include_usage:
+                    usage = self.gen.usage([event.summary], 1)
+                    chunk["usage"] = usage.model_dump(exclude_none=True)
+            yield f"data: {json.dumps(chunk)}\n\n"
+        if include_usage:
+            chunk = self._chunk(opened, [])
+            chunk["usage"] = self.gen.usage(summaries, body.n).model_dump(exclude_none=True)
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, opened: Opened, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": opened.request_id,
             "object": "text_completion",
-            "created": created,
-            "model": ctx.service.pool_name,
-            "choices": [choice],
+            "created": self.created,
+            "model": self.gen.served.name,
+            "choices": choices,
         }
-        if event.finish_reason is not None and event.summary is not None:
-            if event.summary.finish_detail:
-                choice["finish_detail"] = event.summary.finish_detail
-            chunk["usage"] = usage(event.summary).model_dump(exclude_none=True)
-        yield f"data: {json.dumps(chunk)}\n\n"
-    yield "data: [DONE]\n\n"

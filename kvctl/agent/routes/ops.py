@@ -166,8 +166,20 @@ def router(ctx: ServerContext) -> APIRouter:
 
     @api.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        """The model this agent serves, OpenAI style."""
-        return ModelList(data=[ModelCard(id=service.pool_name, created=int(started_wall))])
+        """The model this agent serves, OpenAI style: one card per served name (the first is the
+        name answers report, the others alias it), with what it supports and its context."""
+        served = service.served
+        cards = [
+            ModelCard(
+                id=name,
+                created=int(started_wall),
+                root=served.name,
+                capabilities=served.capabilities,
+                max_model_len=served.context_length,
+            )
+            for name in served.names
+        ]
+        return ModelList(data=cards)
 
     @api.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:

@@ -1,8 +1,9 @@
 """The engine: a model decoding on the paged pool, one `step()` at a time.
 
-A step, in order (docs/architecture.md, the runtime): schedule (admit, adopting cached prefixes, or
-decode, preempting when pages run out) → apply copy-on-write copies → run the model on the
-flattened batch → sample → append the tokens and finish requests (EOS, stop string, max_tokens,
+A step, in order (docs/architecture.md, the runtime): schedule (decode tokens first, preempting
+when pages run out, then prompt chunks within the token budget, adopting cached prefixes) → apply
+copy-on-write copies → run the model on the flattened batch → sample for the requests whose
+tokens are all computed → append the tokens and finish requests (EOS, stop string, max_tokens,
 context length) → give the defragmenter its budget. Its `stats` are read when asked (the agent's
 service publishes them). Requests join and leave between steps.
 
@@ -21,8 +22,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvctl.agent.config import CPU_PREFILL_WHILE_DECODING
 from kvctl.agent.model.attention import BatchLayout
 from kvctl.agent.model.llama import LlamaModel
+from kvctl.agent.model.processing import (
+    TokenLogprobs,
+    check_vocabulary,
+    process_logits,
+    token_logprobs,
+)
 from kvctl.agent.model.sampling import Sampler, SamplingParams
 from kvctl.agent.model.tokenizer import Tokenizer
 from kvctl.agent.pool import (
@@ -33,10 +41,16 @@ from kvctl.agent.pool import (
 )
 from kvctl.agent.pool.storage import KVStorage
 from kvctl.agent.prefix import EVICTION_POLICIES, PrefixCache, PrefixIsolation
+from kvctl.agent.runtime.choices import DeferredChoices
 from kvctl.agent.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kvctl.agent.runtime.paged_cache import PagedKVCache, ReadPath
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
-from kvctl.agent.runtime.scheduler import ScheduledBatch, Scheduler
+from kvctl.agent.runtime.scheduler import (
+    DEFAULT_MAX_BATCHED_TOKENS,
+    ScheduledBatch,
+    Scheduler,
+    check_batch_limits,
+)
 from kvctl.agent.runtime.thread_owner import ThreadOwner
 from kvctl.api import PoolOccupancy
 from kvctl.settings import DefragSettings
@@ -60,7 +74,9 @@ class EngineConfig:
     max_pool_pages: int | None = None
     min_pool_pages: int | None = None
     max_batch_seqs: int = 64
-    max_batch_tokens: int = 4096
+    max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS  # per step; prompts are cut to fit
+    # prompt tokens per step while requests decode; None: 32 on CPU, no cap elsewhere; 0: no cap
+    max_prefill_while_decoding: int | None = None
     defrag: DefragSettings = field(default_factory=DefragSettings)
     prefix_cache: bool = True
     eviction_policy: str = "lru"
@@ -71,6 +87,7 @@ class EngineConfig:
         for name in ("page_size", "pool_pages", "segment_pages", "max_batch_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        check_batch_limits(self.max_batch_seqs, self.max_batched_tokens)
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(
                 f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
@@ -146,6 +163,7 @@ class TokenEvent:
     text: str
     finish_reason: FinishReason | None
     summary: RequestSummary | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -231,13 +249,20 @@ class Engine:
             else None
         )
         self.scheduler = Scheduler(
-            self.pool, config.max_batch_seqs, config.max_batch_tokens, self.prefix_cache, clock
+            self.pool,
+            config.max_batch_seqs,
+            config.max_batched_tokens,
+            self.prefix_cache,
+            clock,
+            prefill_while_decoding=prefill_cap(config),
         )
         self.clock = clock
         self.finished: Counter[str] = Counter()
         self.last_progress_at = clock()
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        self.choices = DeferredChoices()
+        self._logprobs: dict[str, TokenLogprobs] = {}  # this step's, by request id
         self._arrivals = itertools.count()
         self._steps = 0
         self._generated = 0
@@ -252,12 +277,16 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        first_choice: str | None = None,
+        choice: int = 0,
     ) -> Request:
         """Queue a request; raises ValueError for an empty prompt, unknown token ids or an empty
         `cache_salt`, and `RequestTooLarge` when the prompt plus `max_tokens` exceeds the model's
         context or could never fit the pool.
 
-        Requests with different `cache_salt` never share prefix-cache pages."""
+        Requests with different `cache_salt` never share prefix-cache pages. Choice `choice` > 0
+        of a request with `n` > 1 names its `first_choice` (same prompt, params and salt): it
+        waits until that one has computed the prompt, then adopts its pages (`DeferredChoices`)."""
         self.owner.check("Engine.add_request")
         params = params or SamplingParams()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -269,6 +298,7 @@ class Engine:
         else:
             ids = list(prompt)
         self._check_prompt(ids, params)
+        check_vocabulary(params, self.model_config.vocab_size)
         arrival = next(self._arrivals)
         request_id = request_id or f"req-{arrival}"
         if request_id in self.requests:
@@ -278,11 +308,15 @@ class Engine:
             ids,
             params,
             arrival,
-            generator=params.make_generator(self.device),
+            generator=params.make_generator(self.device, choice),
             cache_salt=cache_salt,
         )
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        first = self.requests.get(first_choice) if first_choice is not None else None
+        if first is not None and self.prefix_cache is not None:
+            self.choices.defer(first, request)  # queued after the next step
+        else:
+            self.scheduler.add(request)
         self._prompt_tokens += len(ids)
         return request
 
@@ -341,7 +375,7 @@ class Engine:
         return request
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.choices)
 
     def set_eviction_policy(self, name: str) -> None:
         """Switch the prefix cache's eviction policy now (ValueError for an unknown name)."""
@@ -363,8 +397,10 @@ class Engine:
                     [c.src for c in batch.copies], [c.dst for c in batch.copies]
                 )
                 self.scheduler.copies_applied()
-            next_tokens = self._run_model(batch)
-            events.extend(self._postprocess(batch, next_tokens))
+            sampled = batch.sampled_requests
+            next_tokens = self._run_model(batch, sampled)
+            events.extend(self._postprocess(sampled, next_tokens))
+        self._release_choices()
         self.auto_defrag.tick()
         self._steps += 1
         if batch is not None:
@@ -374,42 +410,79 @@ class Engine:
                 self.finished[event.finish_reason] += 1
         return events
 
-    def _run_model(self, batch: ScheduledBatch) -> list[int]:
-        requests = batch.requests
-        layout = BatchLayout(
-            tuple(r.seq_id for r in requests),
-            tuple(r.num_tokens - n for r, n in zip(requests, batch.new_tokens, strict=True)),
-            tuple(batch.new_tokens),
-        )
-        token_ids = [
-            t for r, n in zip(requests, batch.new_tokens, strict=True) for t in r.token_ids[-n:]
-        ]
+    def _release_choices(self) -> None:
+        """Queue the choices whose first choice has computed the prompt, its pages offered to
+        the prefix cache first so that they adopt them."""
+        for first, followers in self.choices.ready():
+            if first.status is RequestStatus.RUNNING:
+                self.scheduler.share_computed(first)
+            for follower in followers:
+                self.scheduler.add(follower)
+
+    def _choose(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """Each row's next token after its penalties, bias and `min_tokens`; the log-probs
+        the requests asked for are kept for their events."""
+        params = [r.params for r in requests]
+        outputs = [r.output_ids for r in requests]
+        processed = process_logits(logits, params, outputs, self.eos_token_ids)
+        chosen = self.sampler(processed, params, [r.generator for r in requests]).tolist()
+        for request, logprobs in zip(requests, token_logprobs(logits, chosen, params), strict=True):
+            if logprobs is not None:
+                self._logprobs[request.request_id] = logprobs
+        return chosen
+
+    def _run_model(self, batch: ScheduledBatch, sampled: Sequence[Request]) -> list[int]:
+        """Compute the step's tokens (decode tokens and prompt chunks in one forward) and return
+        the next token of each of `sampled` (`batch.sampled_requests`); every request's
+        `num_computed` advances by its tokens, whose K/V are in the pool from now on."""
+        requests, computed, new = batch.requests, batch.computed, batch.new_tokens
+        layout = BatchLayout(tuple(r.seq_id for r in requests), tuple(computed), tuple(new))
+        decode = len(requests) == sum(new)  # one token each
+        if decode:
+            token_ids = [_token_at(r, i) for r, i in zip(requests, computed, strict=True)]
+            positions = torch.tensor(computed, dtype=torch.long, device=self.device)
+        else:
+            token_ids = []
+            for request, start, count in zip(requests, computed, new, strict=True):
+                token_ids += _token_slice(request, start, count)
+            positions = layout.positions(self.device)
         self.cache.begin_step(layout)
         hidden = self.model(
-            torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            layout.positions(self.device),
-            self.cache,
+            torch.tensor(token_ids, dtype=torch.long, device=self.device), positions, self.cache
         )
-        logits = self.model.logits(hidden.index_select(0, layout.last_token_indices(self.device)))
-        chosen = self.sampler(logits, [r.params for r in requests], [r.generator for r in requests])
-        return chosen.tolist()
+        for request, count in zip(requests, new, strict=True):
+            request.num_computed += count
+        self.scheduler.prompts_computed(batch)
+        if not sampled:
+            return []  # only chunks short of their prompt's end: nothing to sample
+        if not decode or len(sampled) != len(requests):
+            rows = [
+                o + n - 1 for o, n, s in zip(layout.offsets, new, batch.sampled, strict=True) if s
+            ]
+            hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
+        return self._choose(self.model.logits(hidden), sampled)
 
-    def _postprocess(self, batch: ScheduledBatch, next_tokens: list[int]) -> list[TokenEvent]:
+    def _postprocess(self, sampled: Sequence[Request], next_tokens: list[int]) -> list[TokenEvent]:
         events = []
-        for request, token in zip(batch.requests, next_tokens, strict=True):
-            request.num_computed = request.num_tokens
+        logprobs = self._logprobs
+        self._generated += len(next_tokens)
+        for request, token in zip(sampled, next_tokens, strict=True):
+            request.num_computed = request.num_tokens  # the sampled token's K/V come next step
             request.output_ids.append(token)
-            self._generated += 1
-            output = self._output_text(request)
+            output = request.output_text or self._output_text(request)
             text = output.append(token)
             reason = self._check_finish(request, token)
+            summary = None
             if reason is not None:
                 text += output.finish()
                 request.finish_reason = reason
                 self.scheduler.finish(request)
                 self.requests.pop(request.request_id, None)
-            summary = RequestSummary.of(request) if reason is not None else None
-            events.append(TokenEvent(request.request_id, token, text, reason, summary))
+                summary = RequestSummary.of(request)
+            token_logprobs = logprobs.pop(request.request_id, None) if logprobs else None
+            events.append(
+                TokenEvent(request.request_id, token, text, reason, summary, token_logprobs)
+            )
         return events
 
     def _end(self, request: Request) -> TokenEvent:
@@ -425,6 +498,8 @@ class Engine:
         params = request.params
         if token in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
         if self._output_text(request).stopped:
             return FinishReason.STOP
         if len(request.output_ids) >= params.max_tokens:
@@ -438,7 +513,9 @@ class Engine:
         even when `ignore_eos` keeps generating past them."""
         if request.output_text is None:
             detokenizer = (
-                IncrementalDetokenizer(self.tokenizer, self.eos_token_ids)
+                IncrementalDetokenizer(
+                    self.tokenizer, self.eos_token_ids | set(request.params.stop_token_ids)
+                )
                 if self.tokenizer is not None
                 else None
             )
@@ -477,3 +554,27 @@ class Engine:
         while any(r.status is not RequestStatus.FINISHED for r in requests):
             self.step()
         return requests
+
+
+def _token_at(request: Request, index: int) -> int:
+    """Token `index` of prompt + output (a one-token step may be a prompt's last chunk)."""
+    prompt = request.prompt_ids
+    return prompt[index] if index < len(prompt) else request.output_ids[index - len(prompt)]
+
+
+def _token_slice(request: Request, start: int, count: int) -> list[int]:
+    """Tokens `start : start + count` of prompt + output, without joining the two lists (a
+    decode step would otherwise copy every running request's whole prompt)."""
+    prompt = request.prompt_ids
+    if start >= len(prompt):
+        start -= len(prompt)
+        return request.output_ids[start : start + count]
+    return request.token_ids[start : start + count]
+
+
+def prefill_cap(config: EngineConfig) -> int:
+    """Prompt tokens a step may compute while requests decode: as configured, else the CPU
+    default on a CPU and no cap on an accelerator (0)."""
+    if config.max_prefill_while_decoding is not None:
+        return config.max_prefill_while_decoding
+    return CPU_PREFILL_WHILE_DECODING if torch.device(config.device).type == "cpu" else 0

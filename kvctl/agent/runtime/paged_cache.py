@@ -10,7 +10,10 @@ Reads, by step kind:
 
 - prefill (or any step with several tokens for some sequence): per sequence, a run of pages in
   one segment is read as a view of storage (`KVStorage.read_sequence`), any other table is
-  gathered; either way K/V are repeated per query head straight from the pages.
+  gathered; either way they are attended with their own head count (no repeat per query head),
+  under a mask built once per step for all layers (`chunk_mask`). In a mixed step
+  (decode tokens and prompt chunks together, chunked prefill), the sequences with one new token
+  are read as in a gathered decode, in one SDPA call, and only the chunks one by one.
 - decode, read path "gather": every sequence's pages are gathered into one padded buffer, reused
   by every layer and step, and one SDPA call attends the whole batch.
 - decode, read path "flex": FlexAttention reads the pages in place through block tables built
@@ -40,6 +43,7 @@ from torch import Tensor
 from kvctl.agent.model.attention import (
     BatchLayout,
     attend_decode,
+    chunk_mask,
     key_mask,
     split_by_sequence,
 )
@@ -50,7 +54,7 @@ from kvctl.agent.model.paged_attention import (
     flex_available,
 )
 from kvctl.agent.pool import PagePool
-from kvctl.agent.pool.storage import KVStorage, PageIndex, SlotIndex
+from kvctl.agent.pool.storage import BatchIndex, KVStorage, PageIndex, SlotIndex
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +66,11 @@ _Run = tuple[int, int, int]
 
 @dataclass(frozen=True)
 class _Gathered:
-    """Decode rows read through one padded gather: their batch rows (None: the whole batch in
-    order), page index `[b, P]` and key mask `[b, P * page_size]`."""
+    """One-token rows read through one padded gather: their rows of the flat batch (None: the
+    whole batch in order), gather plan `[b, P]` and key mask `[b, P * page_size]`."""
 
     rows: Tensor | None
-    pages: PageIndex
+    pages: BatchIndex
     valid: Tensor
 
 
@@ -76,10 +80,12 @@ class _StepIndex:
 
     layout: BatchLayout
     slots: SlotIndex  # where each new token's K/V goes
-    reads: tuple[_Run | PageIndex, ...]  # not decode: per sequence, a view or a [1, P_i] index
-    gathered: _Gathered | None  # decode: the rows read by gathering
+    reads: tuple[_Run | PageIndex | None, ...]  # not decode: per sequence, a view, a [1, P_i]
+    # index, or None for a one-token sequence of a mixed step (read in `gathered`)
+    gathered: _Gathered | None  # the one-token rows read by gathering
     blocks: BlockPlan | None  # decode: the rows read in place, by segment
     tables: tuple[list[int], ...]  # decode: the page tables, to fall back to gathering
+    masks: tuple[Tensor | None, ...] = ()  # not decode: per sequence in `reads`, its chunk mask
 
 
 class PagedKVCache:
@@ -96,6 +102,9 @@ class PagedKVCache:
         # to the largest batch seen: a fresh allocation per layer costs as much as a tenth of the
         # gather itself on a CPU.
         self._buffers: tuple[Tensor, Tensor] | None = None
+        # the last gather's page tables and layout: decode steps mostly read the same pages as
+        # the step before (a sequence takes a new page every `page_size` steps)
+        self._last_gather: tuple[list[list[int]], BatchIndex] | None = None
         in_place = read_path == "flex" or (
             read_path == "auto" and storage.device.type == "cuda" and flex_available()
         )
@@ -114,7 +123,11 @@ class PagedKVCache:
         costs tens of microseconds of dispatch, which adds up to a visible share of a step.
         """
         page_size = self.pool.page_size
-        tables = [self.pool.table(s).pages for s in layout.seq_ids]
+        table = self.pool.table
+        tables = [table(s).pages for s in layout.seq_ids]
+        if layout.is_decode:
+            self._step = self._decode_step(layout, tables)
+            return
         slot_pages: list[int] = []
         slot_offsets: list[int] = []
         for pages, cached, new in zip(tables, layout.cached_lens, layout.new_lens, strict=True):
@@ -123,21 +136,45 @@ class PagedKVCache:
                 slot_offsets.append(position % page_size)
         slots = self.storage.index_slots(_long(slot_pages), _long(slot_offsets))
         lengths = layout.total_lens
-        if not layout.is_decode:
-            reads = tuple(
-                self._sequence_read(p[: -(-n // page_size)])
-                for p, n in zip(tables, lengths, strict=True)
-            )
-            self._step = _StepIndex(layout, slots, reads, None, None, ())
-            return
         used = tuple(p[: -(-n // page_size)] for p, n in zip(tables, lengths, strict=True))
+        self._step = self._mixed_step(layout, slots, used)
+
+    def _decode_step(self, layout: BatchLayout, tables: list[list[int]]) -> _StepIndex:
+        """One new token per sequence: its slot is in the last page in use."""
+        page_size = self.pool.page_size
+        lengths = layout.total_lens
+        used = tuple(p[: -(-n // page_size)] for p, n in zip(tables, lengths, strict=True))
+        offsets = (np.asarray(lengths, dtype=np.int64) - 1) % page_size
+        slots = self.storage.index_slots(_long([p[-1] for p in used]), torch.from_numpy(offsets))
         blocks = None
         rest: Sequence[int] = range(len(used))
         if self._in_place is not None:
             blocks = self._in_place.plan(used, lengths)
             rest = blocks.rest
         gathered = self._gathered(used, lengths, rest) if rest else None
-        self._step = _StepIndex(layout, slots, (), gathered, blocks, used)
+        return _StepIndex(layout, slots, (), gathered, blocks, used)
+
+    def _mixed_step(
+        self, layout: BatchLayout, slots: SlotIndex, used: tuple[list[int], ...]
+    ) -> _StepIndex:
+        """A step with several new tokens for some sequence: those are read one by one, and the
+        one-token sequences (decoding beside a prompt chunk) in one gathered batch."""
+        singles = [i for i, n in enumerate(layout.new_lens) if n == 1]
+        gathered = None
+        if len(singles) > 1:
+            offsets = layout.offsets
+            token_rows = [offsets[i] for i in singles]
+            gathered = self._gathered(used, layout.total_lens, singles, token_rows)
+        batched = set(singles) if gathered is not None else set()
+        reads = tuple(
+            None if i in batched else self._sequence_read(pages) for i, pages in enumerate(used)
+        )
+        device, dtype = self.storage.device, self.storage.dtype
+        masks = tuple(
+            chunk_mask(n, cached, device, dtype) if read is not None and n > 1 else None
+            for read, cached, n in zip(reads, layout.cached_lens, layout.new_lens, strict=True)
+        )
+        return _StepIndex(layout, slots, reads, gathered, None, (), masks)
 
     def _sequence_read(self, pages: list[int]) -> _Run | PageIndex:
         run = self.storage.run_of(pages)
@@ -146,22 +183,30 @@ class PagedKVCache:
         return self.storage.index_pages(_long(pages).view(1, -1))
 
     def _gathered(
-        self, tables: Sequence[list[int]], lengths: Sequence[int], rows: Sequence[int]
+        self,
+        tables: Sequence[list[int]],
+        lengths: Sequence[int],
+        rows: Sequence[int],
+        token_rows: Sequence[int] | None = None,
     ) -> _Gathered:
-        """The padded gather of the decode rows `rows`."""
-        page_size = self.pool.page_size
-        width = max(len(tables[r]) for r in rows)
-        padded: list[int] = []
-        for r in rows:
-            pages = tables[r]
-            padded += pages
-            padded += [pages[0]] * (width - len(pages))
-        index = self.storage.index_pages(_long(padded).view(len(rows), width))
+        """The padded gather of the sequences `rows`, one new token each, at `token_rows` of the
+        flat batch (default: `rows`, a decode step's)."""
+        picked = [tables[r] for r in rows]
+        last = self._last_gather
+        if last is not None and last[0] == picked:
+            index = last[1]
+        else:  # padding repeats a row's last page: one stretch of one segment more often
+            width = max(map(len, picked))
+            padded = np.array([p + p[-1:] * (width - len(p)) for p in picked], dtype=np.int64)
+            index = self.storage.index_batch(padded)
+            self._last_gather = (picked, index)
         row_lengths = [lengths[r] for r in rows]
-        valid = key_mask(row_lengths, width * page_size, self.storage.device)
-        self._ensure_buffers(len(rows) * width)
+        valid = key_mask(row_lengths, index.shape[1] * self.pool.page_size, self.storage.device)
+        self._ensure_buffers(index.buffer_pages)
         whole = len(rows) == len(tables)  # rows ascend, so all of them means all in order
-        row_index = None if whole else _long(list(rows)).to(self.storage.device)
+        if token_rows is None:
+            token_rows = rows
+        row_index = None if whole else _long(list(token_rows)).to(self.storage.device)
         return _Gathered(row_index, index, valid)
 
     def _ensure_buffers(self, pages: int) -> None:
@@ -191,7 +236,8 @@ class PagedKVCache:
             return self._attend_gathered(layer, q, gathered)
 
     def _attend_gathered(self, layer: int, q: Tensor, gathered: _Gathered) -> Tensor:
-        keys, values = self.storage.gather(layer, gathered.pages, self._buffers)  # [b, L, kvh, d]
+        assert self._buffers is not None
+        keys, values = self.storage.gather_batch(layer, gathered.pages, self._buffers)
         rows = q if gathered.rows is None else q.index_select(0, gathered.rows)
         return attend_decode(rows, keys, values, gathered.valid)
 
@@ -215,15 +261,37 @@ class PagedKVCache:
         layout = step.layout
         outs: list[Tensor] = []
         queries: Sequence[Tensor] = split_by_sequence(q, layout.new_lens)
-        for q_i, read, cached in zip(queries, step.reads, layout.cached_lens, strict=True):
+        batched = None
+        if step.gathered is not None:
+            batched = self._attend_gathered(layer, q, step.gathered)  # [singles, h, d]
+        per_seq = zip(queries, step.reads, layout.cached_lens, step.masks, strict=True)
+        for q_i, read, cached, mask in per_seq:
+            if read is None:
+                continue
             if isinstance(read, PageIndex):
                 keys, values = self.storage.gather(layer, read)  # [1, P * page_size, kvh, d]
                 shape = (read.shape[1], self.storage.page_size, *keys.shape[2:])
                 keys, values = keys.view(shape), values.view(shape)
             else:
                 keys, values = self.storage.pages_view(layer, *read)  # [P, page_size, kvh, d]
-            outs.append(attend_pages(q_i, keys, values, cached))
-        return torch.cat(outs)  # [T, h, d]
+            outs.append(attend_pages(q_i, keys, values, cached, mask))
+        if batched is None:
+            return torch.cat(outs)  # [T, h, d]
+        return self._merge(q, step, batched, outs)
+
+    def _merge(self, q: Tensor, step: _StepIndex, batched: Tensor, outs: list[Tensor]) -> Tensor:
+        """Put a mixed step's gathered rows and per-sequence outputs back in batch order."""
+        gathered = step.gathered
+        assert gathered is not None and gathered.rows is not None
+        out = torch.empty_like(q)
+        out.index_copy_(0, gathered.rows, batched)
+        pieces = iter(outs)
+        for offset, n, read in zip(
+            step.layout.offsets, step.layout.new_lens, step.reads, strict=True
+        ):
+            if read is not None:
+                out[offset : offset + n] = next(pieces)
+        return out
 
 
 def _long(values: Sequence[int]) -> Tensor:

@@ -1,19 +1,33 @@
-"""Continuous batching: which requests run in the next step, and who yields when pages run out.
+"""Continuous batching with chunked prefill: which tokens run in the next step, and who yields
+when pages run out.
 
-Requests join and leave between steps. A step is either a *prefill* (newly admitted requests
-compute their prompts; admission stops at the first request that does not fit, so arrival order
-is kept) or a *decode* (every running request adds one token). When the pool cannot give a
-running request its next page, the youngest running request is preempted: its pages are freed
-and it goes back to the front of the queue, to be recomputed later. Preempting the youngest
-loses the least work, and nothing ever crashes or touches another request's pages.
+Requests join and leave between steps. Each step computes at most `max_batched_tokens` tokens
+(vLLM's V1 policy): first one decode token for every running request whose prompt is computed,
+then the rest of partly computed prompts, then newly admitted requests, each prompt cut to what
+the budget leaves. So a long prompt is computed in chunks over several steps while the running
+requests keep decoding in the same forward passes (mixed steps), and nobody's inter-token gap
+waits for a whole prompt. The budget is never below `max_batch_seqs`, so every running request
+can decode in every step. While requests decode, the prompt tokens of a step are further capped
+(`prefill_while_decoding`): on a CPU a prompt token costs a sizeable share of a decode step, so a
+256-token chunk would still multiply the streams' gap; with nothing decoding, prompts get the
+whole budget (the first token comes as fast as the budget allows).
+
+An admitted request gets the pages of its whole prompt at once and keeps them, and its progress
+(`num_computed`), across the steps of its prefill: admission needs exactly what it needed before
+chunking, and a chunk never allocates. When the pool cannot give a decoding request its next
+page, the youngest running request (often a prompt still being computed) is preempted: its
+computed whole pages are offered to the prefix cache, its pages are freed and it goes back to the
+front of the queue, to be recomputed later. Preempting the youngest loses the least work, and
+nothing ever crashes or touches another request's pages. A step that preempted admits nobody.
 
 Liveness, the rule every step keeps: cached prefix pages count as free for admission (they are
 evicted on demand), and the engine refuses at arrival any request whose prompt plus `max_tokens`
 could not fit the whole pool, and refuses any shrink below what an admitted request may need.
 So the request at the head of the queue always fits once the running requests have finished
-(or been preempted), and they always move: every decode step either gives each running request
-its token or preempts the youngest. A head that fits only by giving up the partly matched last
-page of its cached prefix (whose copy needs one page more) gives it up rather than wait.
+(or been preempted), and they always move: every step gives each decoding request its token
+(or preempts the youngest) and every partly computed prompt at least one token of budget. A head
+that fits only by giving up the partly matched last page of its cached prefix (whose copy needs
+one page more) gives it up rather than wait.
 
 With a prefix cache, admission first looks the request's tokens up: a hit adopts the cached
 pages (a partly matched last page is copied, the copy listed in the batch) and only the rest is
@@ -28,6 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvctl.agent.config import DEFAULT_MAX_BATCHED_TOKENS
 from kvctl.agent.pool import PagePool, PoolExhausted
 from kvctl.agent.pool.page_pool import CopyOnWrite
 from kvctl.agent.prefix import IsolationKey, PrefixCache, PrefixMatch
@@ -38,6 +53,10 @@ from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
 class ScheduledBatch:
     """The requests of one step, with the tokens each computes and the page copies to apply.
 
+    Request i computes its tokens `computed[i] : computed[i] + new_tokens[i]`; decoding requests
+    come first, then chunks of prompts. `sampled[i]` says whether that reaches the end of its
+    tokens, so that a next token is sampled (a chunk short of the end only fills the cache).
+
     `ended` lists requests the scheduler had to stop because they no longer fit the whole pool
     even alone (finish reason "capacity", which the engine's admission and resize rules keep
     from happening); they are not part of the step.
@@ -45,9 +64,54 @@ class ScheduledBatch:
 
     requests: list[Request]
     new_tokens: list[int]
-    is_prefill: bool
+    computed: list[int]
     copies: list[CopyOnWrite]
     ended: list[Request]
+
+    @property
+    def sampled(self) -> list[bool]:
+        return [
+            c + n == r.num_tokens
+            for r, c, n in zip(self.requests, self.computed, self.new_tokens, strict=True)
+        ]
+
+    @property
+    def sampled_requests(self) -> list[Request]:
+        """The requests that get a next token from this step, in batch order."""
+        return [r for r, done in zip(self.requests, self.sampled, strict=True) if done]
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether some request computes more than one token (a prompt or a chunk of one)."""
+        return any(n > 1 for n in self.new_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.new_tokens)
+
+
+class _Step:
+    """The batch being built: requests, their token counts, copies, and the budget left."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.requests: list[Request] = []
+        self.new_tokens: list[int] = []
+        self.computed: list[int] = []
+        self.copies: list[CopyOnWrite] = []
+        self.scheduled: set[Request] = set()
+
+    def add(self, request: Request, tokens: int) -> None:
+        self.scheduled.add(request)
+        self.requests.append(request)
+        self.new_tokens.append(tokens)
+        self.computed.append(request.num_computed)
+        self.budget -= tokens
+
+    def batch(self, ended: list[Request]) -> ScheduledBatch | None:
+        if not self.requests:
+            return ScheduledBatch([], [], [], [], ended) if ended else None
+        return ScheduledBatch(self.requests, self.new_tokens, self.computed, self.copies, ended)
 
 
 class Scheduler:
@@ -57,16 +121,19 @@ class Scheduler:
         self,
         pool: PagePool,
         max_batch_seqs: int = 64,
-        max_batch_tokens: int = 4096,
+        max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
         prefix_cache: PrefixCache | None = None,
         clock: Callable[[], float] = time.monotonic,
+        prefill_while_decoding: int = 0,
     ):
-        if max_batch_seqs < 1 or max_batch_tokens < 1:
-            raise ValueError("max_batch_seqs and max_batch_tokens must be at least 1")
+        check_batch_limits(max_batch_seqs, max_batched_tokens)
+        if prefill_while_decoding < 0:
+            raise ValueError("prefill_while_decoding must be 0 (no cap) or more")
+        self.prefill_while_decoding = prefill_while_decoding
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.max_batch_seqs = max_batch_seqs
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the youngest is last
         self.preemptions = 0
@@ -86,10 +153,15 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch, or None when nothing can run."""
         ended = self._end_unfittable()
-        batch = self._admit(ended) or self._decode(ended)
-        if batch is None and ended:
-            return ScheduledBatch([], [], False, [], ended)
-        return batch
+        step = _Step(self.max_batched_tokens)
+        preempted = self.preemptions
+        self._decode(step, ended)
+        if step.requests and self.prefill_while_decoding:
+            step.budget = min(step.budget, self.prefill_while_decoding)
+        self._continue_prefills(step)
+        if self.preemptions == preempted:
+            self._admit(step)
+        return step.batch(ended)
 
     def _end_unfittable(self) -> list[Request]:
         """Stop waiting requests that could not fit even in an empty pool."""
@@ -111,32 +183,22 @@ class Scheduler:
             f"{len(request.output_ids)} tokens"
         )
 
-    def _admit(self, ended: list[Request]) -> ScheduledBatch | None:
-        admitted: list[Request] = []
-        new_tokens: list[int] = []
-        copies: list[CopyOnWrite] = []
-        budget = self.max_batch_tokens
-        while self.waiting and len(self.running) < self.max_batch_seqs:
+    def _admit(self, step: _Step) -> None:
+        """Admit waiting requests in arrival order while they fit, each computing as much of its
+        prompt as the budget leaves."""
+        while self.waiting and len(self.running) < self.max_batch_seqs and step.budget > 0:
             request = self.waiting[0]
             tokens = request.num_tokens
             match = self._match(request)
             if match is not None and not self._fits(tokens, match):
                 match = self._whole_pages_match(request, match)
-            new = tokens - (match.tokens if match else 0)
-            if admitted and new > budget:
-                break
             if not self._fits(tokens, match):
                 break
             self.waiting.popleft()
-            copies.extend(self._place(request, match))
+            step.copies.extend(self._place(request, match))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            admitted.append(request)
-            new_tokens.append(new)
-            budget -= new
-        if not admitted:
-            return None
-        return ScheduledBatch(admitted, new_tokens, True, copies, ended)
+            step.add(request, min(tokens - request.num_computed, step.budget))
 
     def _match(self, request: Request) -> PrefixMatch | None:
         if self.prefix_cache is None:
@@ -202,24 +264,35 @@ class Scheduler:
             self._cache_key(request), request.token_ids[:computed], table.pages
         )
 
-    def _decode(self, ended: list[Request]) -> ScheduledBatch | None:
-        scheduled: list[Request] = []
-        copies: list[CopyOnWrite] = []
+    def _decode(self, step: _Step, ended: list[Request]) -> None:
+        """One token for every running request whose prompt is computed: the page for its last
+        sampled token, preempting the youngest when the pool has none."""
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status is not RequestStatus.RUNNING or not self._decoding(request):
+                continue  # preempted earlier in this loop, or still computing its prompt
             while True:
                 try:
-                    copies.extend(self.pool.append(request.seq_id, 1))
+                    step.copies.extend(self.pool.append(request.seq_id, 1))
                 except PoolExhausted:  # counted as a failed allocation by the pool
                     if self._make_room(request, ended):
                         continue
                     break
-                scheduled.append(request)
+                step.add(request, 1)
                 break
-        if not scheduled:
-            return None
-        return ScheduledBatch(scheduled, [1] * len(scheduled), False, copies, ended)
+
+    def _decoding(self, request: Request) -> bool:
+        """Whether the request's last token (just sampled) has no slot yet: it decodes. A prompt
+        being computed holds the slots of all its tokens since admission."""
+        return self.pool.table(request.seq_id).num_tokens < request.num_tokens
+
+    def _continue_prefills(self, step: _Step) -> None:
+        """The next chunk of every partly computed prompt, oldest first, as the budget allows."""
+        for request in self.running:
+            if step.budget <= 0:
+                return
+            left = request.num_tokens - request.num_computed
+            if left and request not in step.scheduled:
+                step.add(request, min(left, step.budget))
 
     def _make_room(self, request: Request, ended: list[Request]) -> bool:
         """Preempt the youngest running request so `request` can grow; False when `request`
@@ -232,6 +305,40 @@ class Scheduler:
         victim = self.running[-1]
         self.preempt(victim)
         return victim is not request
+
+    def prompts_computed(self, batch: ScheduledBatch) -> None:
+        """Offer the whole pages that this step's prompt chunks completed to the prefix cache
+        at once, not when their requests end: requests admitted in the next steps with the same
+        prefix (a shared system prompt arriving in a burst) adopt them instead of computing
+        them again."""
+        if self.prefix_cache is None:
+            return
+        page = self.pool.page_size
+        for request, start, count in zip(
+            batch.requests, batch.computed, batch.new_tokens, strict=True
+        ):
+            prompt = len(request.prompt_ids)
+            crossed = start < prompt and min(start + count, prompt) // page > start // page
+            if crossed and self._cached_prefix_is_own(request):
+                self._cache_computed(request)
+
+    def _cached_prefix_is_own(self, request: Request) -> bool:
+        """Whether the cache's pages for the request's computed tokens, if any, are its own. If
+        another request computed the same prefix at the same time, offering these pages now
+        would hang them in use below that one's (an unused cached page above a used one, which
+        leaf-first eviction cannot reach); they are offered when the request ends instead."""
+        assert self.prefix_cache is not None
+        table = self.pool.table(request.seq_id)
+        computed = min(request.num_computed, table.num_tokens)
+        match = self.prefix_cache.match(self._cache_key(request), request.token_ids[:computed])
+        whole = match.full_pages
+        return match.pages[:whole] == table.pages[:whole]
+
+    def share_computed(self, request: Request) -> None:
+        """Offer a running request's computed whole pages to the prefix cache now, so that
+        requests queued after it with the same prompt (its other choices) adopt them."""
+        if request.status is RequestStatus.RUNNING:
+            self._cache_computed(request)
 
     def preempt(self, request: Request) -> None:
         """Free a running request's pages and queue it first for recomputation."""
@@ -254,3 +361,14 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
+
+
+def check_batch_limits(max_batch_seqs: int, max_batched_tokens: int) -> None:
+    """Refuse a budget below the number of running requests: every one must decode each step."""
+    if max_batch_seqs < 1:
+        raise ValueError(f"max_batch_seqs must be at least 1, got {max_batch_seqs}")
+    if max_batched_tokens < max_batch_seqs:
+        raise ValueError(
+            f"max_batched_tokens ({max_batched_tokens}) must be at least max_batch_seqs "
+            f"({max_batch_seqs}): every running request decodes one token in every step"
+        )

@@ -1,0 +1,150 @@
+"""Load a llama.cpp GGUF file: config, tokenizer and chat template from its metadata, weights
+dequantized to a torch dtype.
+
+The model runs unquantized: every tensor is dequantized (by the `gguf` package) once, at load
+time, so memory is that of the chosen dtype, not of the file. Files are checked before any weight
+is read, and every problem is one `CheckpointError` line that starts with the file's name.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvctl.agent.model.config import ModelConfig
+from kvctl.agent.model.errors import CheckpointError
+from kvctl.agent.model.gguf_metadata import config_from_metadata, read_metadata
+from kvctl.agent.model.gguf_tokenizer import gguf_tokenizer
+from kvctl.agent.model.llama import LlamaModel
+from kvctl.agent.model.tokenizer import HFTokenizer
+
+_LAYER_PARTS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 rope factors; folded into the config
+
+
+def load_gguf(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[ModelConfig, LlamaModel, HFTokenizer | None]:
+    """(config, model in eval mode on `device`, tokenizer or None when the file has no vocabulary).
+
+    `dtype` defaults to float32 for an all-F32 file, bfloat16 when it holds BF16, else float16.
+    """
+    import gguf
+
+    file = Path(path)
+    reader = _open(file, gguf)
+    meta = read_metadata(reader, file.name)
+    tensors = {t.name: t for t in reader.tensors}
+    config = config_from_metadata(meta, tensors, file)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    names = _check_tensors(tensors, expected, file.name, gguf)
+    device, dtype = torch.device(device), dtype or config.dtype
+    state = {
+        ours: _dequantize(tensors[theirs], ours, config, gguf).to(device=device, dtype=dtype)
+        for theirs, ours in names.items()
+    }
+    model.load_state_dict(state, strict=True, assign=True)
+    tokenizer = gguf_tokenizer(meta, file.name, config.vocab_size)
+    wrapped = None if tokenizer is None else HFTokenizer(tokenizer, config.eos_token_ids)
+    return config, model.eval().requires_grad_(False), wrapped
+
+
+def _open(file: Path, gguf: Any) -> Any:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: no such GGUF file")
+    with file.open("rb") as handle:
+        magic = handle.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"{file.name}: not a GGUF file (starts with {magic!r}, not b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(file)
+    except Exception as exc:
+        raise CheckpointError(f"{file.name}: truncated or corrupt GGUF file ({exc})") from exc
+    size = file.stat().st_size
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise CheckpointError(
+                f"{file.name}: truncated; tensor {tensor.name} ends past the file's {size} bytes"
+            )
+    return reader
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor name, None for names kvctl does not know."""
+    if name in _TOP_LEVEL:
+        return _TOP_LEVEL[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_PARTS:
+        return f"model.layers.{parts[1]}.{_LAYER_PARTS[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _check_tensors(
+    tensors: dict[str, Any], expected: dict[str, tuple[int, ...]], file: str, gguf: Any
+) -> dict[str, str]:
+    """GGUF name -> our name for every tensor, after checking names, shapes and types."""
+    readable = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+    readable |= set(getattr(gguf.quants, "_type_traits", {}))
+    names: dict[str, str] = {}
+    for name, tensor in tensors.items():
+        if name == ROPE_FREQS:
+            continue
+        ours = hf_name(name)
+        if ours is None or ours not in expected:
+            raise CheckpointError(f"{file}: unexpected tensor {name}; not a Llama-family decoder")
+        shape = tuple(reversed([int(d) for d in tensor.shape]))
+        if shape != expected[ours]:
+            raise CheckpointError(
+                f"{file}: {name} has shape {list(shape)}, the metadata implies "
+                f"{list(expected[ours])}"
+            )
+        if tensor.tensor_type not in readable:
+            raise CheckpointError(
+                f"{file}: {name} is stored as {tensor.tensor_type.name}, a type kvctl cannot "
+                "dequantize; requantize the file (Q8_0, Q4_K, F16, ...)"
+            )
+        names[name] = ours
+    missing = sorted(set(expected) - set(names.values()))
+    if missing:
+        raise CheckpointError(f"{file}: missing tensor for {missing[0]}")
+    return names
+
+
+def _dequantize(tensor: Any, name: str, config: ModelConfig, gguf: Any) -> Tensor:
+    """float32 values of one tensor, in Hugging Face's layout."""
+    values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+    if config.model_type == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        values = unpermute(values, config.num_heads)
+    elif config.model_type == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        values = unpermute(values, config.num_kv_heads)
+    return torch.from_numpy(values)
+
+
+def unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of Q/K rows: its rotary embedding rotates interleaved pairs
+    (0,1), (2,3)... where Hugging Face's (and kvctl's) rotates halves (0, d/2), (1, d/2+1)..."""
+    rows = weights.shape[0]
+    split = weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:])
+    return split.swapaxes(1, 2).reshape(weights.shape)

@@ -1,0 +1,219 @@
+"""`POST /v1/chat/completions`: OpenAI chat, plain and streamed, through the model's template.
+
+The conversation is rendered with the checkpoint's chat template (`kvctl.agent.model.
+chat_template`, as transformers' `apply_chat_template` renders it, with the generation prompt),
+encoded as transformers encodes it, and generated like a completion: the model's EOS ids (from
+generation_config.json) end a turn. A model without a template has no chat: 400 saying so.
+Tool calling and structured output are not implemented and are refused by name, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvctl.agent.model.chat_template import TemplateError
+from kvctl.agent.model.processing import MAX_LOGPROBS, TokenLogprobs
+from kvctl.agent.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
+from kvctl.agent.server import ApiError, ServerContext
+from kvctl.api import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+)
+
+
+def router(ctx: ServerContext) -> APIRouter:
+    api = APIRouter()
+    gen = Generation(ctx, "chatcmpl")
+
+    async def prompt_ids(body: ChatCompletionRequest) -> list[int]:
+        template = gen.served.chat_template
+        if template is None:
+            raise ApiError(
+                400,
+                f"model {gen.served.name!r} has no chat template (no chat_template.jinja and no "
+                "chat_template in tokenizer_config.json), so it has no chat; use "
+                "/v1/completions, or add the template to the checkpoint",
+            )
+        messages = [_message(m) for m in body.messages]
+        try:
+            text = template.render(messages, add_generation_prompt=True)
+        except TemplateError as error:
+            raise ApiError(400, f"messages: {error}") from None
+        ids = await gen.tokenize(text, add_special_tokens=template.add_special_tokens)
+        gen.check_length(ids)
+        return ids
+
+    @api.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses=GENERATION_ERRORS,
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completions, streamed as `chat.completion.chunk` events with
+        `stream: true`."""
+        asked = body.max_completion_tokens or body.max_tokens
+        gen.check_request(body, asked)
+        _refuse_unsupported(body)
+        gen.check_choices(1, body.n)
+        ids = await prompt_ids(body)
+        max_tokens = asked or min(ctx.config.max_tokens_limit, gen.served.context_length - len(ids))
+        if max_tokens < 1:
+            raise gen.refuse(
+                400, "too_large", f"the conversation ({len(ids)} tokens) fills the model's context"
+            )
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = gen.sampling(body, max_tokens, top)
+        opened = await gen.open([ids], params, body.n, body.cache_salt)
+        shaper = _Shaper(gen, body, ids)
+        if body.stream:
+            return StreamingResponse(shaper.sse(opened), media_type="text/event-stream")
+        outputs = await gen.collect(opened, request)
+        if isinstance(outputs, Response):
+            return outputs
+        return JSONResponse(shaper.response(opened, outputs).model_dump())
+
+    return api
+
+
+def _message(message: ChatMessage) -> dict[str, Any]:
+    """A message as templates expect it: content as one string (text parts joined by newlines,
+    as vLLM does for string-content templates)."""
+    content = message.content
+    if isinstance(content, list):
+        content = "\n".join(part.text for part in content)
+    result: dict[str, Any] = {"role": message.role, "content": content}
+    if message.name is not None:
+        result["name"] = message.name
+    return result
+
+
+def _refuse_unsupported(body: ChatCompletionRequest) -> None:
+    for name in ("tools", "functions", "function_call"):
+        if getattr(body, name) is not None:
+            raise ApiError(400, f"{name}: tool calling is not supported by this agent")
+    if body.tool_choice not in (None, "none"):
+        raise ApiError(400, "tool_choice: tool calling is not supported by this agent")
+    for i, message in enumerate(body.messages):
+        if message.role == "tool" or message.tool_calls is not None or message.tool_call_id:
+            raise ApiError(
+                400, f"messages.{i}: tool messages and tool calls are not supported by this agent"
+            )
+    kind = (body.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise ApiError(
+            400, f"response_format: only type 'text' is supported by this agent, got {kind!r}"
+        )
+    if body.top_logprobs is not None:
+        if body.top_logprobs > MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs: at most {MAX_LOGPROBS}, got {body.top_logprobs}")
+        if not body.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs set to true")
+
+
+class _Shaper:
+    """One chat request's choices in OpenAI's chat shapes."""
+
+    def __init__(self, gen: Generation, body: ChatCompletionRequest, prompt: list[int]) -> None:
+        self.gen, self.body, self.prompt = gen, body, prompt
+        self.created = int(time.time())
+
+    def logprobs(self, tokens: list[int], entries: list[TokenLogprobs | None]) -> ChatLogprobs:
+        text = self.gen.token_text
+
+        def top(token: int, logprob: float) -> ChatTopLogprob:
+            piece = text(token)
+            return ChatTopLogprob(token=piece, logprob=logprob, bytes=list(piece.encode()))
+
+        content = []
+        for token, entry in zip(tokens, entries, strict=True):
+            if entry is None:
+                continue
+            chosen = top(token, entry.logprob)
+            alternatives = [top(t, lp) for t, lp in entry.top]
+            content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=alternatives))
+        return ChatLogprobs(content=content)
+
+    def response(self, opened: Opened, outputs: list[ChoiceOutput]) -> ChatCompletionResponse:
+        body = self.body
+        choices = [
+            ChatChoice(
+                index=out.index,
+                message=ChatResponseMessage(content="".join(out.text)),
+                finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                logprobs=self.logprobs(out.token_ids, out.logprobs) if body.logprobs else None,
+                token_ids=list(out.summary.output_ids) if body.return_token_ids else None,
+                finish_detail=out.summary.finish_detail,
+            )
+            for out in outputs
+        ]
+        return ChatCompletionResponse(
+            id=opened.request_id,
+            created=self.created,
+            model=self.gen.served.name,
+            choices=choices,
+            usage=self.gen.usage([o.summary for o in outputs], body.n),
+            prompt_token_ids=self.prompt if body.return_token_ids else None,
+        )
+
+    async def sse(self, opened: Opened) -> AsyncIterator[str]:
+        """A first chunk per choice with the assistant role, then one per token, the last of a
+        choice with its finish reason; with `stream_options.include_usage`, a last chunk with
+        no choices and the request's usage."""
+        body = self.body
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        for index in range(len(opened.streams)):
+            role = {"role": "assistant", "content": ""}
+            first = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
+            yield self._line(opened, [first], include_usage)
+        summaries: list[Any] = [None] * len(opened.streams)
+        async for index, event in self.gen.events(opened):
+            tokens = [] if event.token_id is None else [event.token_id]
+            choice: dict[str, Any] = {
+                "index": index,
+                "delta": {"content": event.text} if event.text else {},
+                "logprobs": None,
+                "finish_reason": event.finish_reason.value if event.finish_reason else None,
+            }
+            if body.logprobs and tokens:
+                choice["logprobs"] = self.logprobs(tokens, [event.logprobs]).model_dump()
+            if body.return_token_ids:
+                choice["token_ids"] = tokens
+            if event.finish_reason is not None and event.summary is not None:
+                summaries[index] = event.summary
+                if event.summary.finish_detail:
+                    choice["finish_detail"] = event.summary.finish_detail
+            yield self._line(opened, [choice], include_usage)
+        if include_usage:
+            usage = self.gen.usage(summaries, body.n).model_dump(exclude_none=True)
+            yield self._line(opened, [], include_usage, usage)
+        yield "data: [DONE]\n\n"
+
+    def _line(
+        self,
+        opened: Opened,
+        choices: list[dict[str, Any]],
+        include_usage: bool,
+        usage: dict[str, Any] | None = None,
+    ) -> str:
+        chunk: dict[str, Any] = {
+            "id": opened.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.gen.served.name,
+            "choices": choices,
+        }
+        if include_usage:
+            chunk["usage"] = usage  # null on every chunk but the last, as OpenAI sends it
+        return f"data: {json.dumps(chunk)}\n\n"

@@ -1,0 +1,330 @@
+"""What completions and chat share: the checks before any work, tokenizing, queueing every
+choice of a request, and reading their tokens back as one stream.
+
+Every limit is checked before the work it protects: the model's name, `max_tokens`, a text
+prompt's size in bytes before it is tokenized (a prompt of many times the model's context can only
+be refused, so it is never turned into a token list), tokenizing on a worker thread one prompt at a
+time (the engine thread never waits on it), and the queue's length on the engine thread. A refusal
+says what was exceeded and what to do: 429 with `Retry-After` when the queue is full, 400 naming
+the pages needed and the resize that would make room when a request could never fit, 503 while the
+agent drains.
+
+A request with `n` choices (or several prompts) is one engine request per choice; choices of one
+prompt share its pages (`kvctl.agent.runtime.choices`). A client that goes away is noticed and
+every choice still running is aborted, so its pages are released instead of computed for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvctl.agent.model.processing import TokenLogprobs
+from kvctl.agent.model.sampling import SamplingParams
+from kvctl.agent.model.tokenizer import Tokenizer
+from kvctl.agent.routes.ops import ERRORS
+from kvctl.agent.runtime import (
+    Engine,
+    RequestRefused,
+    RequestSummary,
+    RequestTooLarge,
+    TokenEvent,
+)
+from kvctl.agent.runtime import Request as EngineRequest
+from kvctl.agent.served import ServedModel
+from kvctl.agent.server import ApiError, ServerContext
+from kvctl.agent.service import QueueFull, RequestStream, ShuttingDown
+from kvctl.api import GenerationFields, PromptTokensDetails, Usage
+
+GENERATION_ERRORS = {code: ERRORS[409] for code in (400, 404, 429, 503)} | ERRORS
+"""The error answers of the generation routes, all in OpenAI's shape (for /openapi.json)."""
+
+MAX_BYTES_PER_TOKEN = 16
+"""A text prompt longer than this many bytes per token of its limit is refused untokenized:
+tokenizers average 1 (byte-level) to about 4-5 bytes per token on text and code, so such a
+prompt is far over the limit anyway, and tokenizing it would only cost memory."""
+RETRY_AFTER_S = 1
+"""`Retry-After` of a 429: a slot in the queue opens as soon as one request is admitted."""
+MAX_TOTAL_CHOICES = 64
+"""Choices of one request in all (prompts × n): each is a sequence in the batch."""
+
+
+@dataclass
+class ChoiceOutput:
+    """One choice's tokens as they arrive, and how it ended."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # the text each token added, for offsets
+    last: TokenEvent | None = None
+
+    def add(self, event: TokenEvent) -> None:
+        self.text.append(event.text)
+        if event.token_id is not None:
+            self.token_ids.append(event.token_id)
+            self.logprobs.append(event.logprobs)
+            self.texts.append(event.text)
+        elif self.texts:
+            self.texts[-1] += event.text  # held-back text released at the end
+        self.last = event
+
+    @property
+    def summary(self) -> RequestSummary:
+        assert self.last is not None and self.last.summary is not None, "a finished choice"
+        return self.last.summary
+
+    @property
+    def finish_reason(self) -> str | None:
+        reason = self.last.finish_reason if self.last is not None else None
+        return reason.value if reason is not None else None
+
+
+@dataclass
+class Opened:
+    """A request's choices, queued: `streams[i]` is choice `i`; `n` choices per prompt."""
+
+    request_id: str
+    streams: list[RequestStream]
+    n: int
+
+
+class Generation:
+    """The shared steps of an OpenAI generation route, bound to one agent."""
+
+    def __init__(self, ctx: ServerContext, prefix: str) -> None:
+        self.ctx = ctx
+        self.service = ctx.service
+        self.config = ctx.config
+        self.prefix = prefix
+        self._tokenizing = asyncio.Semaphore(1)
+
+    @property
+    def served(self) -> ServedModel:
+        return self.service.served
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.service.engine.tokenizer
+
+    @property
+    def prompt_limit(self) -> int:
+        return min(self.config.max_prompt_tokens, self.served.context_length)
+
+    def refuse(self, status: int, reason: str, message: str) -> ApiError:
+        self.service.rejected.add(reason)
+        return ApiError(status, message)
+
+    def check_request(self, body: GenerationFields, max_tokens: int | None) -> None:
+        """503 while draining, 404 for a model not served here, 400 over the token limit."""
+        if not self.service.accepting:
+            raise self.refuse(503, "shutting_down", "the agent is shutting down")
+        unknown = self.served.unknown(body.model)
+        if unknown is not None:
+            raise ApiError(404, unknown)
+        if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
+            raise self.refuse(
+                400,
+                "invalid",
+                f"max_tokens {max_tokens} is above this agent's limit of "
+                f"{self.config.max_tokens_limit}",
+            )
+
+    def check_choices(self, prompts: int, n: int) -> None:
+        if prompts * n > MAX_TOTAL_CHOICES:
+            raise self.refuse(
+                400,
+                "invalid",
+                f"n: {prompts} prompts × n {n} is {prompts * n} choices, over this agent's limit "
+                f"of {MAX_TOTAL_CHOICES}; send fewer prompts or a smaller n",
+            )
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text` as token ids, refused before tokenizing when it is too long."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise self.refuse(400, "invalid", "this model has no tokenizer: send token ids")
+        limit = self.prompt_limit
+        size, byte_limit = len(text.encode("utf-8")), limit * MAX_BYTES_PER_TOKEN
+        if size > byte_limit:
+            raise self.refuse(
+                400,
+                "invalid",
+                f"the prompt is {size} bytes, over this agent's limit of {byte_limit} "
+                f"({MAX_BYTES_PER_TOKEN} bytes per token of a {limit}-token prompt); shorten it",
+            )
+        async with self._tokenizing:
+            return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+
+    def check_length(self, ids: Sequence[int]) -> None:
+        limit = self.prompt_limit
+        if len(ids) > limit:
+            raise self.refuse(
+                400,
+                "invalid",
+                f"the prompt has {len(ids)} tokens, over this agent's limit of {limit}",
+            )
+
+    def sampling(
+        self, body: GenerationFields, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        bias = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
+        try:
+            return SamplingParams(
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=body.seed,
+                max_tokens=max_tokens,
+                stop=stop,
+                ignore_eos=body.ignore_eos,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                logit_bias=bias,
+                logprobs=logprobs,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                min_tokens=body.min_tokens,
+            )
+        except ValueError as error:
+            raise ApiError(400, str(error)) from None
+
+    async def open(
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        n: int,
+        cache_salt: str | None,
+    ) -> Opened:
+        """Queue `n` choices of every prompt; all or none (a refusal aborts those queued)."""
+        request_id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+        streams: list[RequestStream] = []
+        try:
+            for p, ids in enumerate(prompts):
+                first = None
+                for choice in range(n):
+                    index = p * n + choice
+                    rid = request_id if index == 0 else f"{request_id}-{index}"
+                    streams.append(
+                        await self._open_one(ids, params, rid, cache_salt, first, choice)
+                    )
+                    first = first or rid
+        except BaseException:
+            for stream in streams:
+                self.service.abort(stream.request_id)
+            raise
+        return Opened(request_id, streams, n)
+
+    async def _open_one(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None,
+        first: str | None,
+        choice: int,
+    ) -> RequestStream:
+        def add(engine: Engine) -> EngineRequest:  # runs on the engine thread
+            return engine.add_request(
+                ids,
+                params,
+                request_id=request_id,
+                cache_salt=cache_salt,
+                first_choice=first,
+                choice=choice,
+            )
+
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wrap_future(self.service.open_stream(add, loop))
+        except QueueFull as full:
+            raise ApiError(429, str(full), {"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ShuttingDown as draining:
+            raise ApiError(503, str(draining)) from None
+        except RequestTooLarge as large:
+            raise ApiError(400, large.describe(self.ctx.kvctl)) from None
+        except RequestRefused as refused:
+            raise ApiError(400, str(refused)) from None
+        except ValueError as invalid:
+            self.service.rejected.add("invalid")
+            raise ApiError(400, str(invalid)) from None
+
+    async def events(self, opened: Opened) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """Every choice's events as (choice index, event) in arrival order, until all have
+        finished; abandoning the iteration aborts the choices still running."""
+        merged: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            while True:
+                event = await stream.events.get()
+                merged.put_nowait((index, event))
+                if event.finish_reason is not None:
+                    return
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(opened.streams)]
+        running = set(range(len(opened.streams)))
+        try:
+            while running:
+                index, event = await merged.get()
+                if event.finish_reason is not None:
+                    running.discard(index)
+                yield index, event
+        finally:
+            for task in tasks:
+                task.cancel()
+            for index in running:
+                self.service.abort(opened.streams[index].request_id)
+
+    async def collect(self, opened: Opened, request: Request) -> list[ChoiceOutput] | Response:
+        """Every choice to its end; a 499 response when the client leaves first (its choices
+        are aborted, their pages freed)."""
+
+        async def gather() -> list[ChoiceOutput]:
+            outputs = [ChoiceOutput(i) for i in range(len(opened.streams))]
+            async for index, event in self.events(opened):
+                outputs[index].add(event)
+            return outputs
+
+        collecting = asyncio.ensure_future(gather())
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not collecting.done():
+            collecting.cancel()
+            await asyncio.gather(collecting, return_exceptions=True)
+            return Response(status_code=499)
+        gone.cancel()
+        return collecting.result()
+
+    def usage(self, summaries: Sequence[RequestSummary | None], n: int) -> Usage:
+        """OpenAI's usage of a whole request: each prompt counted once (its first choice),
+        every choice's output. `cached_tokens` only when the operator opted in, because it
+        tells a client whether others sent the same prompt prefix (docs/security.md)."""
+        firsts = [s for i, s in enumerate(summaries) if i % n == 0 and s is not None]
+        prompt = sum(s.prompt_tokens for s in firsts)
+        completion = sum(len(s.output_ids) for s in summaries if s is not None)
+        cached = PromptTokensDetails(cached_tokens=sum(s.cached_tokens for s in firsts))
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=cached if self.config.report_cached_tokens else None,
+        )
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text, for log-probabilities (`token_id:N` without a tokenizer)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return f"token_id:{token_id}"
+        return tokenizer.decode([token_id])
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes its connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
