@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -25,10 +26,25 @@ def client(agent, token: str | None = None) -> httpx.Client:
     return httpx.Client(base_url=agent.url, headers=headers, timeout=60)
 
 
+def idle_map(http: httpx.Client, timeout: float = 30.0) -> PoolMap:
+    """The page map with its snapshot of the same moment, once no request runs or waits (other
+    tests' requests on the shared agent may still be finishing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        page_map = PoolMap.model_validate(http.get("/v1/pool/map").json())
+        assert page_map.pool is not None
+        if page_map.pool.requests_running == page_map.pool.requests_waiting == 0:
+            return page_map
+        assert time.monotonic() < deadline, "the agent did not become idle"
+        time.sleep(0.05)
+
+
 def pool_state(http: httpx.Client) -> tuple:
-    """What must not change when a request is refused: capacity, page map and counters."""
-    snapshot = PoolSnapshot.model_validate(http.get("/v1/pool").json())
-    page_map = PoolMap.model_validate(http.get("/v1/pool/map").json())
+    """What must not change when a request is refused: capacity, page map and counters, read
+    while the agent is idle."""
+    page_map = idle_map(http)
+    snapshot = page_map.pool
+    assert snapshot is not None
     return (
         snapshot.capacity_pages,
         snapshot.alloc_attempts_total,
@@ -333,6 +349,7 @@ BAD_BODIES = [
 def test_bad_input_is_a_4xx_json_error_and_changes_nothing(agent, method, path, body) -> None:
     with client(agent) as http:
         # compact first, so an idle-time auto-defrag cannot move pages during the comparison
+        idle_map(http)
         assert http.post("/v1/defrag", json={}).status_code == 200
         before = pool_state(http)
         response = http.request(method, path, json=body)

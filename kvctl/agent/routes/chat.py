@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from kvctl.agent.model.chat_template import TemplateError
 from kvctl.agent.model.processing import MAX_LOGPROBS, TokenLogprobs
@@ -77,12 +77,7 @@ def router(ctx: ServerContext) -> APIRouter:
         params = gen.sampling(body, max_tokens, top)
         opened = await gen.open([ids], params, body.n, body.cache_salt)
         shaper = _Shaper(gen, body, ids)
-        if body.stream:
-            return StreamingResponse(shaper.sse(opened), media_type="text/event-stream")
-        outputs = await gen.collect(opened, request)
-        if isinstance(outputs, Response):
-            return outputs
-        return JSONResponse(shaper.response(opened, outputs).model_dump())
+        return await gen.answer(opened, request, shaper, body.stream)
 
     return api
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from kvctl.agent.model.processing import TokenLogprobs
 from kvctl.agent.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
@@ -77,12 +77,7 @@ def router(ctx: ServerContext) -> APIRouter:
         params = gen.sampling(body, body.max_tokens, body.logprobs)
         opened = await gen.open(prompts, params, body.n, body.cache_salt)
         shaper = _Shaper(gen, body, prompts, echo)
-        if body.stream:
-            return StreamingResponse(shaper.sse(opened), media_type="text/event-stream")
-        outputs = await gen.collect(opened, request)
-        if isinstance(outputs, Response):
-            return outputs
-        return JSONResponse(shaper.response(opened, outputs).model_dump())
+        return await gen.answer(opened, request, shaper, body.stream)
 
     return api
 

@@ -20,9 +20,11 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from kvctl.agent.model.processing import TokenLogprobs
 from kvctl.agent.model.sampling import SamplingParams
@@ -93,6 +95,14 @@ class Opened:
     request_id: str
     streams: list[RequestStream]
     n: int
+
+
+class Shaper(Protocol):
+    """One request's choices in an OpenAI answer shape (completions or chat)."""
+
+    def response(self, opened: Opened, outputs: list[ChoiceOutput]) -> BaseModel: ...
+
+    def sse(self, opened: Opened) -> AsyncIterator[str]: ...
 
 
 class Generation:
@@ -280,6 +290,17 @@ class Generation:
                 task.cancel()
             for index in running:
                 self.service.abort(opened.streams[index].request_id)
+
+    async def answer(
+        self, opened: Opened, request: Request, shaper: Shaper, stream: bool
+    ) -> Response:
+        """The events as they come (server-sent), or the whole answer once every choice ended."""
+        if stream:
+            return StreamingResponse(shaper.sse(opened), media_type="text/event-stream")
+        outputs = await self.collect(opened, request)
+        if isinstance(outputs, Response):
+            return outputs
+        return JSONResponse(shaper.response(opened, outputs).model_dump())
 
     async def collect(self, opened: Opened, request: Request) -> list[ChoiceOutput] | Response:
         """Every choice to its end; a 499 response when the client leaves first (its choices
