@@ -64,7 +64,7 @@ class AgentConfig(BaseModel):
     torch_threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # default: cores - 1
     decode_read_path: Literal["auto", "gather", "flex"] = "auto"
     max_batched_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = DEFAULT_MAX_BATCHED_TOKENS
-    # prompt tokens a step computes while requests decode; 0: no cap; default: 32 on CPU, else 0
+    # tokens a step gives long prompts while requests decode; 0: no cap; default: 32 on CPU, else 0
     max_prefill_while_decoding: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
     max_tokens_limit: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] = 1024
     max_prompt_tokens: Annotated[int, Field(ge=1)] = 8192

@@ -399,9 +399,9 @@ def main_command(
     max_prefill_while_decoding: Annotated[
         int | None,
         typer.Option(
-            help="Most prompt tokens one step computes while other requests decode, so a long "
-            "prompt does not stall their streams (default 32 on CPU, no cap on a GPU; 0: no "
-            "cap beyond --max-batched-tokens).",
+            help="Most tokens a step gives prompts longer than --max-batched-tokens while other "
+            "requests decode, so a long prompt does not stall their streams (default 32 on CPU, "
+            "no cap on a GPU; 0: no cap).",
         ),
     ] = None,
     max_waiting: Annotated[

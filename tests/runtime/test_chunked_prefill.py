@@ -96,13 +96,16 @@ def test_chunked_and_unlimited_budgets_give_the_same_tokens(make_engine) -> None
     prompts = [prompt(n, i) for i, n in enumerate((70, 5, 33, 1, 48, 17))]
     params = [greedy(n) for n in (9, 20, 4, 12, 7, 15)]
     outputs = []
-    for budget in (UNLIMITED, 64, 8, 6):
-        engine = make_engine(max_batched_tokens=budget, max_batch_seqs=6)
+    # (budget, prompt tokens a step for long prompts while others decode; 0: no cap)
+    for budget, cap in ((UNLIMITED, 0), (64, 0), (64, 5), (8, 1), (6, 0)):
+        engine = make_engine(
+            max_batched_tokens=budget, max_batch_seqs=6, max_prefill_while_decoding=cap
+        )
         requests = [engine.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
         while engine.has_work():
             engine.step()
         outputs.append([r.output_ids for r in requests])
-    assert outputs[0] == outputs[1] == outputs[2] == outputs[3]
+    assert all(output == outputs[0] for output in outputs)
 
 
 def test_a_prompt_preempted_mid_prefill_resumes_from_its_cached_pages(make_engine) -> None:
@@ -218,6 +221,7 @@ def test_random_workloads_give_the_same_tokens_with_a_small_budget(make_engine, 
         max_pool_pages=2 * pages,
         max_batched_tokens=budget,
         max_batch_seqs=min(budget, 4),
+        max_prefill_while_decoding=budget // 3,  # 0 (no cap) at 2, else 1-3 tokens
     )
     batches = record_batches(engine)
     grow = [True]
@@ -252,8 +256,9 @@ def test_max_batched_tokens_flag_key_and_former_name(tmp_path) -> None:
 
 
 def test_while_requests_decode_a_step_computes_at_most_the_prefill_cap(make_engine) -> None:
-    """A long prompt arriving while others decode is cut to the cap, so their gap stays small;
-    alone, it gets the whole budget (its first token comes as fast as the budget allows)."""
+    """A long prompt (one the budget cannot hold) arriving while others decode is cut to the cap,
+    so their gap stays small; alone, it gets the whole budget; a prompt the budget holds is
+    computed whole (a burst of short requests keeps its throughput)."""
     engine = make_engine(max_batched_tokens=64, max_batch_seqs=4, max_prefill_while_decoding=8)
     batches = record_batches(engine)
     alone = engine.add_request(prompt(100, 1), greedy(2))
@@ -270,6 +275,11 @@ def test_while_requests_decode_a_step_computes_at_most_the_prefill_cap(make_engi
     chunks = [n for b in batches for r, _, n in _rows(b) if r is late]
     assert chunks == [8] * 12 + [4]
     assert all(sum(n for r, _, n in _rows(b) if r is not late) >= 2 for b in batches)
+    batches.clear()
+    short = engine.add_request(prompt(40, 5), greedy(2))  # the budget holds it: computed whole
+    while not short.output_ids:
+        engine.step()
+    assert [n for b in batches for r, _, n in _rows(b) if r is short] == [40]
 
 
 def test_the_prefill_cap_defaults_to_the_cpu_value_and_zero_turns_it_off(make_engine) -> None:

@@ -7,10 +7,11 @@ then the rest of partly computed prompts, then newly admitted requests, each pro
 the budget leaves. So a long prompt is computed in chunks over several steps while the running
 requests keep decoding in the same forward passes (mixed steps), and nobody's inter-token gap
 waits for a whole prompt. The budget is never below `max_batch_seqs`, so every running request
-can decode in every step. While requests decode, the prompt tokens of a step are further capped
-(`prefill_while_decoding`): on a CPU a prompt token costs a sizeable share of a decode step, so a
-256-token chunk would still multiply the streams' gap; with nothing decoding, prompts get the
-whole budget (the first token comes as fast as the budget allows).
+can decode in every step. While requests decode, long prompts (longer than the budget, so
+chunked anyway) take at most `prefill_while_decoding` tokens of a step between them: on a CPU a
+prompt token costs a sizeable share of a decode step, so a 256-token chunk would still multiply
+the streams' gap. Prompts the budget holds are computed whole as before (a burst of short
+requests keeps its throughput), and with nothing decoding a long prompt gets the whole budget.
 
 An admitted request gets the pages of its whole prompt at once and keeps them, and its progress
 (`num_computed`), across the steps of its prefill: admission needs exactly what it needed before
@@ -95,6 +96,7 @@ class _Step:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.long_budget = budget  # what long prompts may still take (capped while decoding)
         self.requests: list[Request] = []
         self.new_tokens: list[int] = []
         self.computed: list[int] = []
@@ -157,7 +159,7 @@ class Scheduler:
         preempted = self.preemptions
         self._decode(step, ended)
         if step.requests and self.prefill_while_decoding:
-            step.budget = min(step.budget, self.prefill_while_decoding)
+            step.long_budget = self.prefill_while_decoding
         self._continue_prefills(step)
         if self.preemptions == preempted:
             self._admit(step)
@@ -189,6 +191,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch_seqs and step.budget > 0:
             request = self.waiting[0]
             tokens = request.num_tokens
+            if tokens > self.max_batched_tokens and step.long_budget <= 0:
+                break  # a long prompt waits for a step with room for it (arrival order kept)
             match = self._match(request)
             if match is not None and not self._fits(tokens, match):
                 match = self._whole_pages_match(request, match)
@@ -198,7 +202,7 @@ class Scheduler:
             step.copies.extend(self._place(request, match))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            step.add(request, min(tokens - request.num_computed, step.budget))
+            step.add(request, self._chunk(request, tokens - request.num_computed, step))
 
     def _match(self, request: Request) -> PrefixMatch | None:
         if self.prefix_cache is None:
@@ -292,7 +296,19 @@ class Scheduler:
                 return
             left = request.num_tokens - request.num_computed
             if left and request not in step.scheduled:
-                step.add(request, min(left, step.budget))
+                chunk = self._chunk(request, left, step)
+                if chunk:
+                    step.add(request, chunk)
+
+    def _chunk(self, request: Request, left: int, step: _Step) -> int:
+        """How much of a prompt this step computes: what the budget leaves, and for a long
+        prompt (one the budget could not hold) at most what is left of the cap while requests
+        decode, so it is spread over steps instead of stalling their streams."""
+        chunk = min(left, step.budget)
+        if request.num_tokens > self.max_batched_tokens:
+            chunk = min(chunk, step.long_budget)
+            step.long_budget -= chunk
+        return chunk
 
     def _make_room(self, request: Request, ended: list[Request]) -> bool:
         """Preempt the youngest running request so `request` can grow; False when `request`
