@@ -26,23 +26,23 @@ def client(agent, token: str | None = None) -> httpx.Client:
     return httpx.Client(base_url=agent.url, headers=headers, timeout=60)
 
 
-def idle_map(http: httpx.Client, timeout: float = 30.0) -> PoolMap:
+def idle_map(http: httpx.Client, timeout: float = 30.0, idle: bool = True) -> PoolMap:
     """The page map with its snapshot of the same moment, once no request runs or waits (other
-    tests' requests on the shared agent may still be finishing)."""
+    tests' requests on the shared agent may still be finishing); at once with `idle=False`."""
     deadline = time.monotonic() + timeout
     while True:
         page_map = PoolMap.model_validate(http.get("/v1/pool/map").json())
         assert page_map.pool is not None
-        if page_map.pool.requests_running == page_map.pool.requests_waiting == 0:
+        if not idle or page_map.pool.requests_running == page_map.pool.requests_waiting == 0:
             return page_map
         assert time.monotonic() < deadline, "the agent did not become idle"
         time.sleep(0.05)
 
 
-def pool_state(http: httpx.Client) -> tuple:
+def pool_state(http: httpx.Client, idle: bool = True) -> tuple:
     """What must not change when a request is refused: capacity, page map and counters, read
-    while the agent is idle."""
-    page_map = idle_map(http)
+    once the agent is idle (or at once, with `idle=False`)."""
+    page_map = idle_map(http, idle=idle)
     snapshot = page_map.pool
     assert snapshot is not None
     return (
@@ -126,13 +126,13 @@ def test_refused_resize_is_409_and_changes_nothing(start_agent) -> None:
     ):
         lines = response.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        state = pool_state(http)
+        state = pool_state(http, idle=False)  # the request runs: that is what refuses
         refused = http.post("/v1/pool/resize", json={"pages": 512})
         assert refused.status_code == 409
         message = refused.json()["error"]["message"]
         assert "an admitted request may need 1061 pages to finish" in message
         assert "choose a size of at least 1280 pages" in message
-        assert pool_state(http)[0] == state[0]
+        assert pool_state(http, idle=False)[0] == state[0]
         for _ in lines:
             pass
 
