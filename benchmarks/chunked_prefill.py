@@ -33,7 +33,16 @@ from dataclasses import dataclass
 
 import torch
 from model_shapes import smollm_135m_shape
-from paired import MIN_ROUNDS, command_line, environment, load_average, paired_rounds, spread
+from paired import (
+    MIN_ROUNDS,
+    command_line,
+    environment,
+    finish,
+    load_average,
+    paired_rounds,
+    spread,
+    verdict,
+)
 
 from kvctl.agent.config import DEFAULT_MAX_BATCHED_TOKENS
 from kvctl.agent.main import default_torch_threads
@@ -214,12 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"max gap chunked / unchunked: {paired.ratio_summary()}")
     worst = statistics.median(max(r.gaps) / r.steady for r in rounds[args.budget])
     met = worst < TARGET
-    print(
-        f"chunked max gap / steady gap: {worst:.1f}x (target < {TARGET:.0f}x): "
-        f"{'met' if met else 'NOT met'}"
-    )
-    print(load_average())
-    return 0 if met else 1
+    print(f"chunked max gap / steady gap: {worst:.1f}x (target < {TARGET:.0f}x): {verdict(met)}")
+    return finish(met)
 
 
 if __name__ == "__main__":

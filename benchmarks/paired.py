@@ -38,6 +38,17 @@ def load_average() -> str:
     return f"# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
 
 
+def verdict(met: bool) -> str:
+    """How a benchmark's target came out, in the words every benchmark prints."""
+    return "met" if met else "NOT met"
+
+
+def finish(met: bool) -> int:
+    """Print the closing load-average line; the exit status says whether the target was met."""
+    print(load_average())
+    return 0 if met else 1
+
+
 def command_line() -> str:
     return "command: python " + " ".join([sys.argv[0], *sys.argv[1:]])
 

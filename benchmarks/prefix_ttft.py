@@ -23,7 +23,15 @@ import random
 import time
 
 import torch
-from paired import MIN_ROUNDS, command_line, environment, load_average, paired_rounds, spread
+from paired import (
+    MIN_ROUNDS,
+    command_line,
+    environment,
+    finish,
+    paired_rounds,
+    spread,
+    verdict,
+)
 
 from kvctl.agent.main import default_torch_threads
 from kvctl.agent.model import SamplingParams, build_demo_model
@@ -115,10 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     met = paired.median_ratio >= TARGET_SPEEDUP
     print(
         f"speedup without/with: {paired.ratio_summary()} (target {TARGET_SPEEDUP:.0f}x): "
-        f"{'met' if met else 'NOT met'}"
+        f"{verdict(met)}"
     )
-    print(load_average())
-    return 0 if met else 1
+    return finish(met)
 
 
 if __name__ == "__main__":

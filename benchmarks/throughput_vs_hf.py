@@ -31,7 +31,15 @@ from dataclasses import dataclass
 
 import torch
 from model_shapes import smollm_135m_shape
-from paired import MIN_ROUNDS, command_line, environment, load_average, paired_rounds, spread
+from paired import (
+    MIN_ROUNDS,
+    command_line,
+    environment,
+    finish,
+    paired_rounds,
+    spread,
+    verdict,
+)
 
 from kvctl.agent.main import default_torch_threads
 from kvctl.agent.model import SamplingParams, build_demo_model
@@ -167,10 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{kind:>7} x{n:<3} engine {spread(paired.ours, 1, '.0f')} tok/s, transformers "
                 f"{spread(paired.base, 1, '.0f')} tok/s: {paired.ratio_summary()} "
-                f"(target {TARGET}x: {'met' if ok else 'NOT met'})"
+                f"(target {TARGET}x: {verdict(ok)})"
             )
-    print(load_average())
-    return 0 if met else 1
+    return finish(met)
 
 
 if __name__ == "__main__":

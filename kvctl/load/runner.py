@@ -79,12 +79,7 @@ async def send(
         return await send_chat(client, request, settings, clock)
     body = CompletionRequest(
         prompt=request.prompt,
-        max_tokens=request.max_tokens,
-        temperature=settings.temperature,
-        seed=settings.seed * 1_000_003 + request.index,
-        ignore_eos=True,
-        return_token_ids=True,
-        stream_options=StreamOptions(include_usage=True),
+        **_generation(request, settings),
     )
 
     async def chunks() -> AsyncIterator[tuple[int, Usage | None]]:
@@ -103,12 +98,7 @@ async def send_chat(
     """Stream one chat completion of the request's conversation."""
     body = ChatCompletionRequest(
         messages=[ChatMessage.model_validate({"role": r, "content": c}) for r, c in request.chat],
-        max_tokens=request.max_tokens,
-        temperature=settings.temperature,
-        seed=settings.seed * 1_000_003 + request.index,
-        ignore_eos=True,
-        return_token_ids=True,
-        stream_options=StreamOptions(include_usage=True),
+        **_generation(request, settings),
     )
 
     async def chunks() -> AsyncIterator[tuple[int, Usage | None]]:
@@ -118,6 +108,19 @@ async def send_chat(
             yield tokens, Usage.model_validate(usage) if usage else None
 
     return await _measure(request, chunks(), clock)
+
+
+def _generation(request: LoadRequest, settings: LoadSettings) -> dict[str, Any]:
+    """What every load request asks, chat or not: its length, temperature and own seed, no
+    early EOS, and token ids and usage in the stream, so tokens are counted, not guessed."""
+    return dict(
+        max_tokens=request.max_tokens,
+        temperature=settings.temperature,
+        seed=settings.seed * 1_000_003 + request.index,
+        ignore_eos=True,
+        return_token_ids=True,
+        stream_options=StreamOptions(include_usage=True),
+    )
 
 
 async def _measure(

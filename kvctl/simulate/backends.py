@@ -30,8 +30,8 @@ from kvctl.agent.pool import (
     PagePool,
     PoolResizer,
     ResizeRefused,
-    fragmentation_ratio,
 )
+from kvctl.api import fragmentation_of
 from kvctl.settings import DefragSettings
 from kvctl.simulate.contiguous import ContiguousAllocator
 from kvctl.simulate.workloads import Model, Request, Workload
@@ -250,7 +250,7 @@ class PagedSide:
             largest += stats.largest_free_run * mp.page_bytes
             extents += stats.free_extents
             reserved += stats.used_pages * mp.page_bytes
-        return MemorySample(reserved, fragmentation_ratio(largest, free), extents)
+        return MemorySample(reserved, fragmentation_of(largest, free), extents)
 
     def counters(self) -> dict[str, int]:
         pools = [mp.pool for mp in self.pools.values()]

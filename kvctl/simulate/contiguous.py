@@ -21,7 +21,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from itertools import pairwise
 
-from kvctl.agent.pool.stats import fragmentation_ratio
+from kvctl.api import fragmentation_of
 
 Key = Hashable
 
@@ -51,7 +51,7 @@ class ArenaStats:
     @property
     def fragmentation_ratio(self) -> float:
         """1 − largest free range ÷ total free; 0 when nothing is free (the pool's definition)."""
-        return fragmentation_ratio(self.largest_free, self.free)
+        return fragmentation_of(self.largest_free, self.free)
 
 
 class ContiguousAllocator:

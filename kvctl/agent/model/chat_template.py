@@ -24,6 +24,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kvctl.agent.model.checkpoint_files import read_json
 from kvctl.agent.model.errors import CheckpointError
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -106,13 +107,9 @@ def read_chat_template(root: Path) -> ChatTemplate | None:
 
 
 def _tokenizer_config(root: Path) -> dict[str, Any]:
-    file = root / TOKENIZER_CONFIG
-    if not file.is_file():
+    config = read_json(root, TOKENIZER_CONFIG, required=False)
+    if config is None:
         return {}
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{TOKENIZER_CONFIG}: invalid JSON ({error})") from error
     if not isinstance(config, dict):
         raise CheckpointError(f"{TOKENIZER_CONFIG}: expected a JSON object at the top level")
     return config

@@ -5,7 +5,6 @@ fault, checked before any weight reaches the model: a wrong checkpoint fails fas
 instead of producing a model that silently computes nonsense.
 """
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from kvctl.agent.model.chat_template import read_chat_template
+from kvctl.agent.model.checkpoint_files import read_json
 from kvctl.agent.model.config import ModelConfig, token_ids
 from kvctl.agent.model.errors import CheckpointError
 from kvctl.agent.model.llama import LlamaModel
@@ -51,9 +51,9 @@ def load_checkpoint(
 
 def read_config(root: Path) -> ModelConfig:
     """config.json (plus eos ids from generation_config.json, which take precedence)."""
-    hf = _read_json(root, "config.json", required=True)
+    hf = read_json(root, "config.json", required=True)
     config = ModelConfig.from_hf(hf, name=root.resolve().name)
-    generation = _read_json(root, "generation_config.json", required=False) or {}
+    generation = read_json(root, "generation_config.json", required=False) or {}
     if generation.get("eos_token_id") is not None:
         eos = token_ids(generation["eos_token_id"], "generation_config.json", "eos_token_id")
         config = replace(config, eos_token_ids=eos)
@@ -109,7 +109,7 @@ def _read_weights(
 def _weight_files(root: Path) -> tuple[list[str], dict[str, str], str]:
     """(safetensors files to read, tensor name -> file the index says holds it, the file to blame
     for a tensor that no file holds)."""
-    index = _read_json(root, INDEX_FILE, required=False)
+    index = read_json(root, INDEX_FILE, required=False)
     if index is None:
         files = sorted(p.name for p in root.glob("*.safetensors"))
         if not files:
@@ -169,18 +169,3 @@ def _ignored(name: str, config: ModelConfig) -> bool:
     if name.endswith(_IGNORED_SUFFIXES):
         return True
     return config.tie_word_embeddings and name == "lm_head.weight"
-
-
-def _read_json(root: Path, name: str, required: bool) -> Any:
-    file = root / name
-    if not file.is_file():
-        if required:
-            raise CheckpointError(
-                f"{name}: not found in {root}; a checkpoint directory needs config.json and "
-                "*.safetensors"
-            )
-        return None
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{name}: invalid JSON ({exc})") from exc

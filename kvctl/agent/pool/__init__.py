@@ -15,7 +15,7 @@ from kvctl.agent.pool.errors import PoolError, PoolExhausted, ResizeRefused, Unk
 from kvctl.agent.pool.extents import FreeExtents
 from kvctl.agent.pool.page_pool import CopyOnWrite, PagePool, PageTable, PoolCorrupted
 from kvctl.agent.pool.resize import PoolResizer, ResizeResult, SegmentStore
-from kvctl.agent.pool.stats import PageRun, PageState, fragmentation_ratio
+from kvctl.agent.pool.stats import PageRun, PageState
 
 __all__ = [
     "AutoDefrag",
@@ -36,7 +36,6 @@ __all__ = [
     "ResizeResult",
     "SegmentStore",
     "UnknownSequence",
-    "fragmentation_ratio",
     "moves_needed",
     "plan_moves",
 ]

@@ -14,7 +14,6 @@ from enum import StrEnum
 import numpy as np
 
 from kvctl.api import PoolOccupancy as PoolOccupancy
-from kvctl.api import fragmentation_of
 
 
 class PageState(StrEnum):
@@ -23,9 +22,6 @@ class PageState(StrEnum):
     FREE = "free"
     USED = "used"  # held by at least one running sequence
     CACHED = "cached"  # held only by the prefix cache, evictable
-
-
-fragmentation_ratio = fragmentation_of  # the one definition, shared with the API's readings
 
 
 @dataclass(frozen=True)
