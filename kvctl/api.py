@@ -211,6 +211,61 @@ class PoolOccupancy(Response):
         return fragmentation_of(self.largest_free_run, self.free_run_pages)
 
 
+TierName = Literal["host", "disk"]
+
+
+class TierReading(Response):
+    """One tier below the device pool (host memory, or page files on disk): its size, what it
+    holds and what it did since the agent started. Its pages are prefix-cache pages the device
+    evicted; a prompt that finds them there loads them instead of computing them."""
+
+    tier: TierName
+    policy: str
+    """Which page goes first when the tier needs room (lru, lfu, fifo)."""
+    capacity_pages: int
+    used_pages: int
+    page_bytes: int
+    """Bytes one page takes in this tier (on disk: its file, header included)."""
+    hits_tokens_total: int
+    """Prompt tokens loaded from this tier instead of computed."""
+    stored_pages_total: int
+    """Pages written into this tier (from the device, or from the tier above)."""
+    stored_bytes_total: int
+    loaded_pages_total: int
+    """Pages read from this tier into the device pool."""
+    loaded_bytes_total: int
+    store_seconds_total: float
+    load_seconds_total: float
+    evicted_pages_total: int
+    """Pages that left the tier to make room (to the tier below, or dropped)."""
+    store_failures_total: dict[str, int]
+    """Pages not stored, by reason: full (no room, nothing evictable), io (a write failed)."""
+    load_failures_total: dict[str, int]
+    """Pages found in the index but not usable, by reason: missing, truncated, checksum, io.
+    Each is a miss: the page is computed, never served wrong."""
+    path: str | None = None
+    """The disk tier's directory."""
+    filesystem_free_bytes: int | None = None
+    """Free bytes of the filesystem holding the disk tier (null when it cannot be read)."""
+    filesystem_size_bytes: int | None = None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_pages * self.page_bytes
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def used_bytes(self) -> int:
+        return self.used_pages * self.page_bytes
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def load_seconds_per_token(self) -> float | None:
+        """Load time per reused token since start; null before the first load."""
+        return self.load_seconds_total / self.hits_tokens_total if self.hits_tokens_total else None
+
+
 class PoolSnapshot(PoolOccupancy):
     """GET /v1/pool: one consistent reading of the pool, the scheduler and the counters.
 
@@ -244,6 +299,14 @@ class PoolSnapshot(PoolOccupancy):
     """Hit tokens ÷ looked-up tokens over the window; null when nothing was looked up."""
     prefix_evictions_total: int
     """Pages the prefix cache gave up to make room."""
+    prefix_hits_tokens_by_tier: dict[str, int] = {}
+    """`prefix_hits_tokens_total` by where the reused pages were (device, host, disk): each
+    token in exactly one tier, so the values sum to the total."""
+    tiers: list[TierReading] = []
+    """The tiers below the device pool; empty when none is configured."""
+    prefill_seconds_per_token: float | None = None
+    """What computing a prompt token costs now (moving average over prompt steps of 64 tokens
+    or more): a tier whose loads cost more per token does not pay for itself."""
     defrag_runs_total: dict[str, int]
     """Defragmentation sessions by trigger."""
     defrag_pages_moved_total: int
@@ -300,15 +363,20 @@ class DefragRequest(Strict):
 
 
 class ResizeRequest(Strict):
-    """Exactly one of `pages` or `bytes`; the size is rounded up to whole segments."""
+    """Exactly one of `pages` or `bytes`. The device pool (`tier` "device", the default) is
+    rounded up to whole segments and must keep at least one; a host or disk tier takes whole
+    pages of its own and may be 0 (off until resized again)."""
 
-    pages: Annotated[int, Field(ge=1, le=1 << 40)] | None = None
-    bytes: Annotated[int, Field(ge=1, le=1 << 60)] | None = None
+    tier: Literal["device", "host", "disk"] = "device"
+    pages: Annotated[int, Field(ge=0, le=1 << 40)] | None = None
+    bytes: Annotated[int, Field(ge=0, le=1 << 60)] | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ResizeRequest:
         if (self.pages is None) == (self.bytes is None):
             raise ValueError("give exactly one of `pages` or `bytes`")
+        if self.tier == "device" and not (self.pages or self.bytes):
+            raise ValueError("the device pool needs at least one page")
         return self
 
 
@@ -320,6 +388,7 @@ class ResizeResult(Response):
     direction: Literal["grow", "shrink", "none"]
     pages_moved: int
     pages_evicted: int
+    tier: Literal["device", "host", "disk"] = "device"
 
 
 # ---- alerts ---------------------------------------------------------------------------------

@@ -60,6 +60,9 @@ class AgentConfig(BaseModel):
     max_pool_pages: Annotated[int, Field(ge=1)] | None = None
     prefix_cache: bool = True
     prefix_isolation: Literal["salt", "sampling"] = "salt"
+    host_tier_memory: int = 0  # bytes of host memory for evicted prefix pages; "8GiB" accepted
+    disk_tier_path: Path | None = None  # a directory for page files below the host tier
+    disk_tier_size: int | None = None  # bytes the disk tier may use; default 10GiB with a path
     max_batch_seqs: Annotated[int, Field(ge=1, le=4096)] = 64
     torch_threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # default: cores - 1
     decode_read_path: Literal["auto", "gather", "flex"] = "auto"
@@ -107,10 +110,17 @@ class AgentConfig(BaseModel):
                 values["max_batched_tokens"] = old
         return values
 
-    @field_validator("pool_memory", mode="before")
+    @field_validator("pool_memory", "host_tier_memory", "disk_tier_size", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)
+
+    @property
+    def disk_tier_bytes(self) -> int:
+        """The disk tier's size: as given, 10 GiB with only a path, 0 without a path."""
+        if self.disk_tier_path is None:
+            return 0
+        return self.disk_tier_size if self.disk_tier_size is not None else 10 << 30
 
     @field_validator(
         "shutdown_grace",
@@ -212,6 +222,16 @@ class AgentConfig(BaseModel):
                 f"--max-batched-tokens {self.max_batched_tokens} is below --max-batch-seqs "
                 f"{self.max_batch_seqs}: every running request decodes a token in every step"
             )
+        tiered = self.host_tier_memory or self.disk_tier_path is not None
+        if tiered and not self.prefix_cache:
+            raise ValueError(
+                "--host-tier-memory and --disk-tier-path keep evicted prefix pages: they need "
+                "the prefix cache (drop --no-prefix-cache)"
+            )
+        if self.disk_tier_size is not None and self.disk_tier_path is None:
+            raise ValueError("--disk-tier-size needs --disk-tier-path DIR")
+        if self.disk_tier_path is not None and self.disk_tier_bytes < 1:
+            raise ValueError("--disk-tier-size must be more than 0 bytes")
         if self.alertmanager_bearer_token_file and self.alertmanager_basic_auth_user:
             raise ValueError("give Alertmanager a bearer token or basic auth, not both")
         if bool(self.alertmanager_basic_auth_user) != bool(

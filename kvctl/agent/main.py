@@ -177,6 +177,11 @@ def build_service(config: AgentConfig) -> Any:
             eviction_policy=settings.prefix_cache.eviction_policy,
             prefix_isolation=config.prefix_isolation,
             decode_read_path=config.decode_read_path,
+            host_tier_bytes=config.host_tier_memory,
+            host_tier_policy=settings.prefix_cache.host_tier_policy,
+            disk_tier_path=str(config.disk_tier_path) if config.disk_tier_path else None,
+            disk_tier_bytes=config.disk_tier_bytes,
+            disk_tier_policy=settings.prefix_cache.disk_tier_policy,
         ),
     )
     pool_name = mc.name or Path(config.model).name
@@ -372,6 +377,29 @@ def main_command(
     ] = None,
     eviction_policy: Annotated[
         str | None, typer.Option(help=_flag_help("--eviction-policy"))
+    ] = None,
+    host_tier_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="Host memory that keeps prefix pages evicted from the pool, e.g. 8GiB "
+            "(pinned on CUDA; default 0: none)."
+        ),
+    ] = None,
+    host_tier_policy: Annotated[
+        str | None, typer.Option(help=_flag_help("--host-tier-policy"))
+    ] = None,
+    disk_tier_path: Annotated[
+        Path | None,
+        typer.Option(
+            help="Directory for page files below the host tier (its *.kvpage files "
+            "are removed at start)."
+        ),
+    ] = None,
+    disk_tier_size: Annotated[
+        str | None, typer.Option(help="Bytes the disk tier may use (default 10GiB).")
+    ] = None,
+    disk_tier_policy: Annotated[
+        str | None, typer.Option(help=_flag_help("--disk-tier-policy"))
     ] = None,
     torch_threads: Annotated[
         int | None, typer.Option(help="CPU threads of torch (default: cores - 1).")

@@ -41,6 +41,7 @@ from kvctl.agent.pool import DefragTrigger
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.runtime import Engine, Request, RequestRefused, RequestSummary, TokenEvent
 from kvctl.agent.served import ServedModel
+from kvctl.agent.tiers import TierStats
 from kvctl.agent.window import CounterRatioWindow
 from kvctl.api import (
     Alert,
@@ -49,6 +50,7 @@ from kvctl.api import (
     PoolSnapshot,
     ResizeResult,
     RuntimeSettings,
+    TierReading,
 )
 from kvctl.settings import StartupLimits, apply_changes
 
@@ -397,6 +399,37 @@ class AgentService:
             pages_evicted=result.pages_evicted,
         )
 
+    def resize_tier(self, tier: str, pages: int) -> ResizeResult:
+        """Run on the engine thread: give a host or disk tier room for `pages` pages (0 turns it
+        off); pages evicted to fit go down a tier. ValueError when there is no such tier."""
+        self.engine.owner.check("AgentService.resize_tier")
+        tiers = self.engine.tiers
+        if tiers is None:
+            raise ValueError(
+                "this agent has no tiers below the device pool (start it with "
+                "--host-tier-memory or --disk-tier-path)"
+            )
+        held = tiers.tier(tier)
+        page_bytes = held.page_bytes
+        old_pages, before = held.index.capacity, held.counters.evicted_pages
+        tiers.resize(tier, pages * page_bytes)
+        new_pages = held.index.capacity
+        direction = (
+            "grow" if new_pages > old_pages else "shrink" if new_pages < old_pages else "none"
+        )
+        if direction != "none":
+            log.info("%s tier resized %s: %d -> %d pages", tier, direction, old_pages, new_pages)
+        return ResizeResult(
+            old_pages=old_pages,
+            new_pages=new_pages,
+            old_bytes=old_pages * page_bytes,
+            new_bytes=new_pages * page_bytes,
+            direction=direction,
+            pages_moved=0,
+            pages_evicted=held.counters.evicted_pages - before,
+            tier=tier,
+        )
+
     def change_settings(self, changes: object) -> tuple[RuntimeSettings, RuntimeSettings]:
         """Run on the engine thread: merge a PATCH body into the settings in force and apply
         them; returns the settings before and after. Merging here, not on the HTTP thread,
@@ -416,6 +449,12 @@ class AgentService:
         resizer.min_pages = settings.resize.min_pages or self.limits.segment_pages
         if self.engine.config.prefix_cache:
             self.engine.set_eviction_policy(settings.prefix_cache.eviction_policy)
+        tiers = self.engine.tiers
+        if tiers is not None:
+            for tier in tiers.tiers:
+                tiers.set_policy(
+                    tier.name, getattr(settings.prefix_cache, f"{tier.name}_tier_policy")
+                )
 
     def _maybe_auto_resize(self) -> None:
         stats = self.engine.pool.stats()
@@ -472,6 +511,9 @@ class AgentService:
             prefix_hits_tokens_total=stats.prefix_hits_tokens,
             prefix_hit_ratio=self._prefix_window.ratio(),
             prefix_evictions_total=sum(stats.prefix_evictions.values()),
+            prefix_hits_tokens_by_tier=stats.prefix_hits_by_tier,
+            tiers=[tier_reading(t) for t in stats.tiers],
+            prefill_seconds_per_token=stats.prefill_seconds_per_token,
             defrag_runs_total=runs,
             defrag_pages_moved_total=auto.pages_moved_total,
             defrag_active=auto.active is not None,
@@ -507,3 +549,29 @@ class AgentService:
 
     def uptime(self) -> float:
         return self.clock() - self.started
+
+
+def tier_reading(stats: TierStats) -> TierReading:
+    """The API's reading of one tier."""
+    counters = stats.counters
+    free, size = stats.filesystem if stats.filesystem is not None else (None, None)
+    return TierReading(
+        tier=stats.name,
+        policy=stats.policy,
+        capacity_pages=stats.capacity_pages,
+        used_pages=stats.used_pages,
+        page_bytes=stats.page_bytes,
+        hits_tokens_total=counters.hits_tokens,
+        stored_pages_total=counters.stored_pages,
+        stored_bytes_total=counters.stored_bytes,
+        loaded_pages_total=counters.loaded_pages,
+        loaded_bytes_total=counters.loaded_bytes,
+        store_seconds_total=counters.store_seconds,
+        load_seconds_total=counters.load_seconds,
+        evicted_pages_total=counters.evicted_pages,
+        store_failures_total=dict(counters.store_failures),
+        load_failures_total=dict(counters.load_failures),
+        path=stats.path,
+        filesystem_free_bytes=free,
+        filesystem_size_bytes=size,
+    )

@@ -146,6 +146,16 @@ class PrefixSettings(Section):
         "Which cached prefix pages go first when pages run short.",
         flag="--eviction-policy",
     )
+    host_tier_policy: Literal["lru", "lfu", "fifo"] = setting(
+        "lru",
+        "Which pages the host tier drops (or moves to disk) first when it needs room.",
+        flag="--host-tier-policy",
+    )
+    disk_tier_policy: Literal["lru", "lfu", "fifo"] = setting(
+        "lru",
+        "Which page files the disk tier deletes first when it needs room.",
+        flag="--disk-tier-policy",
+    )
 
 
 class AlertSettings(Section):

@@ -23,7 +23,7 @@ A leaf a request still uses comes out of the order, is set aside for the call an
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -87,6 +87,11 @@ class PrefixCacheStats:
         return sum(self.evictions.values())
 
 
+Spill = Callable[[IsolationKey, list[int], int, list[int]], None]
+"""Called with (partition, tokens up to the pages' end, index of the first page, pool pages)
+for pages about to be evicted, while they still hold their K/V (see `PrefixCache.spill`)."""
+
+
 class PrefixCacheCorrupted(PoolCorrupted):
     """The trees disagree with the pool's holds: a bug, never a user error."""
 
@@ -112,6 +117,7 @@ class PrefixCache:
         self._policy = make_policy(policy)
         self._order = EvictionOrder(self._policy)
         self._trees: dict[IsolationKey, RadixTree] = {}
+        self._tree_keys: dict[int, IsolationKey] = {}  # id(tree) -> its partition
         self._owners = PageOwners(pool.capacity)  # every tree page -> its node
         self._held_pages = 0
         self._pinned: set[int] = set()
@@ -119,6 +125,7 @@ class PrefixCache:
         self.queries_tokens = 0
         self.hits_tokens = 0
         self.evictions: Counter[str] = Counter({name: 0 for name in EVICTION_POLICIES})
+        self.spill: Spill | None = None  # where evicted pages go instead of being dropped
         pool.set_evictor(self.evict)
         pool.add_relocation_listener(self._follow_moves)
 
@@ -184,6 +191,7 @@ class PrefixCache:
         tree = self._trees.get(key)
         if tree is None:
             tree = self._trees[key] = RadixTree(page_size, self._owners, self._order.add)
+            self._tree_keys[id(tree)] = key
         self._clock += 1
         taken = tree.insert(tokens, pages, self._clock, whole)
         if taken:
@@ -217,6 +225,9 @@ class PrefixCache:
             if not count:
                 set_aside.append(first)
                 continue
+            if self.spill is not None:
+                start = leaf.end // self.page_size - count
+                self.spill(self._key_of(tree), _path_tokens(leaf), start, leaf.pages[-count:])
             dropped, remaining = tree.drop_last_pages(leaf, count)
             release(dropped)
             freed += count
@@ -254,10 +265,10 @@ class PrefixCache:
         return n
 
     def _drop_partition(self, tree: RadixTree) -> None:
-        for key, candidate in self._trees.items():
-            if candidate is tree:
-                del self._trees[key]
-                return
+        del self._trees[self._tree_keys.pop(id(tree))]
+
+    def _key_of(self, tree: RadixTree) -> IsolationKey:
+        return self._tree_keys[id(tree)]
 
     def _leaves(self) -> list[tuple[RadixNode, RadixTree]]:
         return [(leaf, tree) for tree in self._trees.values() for leaf in tree.leaves]
@@ -366,3 +377,13 @@ class PrefixCache:
                     break
                 ancestor = ancestor.parent
         return problems
+
+
+def _path_tokens(node: RadixNode) -> list[int]:
+    """The tokens from the root to the end of `node`'s edge."""
+    edges = []
+    current: RadixNode | None = node
+    while current is not None:
+        edges.append(current.tokens)
+        current = current.parent
+    return [t for edge in reversed(edges) for t in edge]

@@ -92,7 +92,10 @@ def router(ctx: ServerContext) -> APIRouter:
 
     @api.post("/v1/pool/resize", response_model=ResizeResult, responses=ERRORS)
     async def resize(request: Request, body: ResizeRequest) -> ResizeResult:
-        """Grow or shrink the pool in whole segments; a refused resize changes nothing."""
+        """Grow or shrink the pool in whole segments, or a host or disk tier in pages (`tier`);
+        a refused resize changes nothing."""
+        if body.tier != "device":
+            return await _resize_tier(request, body)
         bytes_per_page = service.snapshot.bytes_per_page
         pages = body.pages if body.pages is not None else -(-(body.bytes or 0) // bytes_per_page)
         try:
@@ -107,6 +110,27 @@ def router(ctx: ServerContext) -> APIRouter:
             old_pages=result.old_pages,
             new_pages=result.new_pages,
             pages_moved=result.pages_moved,
+            pages_evicted=result.pages_evicted,
+        )
+        return result
+
+    async def _resize_tier(request: Request, body: ResizeRequest) -> ResizeResult:
+        tier = next((t for t in service.snapshot.tiers if t.tier == body.tier), None)
+        if tier is None:
+            raise ApiError(
+                409,
+                f"this agent has no {body.tier} tier (start it with --host-tier-memory or "
+                "--disk-tier-path)",
+            )
+        pages = body.pages if body.pages is not None else (body.bytes or 0) // tier.page_bytes
+        result = await ctx.on_engine(lambda: service.resize_tier(body.tier, pages))
+        ctx.audit_request(
+            request,
+            "resize",
+            "ok",
+            tier=body.tier,
+            old_pages=result.old_pages,
+            new_pages=result.new_pages,
             pages_evicted=result.pages_evicted,
         )
         return result

@@ -52,6 +52,7 @@ from kvctl.agent.runtime.scheduler import (
     check_batch_limits,
 )
 from kvctl.agent.runtime.thread_owner import ThreadOwner
+from kvctl.agent.tiers import TieredStore, TierStats
 from kvctl.api import PoolOccupancy
 from kvctl.settings import DefragSettings
 
@@ -82,6 +83,17 @@ class EngineConfig:
     eviction_policy: str = "lru"
     prefix_isolation: str = "salt"
     decode_read_path: ReadPath = "auto"  # see `PagedKVCache`
+    # tiers below the pool for evicted prefix pages (both need the prefix cache)
+    host_tier_bytes: int = 0
+    host_tier_policy: str = "lru"
+    disk_tier_path: str | None = None
+    disk_tier_bytes: int = 0
+    disk_tier_policy: str = "lru"
+
+    @property
+    def tiered(self) -> bool:
+        """Whether evicted prefix pages go to a host or disk tier."""
+        return self.prefix_cache and (self.host_tier_bytes > 0 or self.disk_tier_path is not None)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "pool_pages", "segment_pages", "max_batch_seqs"):
@@ -93,6 +105,16 @@ class EngineConfig:
                 f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
                 f"got {self.eviction_policy!r}"
             )
+        for name in ("host_tier_policy", "disk_tier_policy"):
+            if getattr(self, name) not in EVICTION_POLICIES:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(EVICTION_POLICIES)}, "
+                    f"got {getattr(self, name)!r}"
+                )
+        if self.host_tier_bytes < 0 or self.disk_tier_bytes < 0:
+            raise ValueError("tier sizes must be 0 or more bytes")
+        if self.disk_tier_path is not None and self.disk_tier_bytes < 1:
+            raise ValueError("a disk tier needs a size (--disk-tier-size)")
         isolations = [i.value for i in PrefixIsolation]
         if self.prefix_isolation not in isolations:
             raise ValueError(
@@ -181,6 +203,8 @@ class EngineStats:
     prefix_hits_tokens: int = 0  # of those, served from the cache
     prefix_evictions: Mapping[str, int] = field(default_factory=dict)  # pages, per policy
     prefix_cached_pages: int = 0  # pages the prefix cache holds (used by requests or cached)
+    tiers: tuple[TierStats, ...] = ()  # the tiers below the pool, when configured
+    prefill_seconds_per_token: float | None = None  # measured on prompt steps (PrefillRate)
     finished: Mapping[str, int] = field(default_factory=dict)  # requests, by finish reason
     oldest_queued_at: float | None = None  # engine clock; None when nothing waits
     last_progress_at: float = 0.0  # last step that admitted, produced or ended anything
@@ -195,6 +219,13 @@ class EngineStats:
     @property
     def prefix_evictions_total(self) -> int:
         return sum(self.prefix_evictions.values())
+
+    @property
+    def prefix_hits_by_tier(self) -> dict[str, int]:
+        """`prefix_hits_tokens` split by where the reused pages were: each hit token is
+        counted in exactly one tier, so the values sum to `prefix_hits_tokens`."""
+        below = {t.name: t.counters.hits_tokens for t in self.tiers}
+        return {"device": self.prefix_hits_tokens - sum(below.values()), **below}
 
 
 class Engine:
@@ -248,6 +279,20 @@ class Engine:
             if config.prefix_cache
             else None
         )
+        self.tiers = (
+            TieredStore(
+                self.storage,
+                config.host_tier_bytes,
+                config.disk_tier_path,
+                config.disk_tier_bytes,
+                config.host_tier_policy,
+                config.disk_tier_policy,
+            )
+            if config.tiered and self.prefix_cache is not None
+            else None
+        )
+        if self.tiers is not None and self.prefix_cache is not None:
+            self.prefix_cache.spill = self.tiers.store
         self.scheduler = Scheduler(
             self.pool,
             config.max_batch_seqs,
@@ -255,7 +300,9 @@ class Engine:
             self.prefix_cache,
             clock,
             prefill_while_decoding=prefill_cap(config),
+            tiers=self.tiers,
         )
+        self.prefill_rate = PrefillRate()
         self.clock = clock
         self.finished: Counter[str] = Counter()
         self.last_progress_at = clock()
@@ -397,6 +444,8 @@ class Engine:
                     [c.src for c in batch.copies], [c.dst for c in batch.copies]
                 )
                 self.scheduler.copies_applied()
+            for load in batch.loads:
+                self.storage.fill_pages(load.pages, load.data)
             sampled = batch.sampled_requests
             next_tokens = self._run_model(batch, sampled)
             events.extend(self._postprocess(sampled, next_tokens))
@@ -447,9 +496,12 @@ class Engine:
                 token_ids += _token_slice(request, start, count)
             positions = layout.positions(self.device)
         self.cache.begin_step(layout)
+        started = time.perf_counter()
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device), positions, self.cache
         )
+        if not decode:
+            self.prefill_rate.observe(len(token_ids), time.perf_counter() - started)
         for request, count in zip(requests, new, strict=True):
             request.num_computed += count
         self.scheduler.prompts_computed(batch)
@@ -529,6 +581,7 @@ class Engine:
         """The pool and the scheduler read together, built when asked (not on every step)."""
         self.owner.check("Engine.stats")
         prefix = self.prefix_cache.stats() if self.prefix_cache is not None else None
+        tiers = tuple(self.tiers.stats()) if self.tiers is not None else ()
         return EngineStats(
             pool=self.pool.stats(),
             requests_running=len(self.scheduler.running),
@@ -538,9 +591,12 @@ class Engine:
             generated_tokens=self._generated,
             prompt_tokens=self._prompt_tokens,
             prefix_queries_tokens=prefix.queries_tokens if prefix else 0,
-            prefix_hits_tokens=prefix.hits_tokens if prefix else 0,
+            prefix_hits_tokens=(prefix.hits_tokens if prefix else 0)
+            + sum(t.counters.hits_tokens for t in tiers),
             prefix_evictions=prefix.evictions if prefix else {},
             prefix_cached_pages=prefix.held_pages if prefix else 0,
+            tiers=tiers,
+            prefill_seconds_per_token=self.prefill_rate.seconds_per_token,
             finished=dict(self.finished),
             oldest_queued_at=self.scheduler.oldest_queued_at(),
             last_progress_at=self.last_progress_at,
@@ -570,6 +626,27 @@ def _token_slice(request: Request, start: int, count: int) -> list[int]:
         start -= len(prompt)
         return request.output_ids[start : start + count]
     return request.token_ids[start : start + count]
+
+
+class PrefillRate:
+    """Seconds per token of the model's prompt steps, averaged over recent steps: what a
+    prefix costs to recompute, to hold a tier's load time against.
+
+    Only steps with at least `MIN_TOKENS` new tokens count (shorter ones are mostly fixed
+    per-step cost), and a step's time is its forward alone, tokens in the whole step."""
+
+    MIN_TOKENS = 64
+    WEIGHT = 0.2  # of the newest step in the moving average
+
+    def __init__(self) -> None:
+        self.seconds_per_token: float | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < self.MIN_TOKENS:
+            return
+        rate = seconds / tokens
+        old = self.seconds_per_token
+        self.seconds_per_token = rate if old is None else old + self.WEIGHT * (rate - old)
 
 
 def prefill_cap(config: EngineConfig) -> int:

@@ -34,6 +34,10 @@ With a prefix cache, admission first looks the request's tokens up: a hit adopts
 pages (a partly matched last page is copied, the copy listed in the batch) and only the rest is
 computed. A request's computed whole pages enter the cache when it finishes or is preempted, so a
 preempted request usually finds its own pages again instead of recomputing them.
+
+With tiers below the device (`TieredStore`), the lookup goes on past the device's match: whole
+pages a lower tier holds are fetched at admission into the request's own fresh pages (written
+before the step's forward, `ScheduledBatch.loads`) and count as computed.
 """
 
 from __future__ import annotations
@@ -41,13 +45,25 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from torch import Tensor
 
 from kvctl.agent.config import DEFAULT_MAX_BATCHED_TOKENS
 from kvctl.agent.pool import PagePool, PoolExhausted
 from kvctl.agent.pool.page_pool import CopyOnWrite
 from kvctl.agent.prefix import IsolationKey, PrefixCache, PrefixMatch
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
+from kvctl.agent.tiers import TieredStore, TierHit
+
+
+@dataclass(frozen=True)
+class TierPages:
+    """Pages of an admitted request to fill from a lower tier before the step's forward:
+    `data[i]` goes into pool page `pages[i]`."""
+
+    pages: list[int]
+    data: Tensor
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,7 @@ class ScheduledBatch:
     computed: list[int]
     copies: list[CopyOnWrite]
     ended: list[Request]
+    loads: list[TierPages] = field(default_factory=list)
 
     @property
     def sampled(self) -> list[bool]:
@@ -101,6 +118,7 @@ class _Step:
         self.new_tokens: list[int] = []
         self.computed: list[int] = []
         self.copies: list[CopyOnWrite] = []
+        self.loads: list[TierPages] = []
         self.scheduled: set[Request] = set()
 
     def add(self, request: Request, tokens: int) -> None:
@@ -113,7 +131,9 @@ class _Step:
     def batch(self, ended: list[Request]) -> ScheduledBatch | None:
         if not self.requests:
             return ScheduledBatch([], [], [], [], ended) if ended else None
-        return ScheduledBatch(self.requests, self.new_tokens, self.computed, self.copies, ended)
+        return ScheduledBatch(
+            self.requests, self.new_tokens, self.computed, self.copies, ended, self.loads
+        )
 
 
 class Scheduler:
@@ -127,6 +147,7 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         clock: Callable[[], float] = time.monotonic,
         prefill_while_decoding: int = 0,
+        tiers: TieredStore | None = None,
     ):
         check_batch_limits(max_batch_seqs, max_batched_tokens)
         if prefill_while_decoding < 0:
@@ -134,6 +155,7 @@ class Scheduler:
         self.prefill_while_decoding = prefill_while_decoding
         self.pool = pool
         self.prefix_cache = prefix_cache
+        self.tiers = tiers if prefix_cache is not None else None
         self.max_batch_seqs = max_batch_seqs
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -193,21 +215,50 @@ class Scheduler:
             tokens = request.num_tokens
             if tokens > self.max_batched_tokens and step.long_budget <= 0:
                 break  # a long prompt waits for a step with room for it (arrival order kept)
-            match = self._match(request)
+            match, below = self._match(request)
             if match is not None and not self._fits(tokens, match):
                 match = self._whole_pages_match(request, match)
             if not self._fits(tokens, match):
                 break
             self.waiting.popleft()
             step.copies.extend(self._place(request, match))
+            if below is not None:
+                self._load(request, below, step)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.add(request, self._chunk(request, tokens - request.num_computed, step))
 
-    def _match(self, request: Request) -> PrefixMatch | None:
+    def _match(self, request: Request) -> tuple[PrefixMatch | None, TierHit | None]:
+        """The device's longest cached prefix, and the whole pages after it that a lower tier
+        holds (the device match then ends on a page boundary: those pages come next)."""
         if self.prefix_cache is None:
-            return None
-        return self.prefix_cache.match(self._cache_key(request), request.token_ids)
+            return None, None
+        key, tokens = self._cache_key(request), request.token_ids
+        match = self.prefix_cache.match(key, tokens)
+        if self.tiers is None:
+            return match, None
+        below = self.tiers.lookup(
+            key, tokens, match.full_pages, (len(tokens) - 1) // self.pool.page_size
+        )
+        if below is not None:
+            match = self._whole_pages_match(request, match)
+        return match, below
+
+    def _load(self, request: Request, below: TierHit, step: _Step) -> None:
+        """Fetch a lower tier's pages of an admitted request into its own pages (written before
+        the forward): those tokens count as computed, and as reused from their tier."""
+        assert self.tiers is not None
+        load = self.tiers.fetch(below)
+        if load is None:
+            return
+        pages = self.pool.table(request.seq_id).pages
+        step.loads.append(
+            TierPages(pages[load.first_page : load.first_page + load.pages], load.data)
+        )
+        loaded = load.pages * self.pool.page_size
+        request.num_computed += loaded
+        if not request.preemptions:
+            request.cached_tokens += loaded
 
     def _whole_pages_match(self, request: Request, match: PrefixMatch) -> PrefixMatch:
         """The match without its partly matched last page, whose copy needs a page more."""

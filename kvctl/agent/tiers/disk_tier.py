@@ -1,0 +1,110 @@
+"""Page files under a directory: the tier below host memory.
+
+One file per page, named by its digest: a 48-byte header (magic, the page's digest, a BLAKE2b
+checksum of the contents, their length) and the page's bytes. A file is written to a temporary
+name and renamed, so a crash leaves a whole file or none; a read checks the length, the digest
+and the checksum, and anything else (missing, truncated, another page's, altered) is a miss that
+is counted and never wrong K/V. Files left by an earlier run are removed at start: a checkpoint
+replaced under the same name and shape must not be served from them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+MAGIC = b"KVCTLKV1"
+SUFFIX = ".kvpage"
+_HEADER = struct.Struct("<8s16s16sQ")
+
+LOAD_FAILURES = ("missing", "truncated", "checksum", "io")
+
+
+class DiskPageError(Exception):
+    """A page file that cannot be used; `reason` is one of `LOAD_FAILURES`."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class DiskSlots:
+    """Page files in one directory, written and read by digest."""
+
+    name = "disk"
+
+    def __init__(self, path: Path, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.path = Path(path)
+        self.page_shape = page_shape
+        self.dtype = dtype
+        self.page_bytes = dtype.itemsize * int(torch.Size(page_shape).numel())
+        self.file_bytes = _HEADER.size + self.page_bytes
+        if self.path.exists() and not self.path.is_dir():
+            raise ValueError(f"--disk-tier-path {self.path} exists and is not a directory")
+        self.path.mkdir(parents=True, exist_ok=True)
+        for stale in (*self.path.glob(f"*{SUFFIX}"), *self.path.glob(f"*{SUFFIX}.tmp")):
+            stale.unlink(missing_ok=True)
+
+    def file_of(self, digest: bytes) -> Path:
+        return self.path / f"{digest.hex()}{SUFFIX}"
+
+    def write(self, digests: list[bytes], data: Tensor) -> list[bool]:
+        """Write each page's file; returns which were written (an OSError, say a full disk or a
+        directory gone, fails that page and the caller counts it)."""
+        host = data.detach().to("cpu").contiguous()
+        raw = host.view(torch.uint8).reshape(len(digests), -1).numpy()
+        written = []
+        for digest, row in zip(digests, raw, strict=True):
+            payload = row.tobytes()
+            checksum = hashlib.blake2b(payload, digest_size=16).digest()
+            header = _HEADER.pack(MAGIC, digest, checksum, len(payload))
+            target = self.file_of(digest)
+            temporary = target.with_name(target.name + ".tmp")
+            try:
+                with open(temporary, "wb") as f:
+                    f.write(header)
+                    f.write(payload)
+                os.replace(temporary, target)
+                written.append(True)
+            except OSError:
+                written.append(False)
+        return written
+
+    def read(self, digest: bytes) -> Tensor:
+        """The page of `digest`, `[*page_shape]` on the host; `DiskPageError` when the file is
+        missing, truncated, another page's or altered."""
+        target = self.file_of(digest)
+        try:
+            blob = target.read_bytes()
+        except FileNotFoundError:
+            raise DiskPageError("missing", f"{target} is gone") from None
+        except OSError as e:
+            raise DiskPageError("io", f"{target}: {e.strerror}") from None
+        if len(blob) != self.file_bytes:
+            raise DiskPageError("truncated", f"{target} has {len(blob)} bytes")
+        magic, stored, checksum, length = _HEADER.unpack_from(blob)
+        payload = memoryview(blob)[_HEADER.size :]
+        if magic != MAGIC or stored != digest or length != self.page_bytes:
+            raise DiskPageError("checksum", f"{target} holds another page")
+        if hashlib.blake2b(payload, digest_size=16).digest() != checksum:
+            raise DiskPageError("checksum", f"{target} fails its checksum")
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return flat.view(self.dtype).reshape(self.page_shape)
+
+    def remove(self, digests: list[bytes]) -> None:
+        for digest in digests:
+            self.file_of(digest).unlink(missing_ok=True)
+
+    def filesystem(self) -> tuple[int, int] | None:
+        """(free bytes, size bytes) of the filesystem holding the directory; None when it
+        cannot be read (the directory is gone)."""
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize

@@ -1,0 +1,371 @@
+"""The tiers below the device pool, host memory then disk, as one store for the prefix cache.
+
+Pages the prefix cache evicts from the device are *stored* into the first tier instead of being
+dropped; a tier that needs room evicts by its own policy and hands its victims to the tier below
+(host → disk), and the last tier drops them. At admission a prompt is *looked up* past what the
+device matched, page by page through every tier (`lookup`, the index only), and once the request
+has its pages the hit is *fetched*: host slots and verified disk files are copied into a device
+tensor that the engine writes into the request's pages before the step's forward (`fetch`). A
+page that fails its check cuts the hit there and is computed like any other.
+
+Tiers are inclusive: a loaded page stays in its tier, so evicting it from the device again costs
+a touch, not a copy. Every hit is attributed to the one tier its pages came from; counters,
+sizes and timings are kept per tier for the metrics (`stats`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kvctl.agent.pool.storage import KVStorage
+from kvctl.agent.prefix import IsolationKey
+from kvctl.agent.prefix.eviction import make_policy
+from kvctl.agent.tiers.disk_tier import LOAD_FAILURES, DiskPageError, DiskSlots
+from kvctl.agent.tiers.host_tier import HostSlots
+from kvctl.agent.tiers.page_keys import layout_of, page_digests, root_digest
+from kvctl.agent.tiers.tier_index import TierEntry, TierIndex
+
+TIER_NAMES = ("host", "disk")
+STORE_FAILURES = ("full", "io")
+
+
+@dataclass
+class TierCounters:
+    """What one tier did since start."""
+
+    hits_tokens: int = 0
+    stored_pages: int = 0
+    stored_bytes: int = 0
+    loaded_pages: int = 0
+    loaded_bytes: int = 0
+    store_seconds: float = 0.0
+    load_seconds: float = 0.0
+    evicted_pages: int = 0
+    store_failures: Counter[str] = field(
+        default_factory=lambda: Counter(dict.fromkeys(STORE_FAILURES, 0))
+    )
+    load_failures: Counter[str] = field(
+        default_factory=lambda: Counter(dict.fromkeys(LOAD_FAILURES, 0))
+    )
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier read at one moment: its size and its counters."""
+
+    name: str
+    policy: str
+    capacity_pages: int
+    used_pages: int
+    page_bytes: int  # bytes a page takes in this tier (a disk page's file, header included)
+    counters: TierCounters
+    path: str | None = None
+    filesystem: tuple[int, int] | None = None  # disk: (free, size) bytes of its filesystem
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_pages * self.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_pages * self.page_bytes
+
+
+@dataclass
+class _Tier:
+    slots: HostSlots | DiskSlots
+    index: TierIndex
+    counters: TierCounters = field(default_factory=TierCounters)
+
+    @property
+    def name(self) -> str:
+        return self.slots.name
+
+    @property
+    def page_bytes(self) -> int:
+        slots = self.slots
+        return slots.file_bytes if isinstance(slots, DiskSlots) else slots.page_bytes
+
+
+@dataclass(frozen=True)
+class TierHit:
+    """Whole pages of a prompt found below the device: `digests[i]` is page `first_page + i`."""
+
+    first_page: int
+    digests: list[bytes]
+
+    @property
+    def pages(self) -> int:
+        return len(self.digests)
+
+
+@dataclass(frozen=True)
+class TierLoad:
+    """A fetched hit: `data[i]` is the K/V of page `first_page + i`, on the pool's device."""
+
+    first_page: int
+    data: Tensor
+    pages_by_tier: dict[str, int]
+
+    @property
+    def pages(self) -> int:
+        return int(self.data.shape[0])
+
+
+class TieredStore:
+    """Host and disk tiers under one pool's storage (either may be absent, not both)."""
+
+    def __init__(
+        self,
+        storage: KVStorage,
+        host_bytes: int = 0,
+        disk_path: Path | str | None = None,
+        disk_bytes: int = 0,
+        host_policy: str = "lru",
+        disk_policy: str = "lru",
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if host_bytes < 0 or disk_bytes < 0:
+            raise ValueError("tier sizes must be 0 or more bytes")
+        self.storage = storage
+        self.page_size = storage.page_size
+        shape = (storage.num_layers, 2, storage.page_size, storage.num_kv_heads, storage.head_dim)
+        self.layout = layout_of(
+            storage.num_layers,
+            storage.num_kv_heads,
+            storage.head_dim,
+            str(storage.dtype).removeprefix("torch."),
+            storage.page_size,
+        )
+        self.clock = clock
+        self._roots: dict[IsolationKey, bytes] = {}
+        host = HostSlots(0, shape, storage.dtype, storage.device)
+        self.tiers: list[_Tier] = [_Tier(host, TierIndex(0, make_policy(host_policy)))]
+        self._resize_tier(self.tiers[0], host_bytes // host.page_bytes)
+        if disk_path is not None:
+            disk = DiskSlots(Path(disk_path), shape, storage.dtype)
+            pages = disk_bytes // disk.file_bytes
+            self.tiers.append(_Tier(disk, TierIndex(pages, make_policy(disk_policy))))
+
+    # ---- reading --------------------------------------------------------------------------
+
+    def tier(self, name: str) -> _Tier:
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        configured = ", ".join(t.name for t in self.tiers)
+        raise ValueError(f"no {name} tier on this agent (tiers: {configured})")
+
+    def stats(self) -> list[TierStats]:
+        out = []
+        for tier in self.tiers:
+            disk = tier.slots if isinstance(tier.slots, DiskSlots) else None
+            out.append(
+                TierStats(
+                    tier.name,
+                    tier.index.policy.name,
+                    tier.index.capacity,
+                    len(tier.index),
+                    tier.page_bytes,
+                    _copy(tier.counters),
+                    str(disk.path) if disk else None,
+                    disk.filesystem() if disk else None,
+                )
+            )
+        return out
+
+    def check(self) -> list[str]:
+        """Problems of every tier's index (empty when none)."""
+        return [f"{t.name}: {p}" for t in self.tiers for p in t.index.problems()]
+
+    # ---- storing (device evictions) -------------------------------------------------------
+
+    def store(
+        self, key: IsolationKey, tokens: Sequence[int], first_page: int, pages: Sequence[int]
+    ) -> None:
+        """Keep device pages `pages` (pages `first_page, ...` of `tokens`, whose first tokens
+        are the prefix up to them) in the tiers: call it before the pool reuses them."""
+        if not pages:
+            return
+        digests = page_digests(self._root(key), tokens, self.page_size, first_page + len(pages))
+        digests = digests[first_page:]
+        first = self.tiers[0] if self.tiers[0].index.capacity else None
+        if first is not None:
+            known = [first.index.get(d) for d in digests]
+            first.index.touch([e for e in known if e is not None], hit=False)
+            wanted = [i for i, e in enumerate(known) if e is None]
+        else:
+            wanted = list(range(len(digests)))
+        if not wanted:
+            return
+        started = self.clock()
+        data = self.storage.read_pages([pages[i] for i in wanted])
+        self._put(0, [digests[i] for i in wanted], data, started)
+
+    def _put(self, level: int, digests: list[bytes], data: Tensor, started: float) -> None:
+        """Store pages into tier `level` (one with no capacity passes them down)."""
+        if level >= len(self.tiers):
+            return
+        tier = self.tiers[level]
+        index = tier.index
+        if not index.capacity:
+            self._put(level + 1, digests, data, started)
+            return
+        fresh = [i for i, d in enumerate(digests) if d not in index]
+        index.touch([index.entries[d] for d in digests if d in index], hit=False)
+        if len(fresh) > index.free_slots:
+            self._evict(level, index.victims(len(fresh) - index.free_slots))
+        if len(fresh) > index.free_slots:
+            tier.counters.store_failures["full"] += len(fresh) - index.free_slots
+            fresh = fresh[: index.free_slots]
+        if not fresh:
+            return
+        entries = index.add([digests[i] for i in fresh])
+        picked = data if len(fresh) == len(digests) else data[fresh]
+        if isinstance(tier.slots, DiskSlots):
+            written = tier.slots.write([e.digest for e in entries], picked)
+            for entry, ok in zip(entries, written, strict=True):
+                if not ok:
+                    index.remove(entry)
+            failed = written.count(False)
+            tier.counters.store_failures["io"] += failed
+            stored = len(entries) - failed
+        else:
+            tier.slots.write([e.slot for e in entries], picked)
+            stored = len(entries)
+        counters = tier.counters
+        counters.stored_pages += stored
+        counters.stored_bytes += stored * tier.slots.page_bytes
+        counters.store_seconds += self.clock() - started
+
+    def _evict(self, level: int, victims: list[TierEntry]) -> None:
+        """Pages leaving tier `level`: handed down to the next tier, or dropped."""
+        if not victims:
+            return
+        tier = self.tiers[level]
+        tier.counters.evicted_pages += len(victims)
+        if isinstance(tier.slots, DiskSlots):
+            tier.slots.remove([v.digest for v in victims])
+            return
+        if level + 1 < len(self.tiers) and self.tiers[level + 1].index.capacity:
+            started = self.clock()
+            data = tier.slots.read([v.slot for v in victims], torch.device("cpu"))
+            self._put(level + 1, [v.digest for v in victims], data, started)
+
+    # ---- finding and loading --------------------------------------------------------------
+
+    def lookup(
+        self, key: IsolationKey, tokens: Sequence[int], first_page: int, last_page: int
+    ) -> TierHit | None:
+        """Pages `first_page, ...` (below `last_page`) of `tokens` that some tier holds, up to
+        the first page none does; None when not even `first_page` is held. Reads the index
+        only."""
+        if first_page >= last_page or not any(len(t.index) for t in self.tiers):
+            return None
+        digests = page_digests(self._root(key), tokens, self.page_size, last_page)
+        found = []
+        for digest in digests[first_page:]:
+            if not any(digest in t.index for t in self.tiers):
+                break
+            found.append(digest)
+        return TierHit(first_page, found) if found else None
+
+    def fetch(self, hit: TierHit) -> TierLoad | None:
+        """The hit's pages as one device tensor, up to the first page that is gone or fails
+        its check (None when that is the first). Counts each page's tokens to its tier."""
+        device = self.storage.device
+        plan: list[tuple[_Tier, TierEntry]] = []
+        for digest in hit.digests:
+            held = next(
+                ((t, t.index.entries[digest]) for t in self.tiers if digest in t.index), None
+            )
+            if held is None:
+                break
+            plan.append(held)
+        disk_pages: dict[int, Tensor] = {}
+        for position, (tier, entry) in enumerate(plan):
+            if not isinstance(tier.slots, DiskSlots):
+                continue
+            started = self.clock()
+            try:
+                disk_pages[position] = tier.slots.read(entry.digest)
+            except DiskPageError as e:
+                tier.counters.load_failures[e.reason] += 1
+                tier.index.remove(entry)
+                tier.slots.remove([entry.digest])
+                del plan[position:]
+                break
+            finally:
+                tier.counters.load_seconds += self.clock() - started
+        if not plan:
+            return None
+        out = torch.empty(
+            (len(plan), *self.tiers[0].slots.page_shape), dtype=self.storage.dtype, device=device
+        )
+        by_tier: Counter[str] = Counter()
+        host_rows = [i for i, (t, _) in enumerate(plan) if i not in disk_pages]
+        if host_rows:
+            host = self.tiers[0]
+            started = self.clock()
+            data = host.slots.read([plan[i][1].slot for i in host_rows], device)
+            out.index_copy_(0, torch.tensor(host_rows, device=device), data)
+            host.counters.load_seconds += self.clock() - started
+        for position, page in disk_pages.items():
+            out[position].copy_(page)
+        for tier in self.tiers:
+            entries = [e for t, e in plan if t is tier]
+            if not entries:
+                continue
+            tier.index.touch(entries)
+            counters = tier.counters
+            counters.loaded_pages += len(entries)
+            counters.loaded_bytes += len(entries) * tier.slots.page_bytes
+            counters.hits_tokens += len(entries) * self.page_size
+            by_tier[tier.name] = len(entries)
+        return TierLoad(hit.first_page, out, dict(by_tier))
+
+    # ---- changing -------------------------------------------------------------------------
+
+    def resize(self, name: str, capacity_bytes: int) -> tuple[int, int]:
+        """Give tier `name` room for `capacity_bytes` (pages evicted to fit go down a tier);
+        returns the old and new capacity in bytes."""
+        if capacity_bytes < 0:
+            raise ValueError("a tier's size must be 0 or more bytes")
+        tier = self.tier(name)
+        old = tier.index.capacity * tier.page_bytes
+        self._resize_tier(tier, capacity_bytes // tier.page_bytes)
+        return old, tier.index.capacity * tier.page_bytes
+
+    def _resize_tier(self, tier: _Tier, pages: int) -> None:
+        level = self.tiers.index(tier)
+        evicted, moves = tier.index.resize(pages)
+        self._evict(level, evicted)
+        if isinstance(tier.slots, HostSlots):
+            if pages > tier.slots.capacity:
+                tier.slots.resize(pages)
+            tier.slots.move([(old, entry.slot) for entry, old in moves])
+            tier.slots.resize(pages)
+
+    def set_policy(self, name: str, policy: str) -> None:
+        self.tier(name).index.set_policy(policy)
+
+    def _root(self, key: IsolationKey) -> bytes:
+        root = self._roots.get(key)
+        if root is None:
+            root = self._roots[key] = root_digest(key, self.layout)
+        return root
+
+
+def _copy(counters: TierCounters) -> TierCounters:
+    return replace(
+        counters,
+        store_failures=Counter(counters.store_failures),
+        load_failures=Counter(counters.load_failures),
+    )
