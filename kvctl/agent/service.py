@@ -449,6 +449,7 @@ class AgentService:
         resizer.min_pages = settings.resize.min_pages or self.limits.segment_pages
         if self.engine.config.prefix_cache:
             self.engine.set_eviction_policy(settings.prefix_cache.eviction_policy)
+        self.engine.scheduler.tier_min_load_tokens = settings.prefix_cache.tier_min_load_tokens
         tiers = self.engine.tiers
         if tiers is not None:
             for tier in tiers.tiers:

@@ -156,6 +156,14 @@ class PrefixSettings(Section):
         "Which page files the disk tier deletes first when it needs room.",
         flag="--disk-tier-policy",
     )
+    tier_min_load_tokens: int = setting(
+        0,
+        "Prefixes found below the device that are shorter than this are computed, not loaded "
+        "(when a tier loads slower than the model computes short prompts).",
+        ge=0,
+        le=1 << 20,
+        unit="tokens",
+    )
 
 
 class AlertSettings(Section):

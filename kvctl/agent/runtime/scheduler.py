@@ -156,6 +156,7 @@ class Scheduler:
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.tiers = tiers if prefix_cache is not None else None
+        self.tier_min_load_tokens = 0  # shorter hits below the device are computed instead
         self.max_batch_seqs = max_batch_seqs
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -240,6 +241,8 @@ class Scheduler:
         below = self.tiers.lookup(
             key, tokens, match.full_pages, (len(tokens) - 1) // self.pool.page_size
         )
+        if below is not None and below.pages * self.pool.page_size < self.tier_min_load_tokens:
+            below = None
         if below is not None:
             match = self._whole_pages_match(request, match)
         return match, below
