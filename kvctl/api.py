@@ -239,7 +239,8 @@ class TierReading(Response):
     evicted_pages_total: int
     """Pages that left the tier to make room (to the tier below, or dropped)."""
     store_failures_total: dict[str, int]
-    """Pages not stored, by reason: full (no room, nothing evictable), io (a write failed)."""
+    """Pages not stored, by reason: full (they fit in no tier: a prompt longer than the last
+    tier), io (a write failed)."""
     load_failures_total: dict[str, int]
     """Pages found in the index but not usable, by reason: missing, truncated, checksum, io.
     Each is a miss: the page is computed, never served wrong."""

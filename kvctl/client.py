@@ -152,7 +152,14 @@ def _headers(token: str | None) -> dict[str, str]:
 
 
 def _body(body: BaseModel | None) -> Any:
-    return None if body is None else body.model_dump(mode="json", exclude_none=True)
+    if body is None:
+        return None
+    data = body.model_dump(mode="json", exclude_none=True)
+    if isinstance(body, ResizeRequest) and body.tier == "device":
+        # the device pool is what every agent resizes without `tier`; one from before tiers
+        # refuses the field, so it is sent only for a host or disk tier
+        del data["tier"]
+    return data
 
 
 # ---- turning answers into models or errors --------------------------------------------------

@@ -69,6 +69,7 @@ def format_bytes(count: float) -> str:
     value = float(count)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+            whole = unit == "B" or abs(value) >= 1000  # `.3g` would print 1000 as 1e+03
+            return f"{value:.0f} {unit}" if whole else f"{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")

@@ -3,14 +3,15 @@
 A snapshot's ratios and byte counts are computed from its page counts (`PoolOccupancy`), so a
 test names pages, not ratios, and a reading can never contradict itself. The base is a healthy
 pool: 39 % held by running requests, half used with the cache, barely fragmented, every
-allocation served, nothing waiting; no alert applies to it.
+allocation served, nothing waiting; no alert applies to it. It has no tier below the device;
+`tier_reading` builds one (host memory, or page files on disk) to put in `tiers`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvctl.api import PoolSnapshot
+from kvctl.api import PoolSnapshot, TierReading
 
 QUIET: dict[str, Any] = dict(
     pool="demo",
@@ -54,7 +55,8 @@ def pool_snapshot(*, fragmentation: float = 0.05, **fields: Any) -> PoolSnapshot
     """The quiet pool with `fields` changed.
 
     Free pages default to what capacity, used and cached pages leave, and the largest free run
-    to the one that gives `fragmentation` (as near as whole pages allow), unless given.
+    to the one that gives `fragmentation` (as near as whole pages allow), unless given. With
+    `tiers`, the hit tokens by tier default to each tier's own and the rest on the device.
     """
     merged = {**QUIET, **fields}
     merged.setdefault(
@@ -63,4 +65,40 @@ def pool_snapshot(*, fragmentation: float = 0.05, **fields: Any) -> PoolSnapshot
     merged.setdefault("segments", merged["capacity_pages"] // merged["segment_pages"])
     free_run_pages = merged["free_pages"] - merged.get("reserved_pages", 0)
     merged.setdefault("largest_free_run", round(free_run_pages * (1.0 - fragmentation)))
+    if merged.get("tiers"):  # hits split by tier: what the tiers loaded, the rest on the device
+        below = {t.tier: t.hits_tokens_total for t in merged["tiers"]}
+        device = merged["prefix_hits_tokens_total"] - sum(below.values())
+        merged.setdefault("prefix_hits_tokens_by_tier", {"device": device, **below})
     return PoolSnapshot(**merged)
+
+
+DISK_PATH = "/var/lib/kvctl/tier"
+TIER_BYTES_PER_PAGE = {"host": 65536, "disk": 65536 + 48}  # a page file has a 48-byte header
+
+
+def tier_reading(tier: str = "host", **fields: Any) -> TierReading:
+    """An idle tier of 1,024 pages with nothing stored yet, with `fields` changed. A disk tier
+    sits in `DISK_PATH` on a 1 TiB filesystem with 500 GiB free."""
+    merged: dict[str, Any] = dict(
+        tier=tier,
+        policy="lru",
+        capacity_pages=1024,
+        used_pages=0,
+        page_bytes=TIER_BYTES_PER_PAGE[tier],
+        hits_tokens_total=0,
+        stored_pages_total=0,
+        stored_bytes_total=0,
+        loaded_pages_total=0,
+        loaded_bytes_total=0,
+        store_seconds_total=0.0,
+        load_seconds_total=0.0,
+        evicted_pages_total=0,
+        store_failures_total={"full": 0, "io": 0},
+        load_failures_total={"missing": 0, "truncated": 0, "checksum": 0, "io": 0},
+    )
+    if tier == "disk":
+        merged.update(
+            path=DISK_PATH, filesystem_free_bytes=500 << 30, filesystem_size_bytes=1 << 40
+        )
+    merged.update(fields)
+    return TierReading(**merged)

@@ -27,8 +27,25 @@ PROMISED_METRICS = frozenset(
         "kvctl_preemptions_total",
         "kvctl_gpu_memory_used_bytes",
         "kvctl_gpu_memory_total_bytes",
+        "kvctl_kv_tier_capacity_bytes",
+        "kvctl_kv_tier_used_bytes",
+        "kvctl_kv_tier_stored_pages_total",
+        "kvctl_kv_tier_stored_bytes_total",
+        "kvctl_kv_tier_loaded_pages_total",
+        "kvctl_kv_tier_loaded_bytes_total",
+        "kvctl_kv_tier_store_seconds_total",
+        "kvctl_kv_tier_load_seconds_total",
+        "kvctl_kv_tier_evicted_pages_total",
+        "kvctl_kv_tier_store_failures_total",
+        "kvctl_kv_tier_load_failures_total",
+        "kvctl_kv_tier_filesystem_free_bytes",
+        "kvctl_kv_tier_filesystem_size_bytes",
+        "kvctl_prefill_seconds_per_token",
     }
 )
+TIERED = frozenset({"kvctl_prefix_cache_hits_tokens_total"})
+"""Families with a `tier` label beside the per-tier `kvctl_kv_tier_*` ones: a query must keep
+`tier` or sum it away, never divide the series by an untiered one."""
 HISTOGRAMS = frozenset({"kvctl_defrag_duration_seconds"})
 
 

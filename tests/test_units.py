@@ -47,3 +47,9 @@ def test_format_bytes() -> None:
         "1.5 KiB",
         "8 GiB",
     ]
+
+
+def test_format_bytes_never_falls_back_to_exponents() -> None:
+    assert format_bytes(1000 << 30) == "1000 GiB"
+    assert format_bytes(1023 * (1 << 20)) == "1023 MiB"
+    assert format_bytes(2048 << 40) == "2048 TiB"

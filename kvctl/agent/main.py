@@ -114,7 +114,6 @@ def build_service(config: AgentConfig) -> Any:
     from kvctl.agent.model import CheckpointError, build_demo_model, load_checkpoint
     from kvctl.agent.model.chat_template import demo_chat_template
     from kvctl.agent.pool.storage import KVStorage
-    from kvctl.agent.runtime import Engine, EngineConfig
     from kvctl.agent.served import ServedModel
     from kvctl.agent.service import AgentService
 
@@ -160,7 +159,43 @@ def build_service(config: AgentConfig) -> Any:
         settings = apply_changes(defaults, config.settings, defaults, limits)
     except SettingsError as error:
         raise ConfigError(str(error)) from None
-    engine = Engine(
+    try:
+        engine = _engine(model, tokenizer, config, pages, segment, limits, settings)
+    except ValueError as error:  # a tier the host cannot give (memory, directory)
+        raise ConfigError(str(error)) from None
+    pool_name = mc.name or Path(config.model).name
+    try:
+        template = demo_chat_template() if config.model == "demo" else mc.chat_template
+    except CheckpointError as error:
+        raise ConfigError(f"--model {config.model}: {error}") from None
+    service = AgentService(
+        engine,
+        pool_name,
+        settings,
+        gpu=gpu,
+        window=config.stats_window,
+        defaults=defaults,
+        limits=limits,
+        max_waiting=config.max_waiting,
+    )
+    names = tuple(config.served_model_name) or (pool_name,)
+    service.served = ServedModel(names, template, mc.max_context_len)
+    return service
+
+
+def _engine(
+    model: Any,
+    tokenizer: Any,
+    config: AgentConfig,
+    pages: int,
+    segment: int,
+    limits: StartupLimits,
+    settings: Any,
+) -> Any:
+    """The engine the flags describe (its pool, prefix cache and tiers)."""
+    from kvctl.agent.runtime import Engine, EngineConfig
+
+    return Engine(
         model,
         tokenizer,
         EngineConfig(
@@ -184,24 +219,6 @@ def build_service(config: AgentConfig) -> Any:
             disk_tier_policy=settings.prefix_cache.disk_tier_policy,
         ),
     )
-    pool_name = mc.name or Path(config.model).name
-    try:
-        template = demo_chat_template() if config.model == "demo" else mc.chat_template
-    except CheckpointError as error:
-        raise ConfigError(f"--model {config.model}: {error}") from None
-    service = AgentService(
-        engine,
-        pool_name,
-        settings,
-        gpu=gpu,
-        window=config.stats_window,
-        defaults=defaults,
-        limits=limits,
-        max_waiting=config.max_waiting,
-    )
-    names = tuple(config.served_model_name) or (pool_name,)
-    service.served = ServedModel(names, template, mc.max_context_len)
-    return service
 
 
 def _secret(path: Path | None, flag: str) -> str | None:

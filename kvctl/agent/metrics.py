@@ -37,7 +37,8 @@ from prometheus_client.utils import floatToGoString
 
 from kvctl import __version__
 from kvctl.agent.pool.defrag import DefragTrigger
-from kvctl.api import AdminAction, FinishReasonName, PoolSnapshot, RejectReason
+from kvctl.agent.tiers import LOAD_FAILURES, STORE_FAILURES, TIER_NAMES
+from kvctl.api import AdminAction, FinishReasonName, PoolSnapshot, RejectReason, TierReading
 
 MetricType = Literal["gauge", "counter", "histogram"]
 
@@ -235,7 +236,66 @@ def _gpu_total(reading: Reading) -> LabelledValues:
     return {(str(gpu.index),): gpu.total_bytes for gpu in reading.snapshot.gpus}
 
 
+def _tiers(reading: Reading) -> list[TierReading]:
+    """The tiers this agent has: given room at some point, or holding counts. A disk-only agent
+    lists an empty host tier it was never given; that tier has no series. A tier turned off
+    after use keeps its series (its counters stay), so no `rate()` loses its history."""
+    return [tier for tier in reading.snapshot.tiers if _configured(tier)]
+
+
+def _configured(tier: TierReading) -> bool:
+    return bool(
+        tier.capacity_pages
+        or tier.stored_pages_total
+        or tier.hits_tokens_total
+        or tier.evicted_pages_total
+        or any(tier.store_failures_total.values())
+        or any(tier.load_failures_total.values())
+    )
+
+
+def _prefix_hits(reading: Reading) -> LabelledValues:
+    """Hit tokens by the tier their pages came from: device always, then each tier the agent
+    has, so `sum without (tier)` is every hit once."""
+    snapshot = reading.snapshot
+    by_tier = snapshot.prefix_hits_tokens_by_tier
+    counts = {"device": by_tier.get("device", snapshot.prefix_hits_tokens_total)}
+    for tier in _tiers(reading):
+        counts[tier.tier] = by_tier.get(tier.tier, 0)
+    return {(tier,): n for tier, n in counts.items()}
+
+
+def _per_tier(value: Callable[[TierReading], float | None]) -> Callable[[Reading], LabelledValues]:
+    """One series per tier the agent has; a tier whose value is None has none."""
+
+    def values(reading: Reading) -> LabelledValues:
+        out: dict[tuple[str, ...], float] = {}
+        for tier in _tiers(reading):
+            number = value(tier)
+            if number is not None:
+                out[(tier.tier,)] = number
+        return out
+
+    return values
+
+
+def _tier_failures(name: str, reasons: Sequence[str]) -> Callable[[Reading], LabelledValues]:
+    """Failures per tier and reason: every reason, even at 0, so `rate()` has a start."""
+
+    def values(reading: Reading) -> LabelledValues:
+        out: dict[tuple[str, ...], float] = {}
+        for tier in _tiers(reading):
+            counts = dict.fromkeys(reasons, 0)
+            counts.update(getattr(tier, name))
+            out.update({(tier.tier, reason): n for reason, n in counts.items()})
+        return out
+
+    return values
+
+
 _IN_WINDOW = "over the last `window_seconds` (default 300 s)"
+_TIER_NAMES = ", ".join(TIER_NAMES)
+_PER_TIER = f"per tier the agent has ({_TIER_NAMES})"
 _TRIGGERS = ", ".join(trigger.value for trigger in DefragTrigger)
 
 METRICS: tuple[MetricDef, ...] = (
@@ -365,8 +425,12 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "kvctl_prefix_cache_hits_tokens_total",
         "counter",
-        "Prompt tokens found in the prefix cache (their K/V was reused, not recomputed).",
-        _field("prefix_hits_tokens_total"),
+        "Prompt tokens found in the prefix cache (their K/V was reused, not recomputed), by the "
+        "tier their pages came from: device (the pool itself), host or disk (loaded from a tier "
+        "below); `sum without (tier)` counts every hit once.",
+        _prefix_hits,
+        labels=("tier",),
+        presence=f"device always; {_PER_TIER}",
     ),
     MetricDef(
         "kvctl_prefix_cache_hit_ratio",
@@ -374,6 +438,126 @@ METRICS: tuple[MetricDef, ...] = (
         f"Prompt tokens found / looked up in the prefix cache {_IN_WINDOW}.",
         _field("prefix_hit_ratio"),
         presence="when a prompt was looked up in the window",
+    ),
+    # ---- tiers below the device pool
+    MetricDef(
+        "kvctl_kv_tier_capacity_bytes",
+        "gauge",
+        "Bytes the tier may hold (on disk: page files, headers included); 0 when turned off.",
+        _per_tier(attrgetter("capacity_bytes")),
+        labels=("tier",),
+        presence=_PER_TIER,
+    ),
+    MetricDef(
+        "kvctl_kv_tier_used_bytes",
+        "gauge",
+        "Bytes of the pages the tier holds.",
+        _per_tier(attrgetter("used_bytes")),
+        labels=("tier",),
+        presence=_PER_TIER,
+    ),
+    MetricDef(
+        "kvctl_kv_tier_stored_pages_total",
+        "counter",
+        "Pages written into the tier: prefix pages the device evicted (host), or pages the "
+        "tier above evicted (disk).",
+        _per_tier(attrgetter("stored_pages_total")),
+        labels=("tier",),
+        presence=_PER_TIER,
+    ),
+    MetricDef(
+        "kvctl_kv_tier_stored_bytes_total",
+        "counter",
+        "Bytes of the pages written into the tier.",
+        _per_tier(attrgetter("stored_bytes_total")),
+        labels=("tier",),
+        presence=_PER_TIER,
+    ),
+    MetricDef(
+        "kvctl_kv_tier_loaded_pages_total",
+        "counter",
+        "Pages read from the tier into the device pool for a prompt that found them there.",
+        _per_tier(attrgetter("loaded_pages_total")),
+        labels=("tier",),
+        presence=_PER_TIER,
+    ),
+    MetricDef(
+        "kvctl_kv_tier_loaded_bytes_total",
+        "counter",
+        "Bytes of the pages read from the tier into the device pool.",
+        _per_tier(attrgetter("loaded_bytes_total")),
+        labels=("tier",),
+        presence=_PER_TIER,
+    ),
+    MetricDef(
+        "kvctl_kv_tier_store_seconds_total",
+        "counter",
+        "Seconds spent storing pages into the tier (copying them out of the device or the tier "
+        "above, and writing them).",
+        _per_tier(attrgetter("store_seconds_total")),
+        labels=("tier",),
+        presence=_PER_TIER,
+    ),
+    MetricDef(
+        "kvctl_kv_tier_load_seconds_total",
+        "counter",
+        "Seconds spent loading pages from the tier (reading and checking them, copying them "
+        "to the device); divided by the tier's hit tokens, compare it with "
+        "kvctl_prefill_seconds_per_token.",
+        _per_tier(attrgetter("load_seconds_total")),
+        labels=("tier",),
+        presence=_PER_TIER,
+    ),
+    MetricDef(
+        "kvctl_kv_tier_evicted_pages_total",
+        "counter",
+        "Pages that left the tier to make room (handed to the tier below, or dropped).",
+        _per_tier(attrgetter("evicted_pages_total")),
+        labels=("tier",),
+        presence=_PER_TIER,
+    ),
+    MetricDef(
+        "kvctl_kv_tier_store_failures_total",
+        "counter",
+        "Pages not stored into the tier, by reason: full (no room and nothing evictable) or io "
+        "(a write failed: the disk is full, the directory is gone).",
+        _tier_failures("store_failures_total", STORE_FAILURES),
+        labels=("tier", "reason"),
+        presence=_PER_TIER,
+    ),
+    MetricDef(
+        "kvctl_kv_tier_load_failures_total",
+        "counter",
+        f"Pages found in the tier's index but not usable, by reason ({', '.join(LOAD_FAILURES)})"
+        ": each is a miss, so the page is computed, never served wrong.",
+        _tier_failures("load_failures_total", LOAD_FAILURES),
+        labels=("tier", "reason"),
+        presence=_PER_TIER,
+    ),
+    MetricDef(
+        "kvctl_kv_tier_filesystem_free_bytes",
+        "gauge",
+        "Free bytes (for unprivileged users) of the filesystem holding the disk tier's "
+        "directory; below capacity − used bytes, the tier's stores will start failing.",
+        _per_tier(attrgetter("filesystem_free_bytes")),
+        labels=("tier",),
+        presence="disk tier, when its filesystem can be read",
+    ),
+    MetricDef(
+        "kvctl_kv_tier_filesystem_size_bytes",
+        "gauge",
+        "Size of the filesystem holding the disk tier's directory.",
+        _per_tier(attrgetter("filesystem_size_bytes")),
+        labels=("tier",),
+        presence="disk tier, when its filesystem can be read",
+    ),
+    MetricDef(
+        "kvctl_prefill_seconds_per_token",
+        "gauge",
+        "What computing one prompt token costs now (a moving average over long prompt steps): "
+        "a tier that loads a token slower than this does not pay for itself.",
+        _field("prefill_seconds_per_token"),
+        presence="once a long enough prompt step was measured",
     ),
     # ---- defragmentation and resize
     MetricDef(

@@ -13,6 +13,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvctl.agent.metrics import DEFRAG_DURATION_BUCKETS, METRICS, RESIZE_DIRECTIONS, MetricDef
 from kvctl.agent.pool.defrag import DefragTrigger
+from kvctl.agent.tiers import LOAD_FAILURES, STORE_FAILURES
 
 _INTRO = """\
 # Metrics reference
@@ -40,6 +41,16 @@ pool size (see docs/performance.md).
 - A value this host cannot measure is left out, never exported as a sentinel: on a CPU host (no
   NVML) there are no `kvctl_gpu_*` series, and `kvctl_pool_max_pages` exists only when a limit
   is set. The *present* column says when each series exists.
+- Tiers below the device pool (`--host-tier-memory`, `--disk-tier-path`) have `kvctl_kv_tier_*`
+  series labelled `tier` (host, disk), for each tier the agent has: a tier never given room has
+  none, and a tier turned off (resized to 0) keeps its counters. `reason` of store failures:
+  {store_failures}; of load failures: {load_failures}.
+- `kvctl_prefix_cache_hits_tokens_total` has one series per `tier` the reused pages came from:
+  `device` always, plus each tier the agent has. The tiers add up to every hit, so sum them
+  away (`sum without (tier) (rate(...))`) for the hit rate, as `kvctl:prefix_hit:ratio_rate5m`
+  does; a tier's load cost per token is `rate(kvctl_kv_tier_load_seconds_total[5m])` over its
+  hit tokens' rate, recorded as `kvctl:tier_load_seconds_per_token:rate5m`, to compare with
+  `kvctl_prefill_seconds_per_token`.
 - Names use base units: pages, bytes, seconds, and ratios in 0..1 (never percent).
 """
 
@@ -71,6 +82,8 @@ def metrics_markdown() -> str:
     intro = _INTRO.format(
         triggers=", ".join(trigger.value for trigger in DefragTrigger),
         directions=", ".join(RESIZE_DIRECTIONS),
+        store_failures=", ".join(STORE_FAILURES),
+        load_failures=", ".join(LOAD_FAILURES),
     )
     lines = [
         intro,

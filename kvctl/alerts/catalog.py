@@ -152,6 +152,53 @@ def _queue_wait(o: Observation) -> list[Reading]:
     return [Reading(o.snapshot.oldest_waiting_seconds)]
 
 
+def _tier_label(tier: str) -> tuple[tuple[str, str], ...]:
+    return (("tier", tier),)
+
+
+def _tier_reuse(o: Observation) -> list[Reading]:
+    """Pages loaded back per page stored over the window, per tier that stored any; `count`
+    is the pages stored, so a few stores after a start never alert."""
+    return [
+        Reading(w.loaded_pages / w.stored_pages, _tier_label(w.tier), count=w.stored_pages)
+        for w in o.tiers.values()
+        if w.stored_pages > 0
+    ]
+
+
+def _tier_load_cost(o: Observation) -> list[Reading]:
+    """A tier's load seconds per loaded token over the window, as a multiple of what computing
+    a prompt token costs; none until the agent has measured that."""
+    prefill = o.snapshot.prefill_seconds_per_token
+    if not prefill or prefill <= 0:
+        return []
+    return [
+        Reading(w.load_seconds / w.hits_tokens / prefill, _tier_label(w.tier), count=w.loaded_pages)
+        for w in o.tiers.values()
+        if w.hits_tokens > 0 and w.loaded_pages > 0
+    ]
+
+
+def _tier_store_failures(o: Observation) -> list[Reading]:
+    """Pages a tier failed to store over the window, one reading per tier and reason."""
+    return [
+        Reading(n, (("tier", w.tier), ("reason", reason)), count=n)
+        for w in o.tiers.values()
+        for reason, n in sorted(w.store_failures.items())
+    ]
+
+
+def _disk_tier_headroom(o: Observation) -> list[Reading]:
+    """Free bytes of the disk tier's filesystem over the bytes the tier may still fill; none
+    while the tier is full or off (it expects nothing more) or the filesystem is unreadable."""
+    readings = []
+    for tier in o.snapshot.tiers:
+        expected = tier.capacity_bytes - tier.used_bytes
+        if tier.tier == "disk" and tier.filesystem_free_bytes is not None and expected > 0:
+            readings.append(Reading(tier.filesystem_free_bytes / expected, _tier_label("disk")))
+    return readings
+
+
 # ---- the agent's alerts ---------------------------------------------------------------------
 
 DEFINITIONS: tuple[AlertDefinition, ...] = (
@@ -285,6 +332,70 @@ DEFINITIONS: tuple[AlertDefinition, ...] = (
         headline="GPU {gpu} memory {value} used",
         causes=causes.GPU_MEMORY_NEAR_CAPACITY,
         labels=("gpu",),
+    ),
+    AlertDefinition(
+        name="KvctlTierStoresUnused",
+        severity="warning",
+        summary="The {tier} tier of pool {pool} at {instance} stores pages nobody loads",
+        threshold=Threshold("tier_reuse_min", above=False, margin=0.05),
+        measure=_tier_reuse,
+        value_format="percent",
+        headline=(
+            "the {tier} tier loaded back {value} as many pages as it stored over the last {window}"
+        ),
+        causes=causes.TIER_STORES_UNUSED,
+        labels=("tier",),
+        minimum=MinimumCount("tier_stores_min"),
+        for_scale=10.0,
+    ),
+    AlertDefinition(
+        name="KvctlTierLoadsSlowerThanPrefill",
+        severity="warning",
+        summary=(
+            "Loading from the {tier} tier of pool {pool} at {instance} is slower than computing"
+        ),
+        threshold=Threshold(
+            "tier_load_cost_max", above=True, margin=0.2, relative=True, bounded=False
+        ),
+        measure=_tier_load_cost,
+        value_format="ratio",
+        headline=(
+            "loading a prompt token from the {tier} tier took {value} times as long as "
+            "computing it over the last {window}"
+        ),
+        causes=causes.TIER_LOADS_SLOWER_THAN_PREFILL,
+        labels=("tier",),
+        minimum=MinimumCount("tier_loads_min"),
+        for_scale=5.0,
+    ),
+    AlertDefinition(
+        name="KvctlTierStoreFailures",
+        severity="warning",
+        summary="Pages fail to be stored into the {tier} tier of pool {pool} at {instance}",
+        threshold=Threshold(
+            "tier_store_failures_max", above=True, margin=0.5, relative=True, bounded=False
+        ),
+        measure=_tier_store_failures,
+        value_format="count",
+        headline=(
+            "{value} pages failed to be stored into the {tier} tier ({reason}) over the last "
+            "{window}"
+        ),
+        causes=causes.TIER_STORE_FAILURES,
+        labels=("tier", "reason"),
+    ),
+    AlertDefinition(
+        name="KvctlDiskTierFilesystemFull",
+        severity="warning",
+        summary="The disk tier of pool {pool} at {instance} will not fit on its filesystem",
+        threshold=Threshold("disk_tier_free_min", above=False, margin=0.05, bounded=False),
+        measure=_disk_tier_headroom,
+        value_format="percent",
+        headline=(
+            "the disk tier's filesystem has {value} of the space the tier may still fill free"
+        ),
+        causes=causes.DISK_TIER_FILESYSTEM_FULL,
+        labels=("tier",),
     ),
 )
 

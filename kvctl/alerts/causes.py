@@ -9,23 +9,27 @@ force, so each is a pure function tested on a hand-made snapshot. Its remedy, bu
 from __future__ import annotations
 
 from kvctl.alerts import text
-from kvctl.alerts.definition import Cause, Situation, always
+from kvctl.alerts.definition import Cause, Situation, TierWindow, always
 from kvctl.alerts.remedies import (
     GPU_MEMORY_FRACTION,
     RESIZE_HIGH_WATER,
     auto_shrink,
     defrag_now,
+    disk_tier_fit,
     grow,
     keep_evidence,
     keep_reused,
     longer_steps,
     raise_limit,
+    resize_tier,
     shrink_pool,
+    skip_short_hits,
     sooner,
+    tier_off,
     trim_pool,
     unblock,
 )
-from kvctl.api import GpuMemory
+from kvctl.api import GpuMemory, TierReading
 
 # ---- shared pieces --------------------------------------------------------------------------
 
@@ -442,5 +446,207 @@ GPU_MEMORY_NEAR_CAPACITY = (
             f"Restart the agent with `--gpu-memory-fraction {GPU_MEMORY_FRACTION}`, and check "
             f"`nvidia-smi` for other processes on GPU {_gpu(sit).index}"
         ),
+    ),
+)
+
+
+# ---- tiers below the device pool -----------------------------------------------------------
+
+
+def _tier(sit: Situation) -> TierReading:
+    name = sit.labels["tier"]
+    return next(t for t in sit.snapshot.tiers if t.tier == name)
+
+
+def _window(sit: Situation) -> TierWindow:
+    name = sit.labels["tier"]
+    return sit.tiers.get(name) or TierWindow(tier=name, seconds=sit.snapshot.window_seconds)
+
+
+def _host_above(sit: Situation) -> bool:
+    """A disk tier under a host tier that has room: the disk gets what the host lets go."""
+    return sit.labels["tier"] == "disk" and any(
+        t.tier == "host" and t.capacity_pages > 0 for t in sit.snapshot.tiers
+    )
+
+
+def _skips_short_hits(sit: Situation) -> bool:
+    return sit.runtime.prefix_cache.tier_min_load_tokens > 0
+
+
+def _stored_loaded(sit: Situation) -> str:
+    w = _window(sit)
+    return (
+        f"{w.stored_pages} pages were stored into the {w.tier} tier and {w.loaded_pages} "
+        "loaded back"
+    )
+
+
+def _off_or_smaller(sit: Situation) -> str:
+    """Turn the tier off; when some pages do come back, a smaller tier may keep those."""
+    tier = _tier(sit)
+    off = tier_off(sit, tier.tier)
+    if _window(sit).loaded_pages == 0 or tier.capacity_bytes < 2 * tier.page_bytes:
+        return f"Turn the tier off with {off}"
+    half = resize_tier(sit, tier.tier, tier.capacity_bytes // 2)
+    return f"Turn the tier off with {off}, or, since a few pages do come back, halve it: {half}"
+
+
+TIER_STORES_UNUSED = (
+    Cause(
+        _host_above,
+        lambda sit: (
+            f"{_stored_loaded(sit)}: the pages the host tier lets go are rarely asked for "
+            "again, so the disk tier writes files nobody reads"
+        ),
+        lambda sit: f"{_off_or_smaller(sit)}; the host tier keeps what is reused",
+    ),
+    Cause(
+        _skips_short_hits,
+        lambda sit: (
+            f"{_stored_loaded(sit)}: prefixes found below the device that are shorter than "
+            "`prefix_cache.tier_min_load_tokens="
+            f"{sit.runtime.prefix_cache.tier_min_load_tokens}` are computed, not loaded"
+        ),
+        lambda sit: (
+            f"{_off_or_smaller(sit)}; or, if loads pay off for short prefixes, "
+            f"{text.command(sit.agent_url, 'config set prefix_cache.tier_min_load_tokens=0')}"
+        ),
+    ),
+    Cause(
+        always,
+        lambda sit: (
+            f"{_stored_loaded(sit)}: prompts rarely come back to the prefixes the device "
+            "evicted, so the tier costs memory and copies without saving prefill"
+        ),
+        _off_or_smaller,
+    ),
+)
+
+
+def _cost(sit: Situation) -> str:
+    """ "reading page files ... costs 1.2 ms a token, while computing one costs 0.4 ms"."""
+    w = _window(sit)
+    per_token = w.load_seconds / w.hits_tokens if w.hits_tokens else 0.0
+    prefill = sit.snapshot.prefill_seconds_per_token or 0.0
+    return (
+        f"the {w.loaded_pages} pages ({w.hits_tokens} tokens) it loaded took "
+        f"{text.seconds_per_token(per_token)} a token, while computing one takes "
+        f"{text.seconds_per_token(prefill)}"
+    )
+
+
+TIER_LOADS_SLOWER_THAN_PREFILL = (
+    Cause(
+        lambda sit: sit.labels["tier"] == "disk",
+        lambda sit: (
+            f"{_cost(sit)}: reading and checking page files in {_tier(sit).path} is slower "
+            "than the model recomputing them"
+        ),
+        lambda sit: (
+            "Move the disk tier to faster storage (restart the agent with `--disk-tier-path` "
+            f"on a local NVMe disk), skip short hits with {skip_short_hits(sit)}, or turn the "
+            f"tier off with {tier_off(sit, 'disk')}"
+        ),
+    ),
+    Cause(
+        always,
+        lambda sit: (
+            f"{_cost(sit)}: copying pages from host memory is slower than the device "
+            "recomputing them"
+        ),
+        lambda sit: (
+            f"Skip short hits with {skip_short_hits(sit)}, or turn the tier off with "
+            f"{tier_off(sit, sit.labels['tier'])}"
+        ),
+    ),
+)
+
+
+def _free(tier: TierReading) -> int:
+    return tier.filesystem_free_bytes or 0
+
+
+def _where(tier: TierReading) -> str:
+    return f"the filesystem of {tier.path}" if tier.path else "its filesystem"
+
+
+def _fit(sit: Situation) -> str:
+    return resize_tier(sit, "disk", disk_tier_fit(sit))
+
+
+TIER_STORE_FAILURES = (
+    Cause(
+        lambda sit: sit.labels["reason"] == "full",
+        lambda sit: (
+            f"the {_tier(sit).tier} tier ({_tier(sit).capacity_pages} pages) had no room and "
+            "nothing it could evict for the pages handed to it at once, so they were dropped"
+        ),
+        lambda sit: (
+            "Give the tier room with "
+            f"{resize_tier(sit, _tier(sit).tier, 2 * _tier(sit).capacity_bytes)}, or turn it "
+            f"off with {tier_off(sit, _tier(sit).tier)}"
+        ),
+    ),
+    Cause(
+        lambda sit: _tier(sit).filesystem_free_bytes is None,
+        lambda sit: (
+            f"writing page files into {_tier(sit).path} fails and its filesystem cannot be "
+            "read: the directory is gone"
+        ),
+        lambda sit: (
+            f"Recreate the directory (`mkdir -p {_tier(sit).path}`, writable by the agent's "
+            f"user), or turn the tier off with {tier_off(sit, 'disk')}"
+        ),
+    ),
+    Cause(
+        lambda sit: _free(_tier(sit)) < 16 * _tier(sit).page_bytes,
+        lambda sit: (
+            f"writing page files into {_tier(sit).path} fails: {_where(_tier(sit))} is full "
+            f"({text.size(_free(_tier(sit)))} free)"
+        ),
+        lambda sit: f"Shrink the disk tier to what fits with {_fit(sit)}, or free space there",
+    ),
+    Cause(
+        always,
+        lambda sit: (
+            f"writing page files into {_tier(sit).path} fails although {_where(_tier(sit))} "
+            f"has {text.size(_free(_tier(sit)))} free: the directory was removed, replaced "
+            "or made read-only"
+        ),
+        lambda sit: (
+            f"Restore the directory (`mkdir -p {_tier(sit).path}`, writable by the agent's "
+            f"user; `ls -ld {_tier(sit).path}` shows what is there), or turn the tier off with "
+            f"{tier_off(sit, 'disk')}"
+        ),
+    ),
+)
+
+
+def _room(sit: Situation) -> str:
+    disk = _tier(sit)
+    return (
+        f"{_where(disk)} has {text.size(_free(disk))} free, while the disk tier holds "
+        f"{text.size(disk.used_bytes)} of its {text.size(disk.capacity_bytes)}"
+    )
+
+
+DISK_TIER_FILESYSTEM_FULL = (
+    Cause(
+        lambda sit: _tier(sit).capacity_bytes > (_tier(sit).filesystem_size_bytes or 0),
+        lambda sit: (
+            f"{_room(sit)}: the tier is larger than the whole filesystem "
+            f"({text.size(_tier(sit).filesystem_size_bytes or 0)}), so its stores will fail "
+            "once the disk is full"
+        ),
+        lambda sit: f"Shrink the disk tier to what fits with {_fit(sit)}",
+    ),
+    Cause(
+        always,
+        lambda sit: (
+            f"{_room(sit)}: other files take the space it counts on, so its stores will fail "
+            "once the disk is full"
+        ),
+        lambda sit: f"Shrink the disk tier to what fits with {_fit(sit)}, or free space there",
     ),
 )

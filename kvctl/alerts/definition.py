@@ -11,7 +11,7 @@ so nothing reaches Alertmanager twice.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -78,11 +78,29 @@ class Reading:
 
 
 @dataclass(frozen=True)
+class TierWindow:
+    """What one tier below the device pool did over the window: the increases of its counters
+    between the evaluator's snapshots, since a snapshot holds only totals since start."""
+
+    tier: str
+    seconds: float
+    """The span the increases cover (the window, or less history when that is all there is)."""
+    stored_pages: int = 0
+    loaded_pages: int = 0
+    hits_tokens: int = 0
+    load_seconds: float = 0.0
+    store_failures: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Observation:
     """What the evaluator knows at one evaluation: the snapshot and rates over its history."""
 
     snapshot: PoolSnapshot
     preemptions_per_minute: float | None = None
+    tiers: Mapping[str, TierWindow] = field(default_factory=dict)
+    """Each tier's counters over the window, by tier name; a tier with under two snapshots of
+    history has none yet."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,8 @@ class Situation:
     reading: Reading
     runtime: RuntimeSettings
     agent_url: str
+    tiers: Mapping[str, TierWindow] = field(default_factory=dict)
+    """What each tier did over the window (see `Observation.tiers`)."""
 
     @property
     def settings(self) -> AlertSettings:

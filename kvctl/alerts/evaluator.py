@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvctl import api
@@ -35,6 +35,7 @@ from kvctl.alerts.definition import (
     Reading,
     Severity,
     Situation,
+    TierWindow,
 )
 
 PREEMPTION_WINDOW_S = 300.0
@@ -61,6 +62,85 @@ class CounterRate:
             self._samples.popleft()
         (t0, v0), (t1, v1) = self._samples[0], self._samples[-1]
         return None if t1 <= t0 else (v1 - v0) * 60.0 / (t1 - t0)
+
+
+class CounterWindow:
+    """Increases of several counters over a sliding window of (time, totals) samples.
+
+    Like `CounterRate`, one sample at or before the window's start is kept as the baseline. The
+    window is given at each update, so it follows the agent's stats window when that changes.
+    A counter that went down (the totals restarted) starts the history again.
+    """
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, dict[str, float]]] = deque()
+
+    def update(
+        self, now: float, totals: Mapping[str, float], window_s: float
+    ) -> tuple[float, dict[str, float]] | None:
+        """Record `totals` at `now`; the span covered and each counter's increase over it, or
+        None with under two samples."""
+        if self._samples:
+            last = self._samples[-1][1]
+            if any(totals.get(name, 0) < value for name, value in last.items()):
+                self._samples.clear()
+        self._samples.append((now, dict(totals)))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - window_s:
+            self._samples.popleft()
+        (t0, first), (t1, last) = self._samples[0], self._samples[-1]
+        if t1 <= t0:
+            return None
+        return t1 - t0, {name: value - first.get(name, 0) for name, value in last.items()}
+
+
+_FAILED = "store_failures."
+
+
+def _tier_totals(tier: api.TierReading) -> dict[str, float]:
+    totals: dict[str, float] = {
+        "stored_pages": tier.stored_pages_total,
+        "loaded_pages": tier.loaded_pages_total,
+        "hits_tokens": tier.hits_tokens_total,
+        "load_seconds": tier.load_seconds_total,
+    }
+    totals.update({_FAILED + r: n for r, n in tier.store_failures_total.items()})
+    return totals
+
+
+class TierHistory:
+    """Each tier's counters over the agent's stats window (`window_seconds`), from the
+    snapshots the evaluator sees, so the tier alerts read rates, not totals since start."""
+
+    def __init__(self) -> None:
+        self._windows: dict[str, CounterWindow] = {}
+
+    def update(self, now: float, snapshot: api.PoolSnapshot) -> dict[str, TierWindow]:
+        """Record this snapshot's tiers; what each did over the window (tiers with under two
+        samples are left out, and a tier gone from the snapshot loses its history)."""
+        out = {}
+        listed = {tier.tier for tier in snapshot.tiers}
+        for name in self._windows.keys() - listed:
+            del self._windows[name]
+        for tier in snapshot.tiers:
+            window = self._windows.setdefault(tier.tier, CounterWindow())
+            changed = window.update(now, _tier_totals(tier), snapshot.window_seconds)
+            if changed is None:
+                continue
+            seconds, increase = changed
+            out[tier.tier] = TierWindow(
+                tier=tier.tier,
+                seconds=seconds,
+                stored_pages=int(increase["stored_pages"]),
+                loaded_pages=int(increase["loaded_pages"]),
+                hits_tokens=int(increase["hits_tokens"]),
+                load_seconds=max(0.0, increase["load_seconds"]),
+                store_failures={
+                    name.removeprefix(_FAILED): int(n)
+                    for name, n in increase.items()
+                    if name.startswith(_FAILED)
+                },
+            )
+        return out
 
 
 @dataclass
@@ -121,6 +201,7 @@ class AlertEvaluator:
         self.definitions = tuple(definitions)
         self._states: dict[tuple[str, tuple[tuple[str, str], ...]], _State] = {}
         self._preemptions = CounterRate()
+        self._tiers = TierHistory()
         self.alerts: list[api.Alert] = []
 
     @property
@@ -139,7 +220,8 @@ class AlertEvaluator:
         """The alerts active after this snapshot (also kept in `self.alerts`)."""
         now = self.clock()
         rate = self._preemptions.update(now, snapshot.preemptions_total)
-        observation = Observation(snapshot, preemptions_per_minute=rate)
+        tiers = self._tiers.update(now, snapshot)
+        observation = Observation(snapshot, preemptions_per_minute=rate, tiers=tiers)
         alerts, seen = [], set()
         for definition in self.definitions:
             for reading in definition.measure(observation):
@@ -148,7 +230,7 @@ class AlertEvaluator:
                 state = self._advance(definition, key, reading, now)
                 if state is not None:
                     severity = self._severity(definition, state, snapshot)
-                    alerts.append(self._alert(definition, reading, state, severity, snapshot))
+                    alerts.append(self._alert(definition, reading, state, severity, observation))
         for key in self._states.keys() - seen:
             del self._states[key]
         alerts.sort(key=lambda a: (SEVERITY_RANK[a.severity], a.name, sorted(a.labels.items())))
@@ -192,9 +274,12 @@ class AlertEvaluator:
         reading: Reading,
         state: _State,
         severity: Severity,
-        snapshot: api.PoolSnapshot,
+        observation: Observation,
     ) -> api.Alert:
-        situation = Situation(snapshot, reading, self.settings, self.agent_url)
+        snapshot = observation.snapshot
+        situation = Situation(
+            snapshot, reading, self.settings, self.agent_url, tiers=observation.tiers
+        )
         cause = definition.cause(situation)
         values = _Values(
             snapshot,

@@ -20,6 +20,11 @@ GPU_MEMORY_FRACTION = 0.8
 """`--gpu-memory-fraction` to suggest when the device is nearly full."""
 RESTART = "`systemctl restart kvctl-agent` (Kubernetes: delete the pod)"
 """How to restart an agent, for the states only a restart clears."""
+TIER_MIN_LOAD_TOKENS = 256
+"""`prefix_cache.tier_min_load_tokens` to suggest when loads cost more than compute: a load's
+fixed costs (a file per page, a copy per hit) weigh most on short hits."""
+DISK_FREE_KEEP = 0.1
+"""A disk tier resized to fit its filesystem leaves this share of the free space to others."""
 
 
 def raise_limit(sit: Situation) -> str:
@@ -154,3 +159,30 @@ def unblock(sit: Situation) -> str:
         return f"The pool may not grow: {keep_evidence(sit)}"
     resize = text.command(sit.agent_url, f"pool resize --pages {target}")
     return f"Admit the waiting requests with {resize}; {keep_evidence(sit)}"
+
+
+def resize_tier(sit: Situation, tier: str, size_bytes: float) -> str:
+    """The command that gives tier `tier` room for `size_bytes` (0 turns it off)."""
+    return text.command(
+        sit.agent_url, f"pool resize --tier {tier} --size {text.size_arg(size_bytes)}"
+    )
+
+
+def tier_off(sit: Situation, tier: str) -> str:
+    """The command that turns tier `tier` off (its pages are dropped or handed down)."""
+    return resize_tier(sit, tier, 0)
+
+
+def disk_tier_fit(sit: Situation) -> int:
+    """A disk tier size that fits its filesystem: what it holds plus the free space, less a
+    tenth of that free space left to others."""
+    disk = next(t for t in sit.snapshot.tiers if t.tier == "disk")
+    free = disk.filesystem_free_bytes or 0
+    return disk.used_bytes + int(free * (1.0 - DISK_FREE_KEEP))
+
+
+def skip_short_hits(sit: Situation) -> str:
+    """A larger `prefix_cache.tier_min_load_tokens`, so short hits are computed, not loaded."""
+    current = sit.runtime.prefix_cache.tier_min_load_tokens
+    tokens = max(TIER_MIN_LOAD_TOKENS, 2 * current)
+    return text.command(sit.agent_url, f"config set prefix_cache.tier_min_load_tokens={tokens}")

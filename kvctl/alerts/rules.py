@@ -29,16 +29,28 @@ RECORDING_RULES: tuple[tuple[str, str], ...] = (
     ),
     (
         "kvctl:prefix_hit:ratio_rate5m",
-        "rate(kvctl_prefix_cache_hits_tokens_total[5m])"
+        "sum without (tier) (rate(kvctl_prefix_cache_hits_tokens_total[5m]))"
         " / rate(kvctl_prefix_cache_queries_tokens_total[5m])",
     ),
     ("kvctl:preemptions:rate5m", "rate(kvctl_preemptions_total[5m])"),
     ("kvctl:defrag_runs:increase10m", "increase(kvctl_defrag_duration_seconds_count[10m])"),
     ("kvctl:defrag_pages_moved:rate5m", "rate(kvctl_defrag_pages_moved_total[5m])"),
     ("kvctl:gpu_memory:ratio", "kvctl_gpu_memory_used_bytes / kvctl_gpu_memory_total_bytes"),
+    (
+        "kvctl:tier_reuse:ratio_rate5m",
+        "rate(kvctl_kv_tier_loaded_pages_total[5m]) / rate(kvctl_kv_tier_stored_pages_total[5m])",
+    ),
+    (
+        "kvctl:tier_load_seconds_per_token:rate5m",
+        "rate(kvctl_kv_tier_load_seconds_total[5m])"
+        ' / rate(kvctl_prefix_cache_hits_tokens_total{tier!="device"}[5m])',
+    ),
 )
 """Ratios are recorded from counters, so dashboards read any 5 minutes Prometheus saw, not only
-the agent's own window; a ratio with nothing attempted is NaN."""
+the agent's own window; a ratio with nothing attempted is NaN. Prefix hits carry the `tier` their
+pages came from, so the hit ratio sums the tiers away, and a tier's load time per token divides
+by that tier's hits (the agent's KvctlTierStoresUnused and KvctlTierLoadsSlowerThanPrefill read
+the same two ratios over its own window)."""
 
 HEADER = """\
 # Prometheus rules for kvctl agents: recording rules, and the alerts only Prometheus can raise

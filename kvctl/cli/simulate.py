@@ -1,4 +1,5 @@
-"""`kvctl simulate`: replay a synthetic workload against contiguous and paged KV allocation.
+"""`kvctl simulate`: replay a synthetic workload against contiguous and paged KV allocation, or
+multi-turn chat against a device pool without and with a host tier (`tiered-prefix`).
 
 The simulator is imported inside the command, never at module level, so `kvctl --help` stays
 fast and loads none of the pool code.
@@ -19,11 +20,12 @@ if TYPE_CHECKING:
 
 
 class Scenario(StrEnum):
-    """The three benchmark scenarios of the vLLM fragmentation write-up."""
+    """The three benchmark scenarios of the vLLM fragmentation write-up, and the tiered one."""
 
     HIGH_CONCURRENCY = "high-concurrency"
     RANDOM_LENGTHS = "random-lengths"
     MULTI_MODEL = "multi-model"
+    TIERED_PREFIX = "tiered-prefix"
 
 
 def _percent(value: float) -> str:
@@ -68,7 +70,8 @@ ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
 
 
 def render_table(result: dict[str, Any]) -> Table:
-    """The comparison as a rich table: one row per metric, one column per allocator."""
+    """The comparison as a rich table: one row per metric, one column per allocator (or, for
+    tiered-prefix, per side: without and with a host tier)."""
     from rich.table import Table
 
     sides = result["results"]
@@ -76,9 +79,41 @@ def render_table(result: dict[str, Any]) -> Table:
     table.add_column("metric")
     for name in sides:
         table.add_column(name, justify="right")
-    for label, read in ROWS:
+    rows = TIERED_ROWS if result["scenario"] == Scenario.TIERED_PREFIX else ROWS
+    for label, read in rows:
         table.add_row(label, *(read(side) for side in sides.values()))
     return table
+
+
+def _pages(key: str) -> Callable[[dict[str, Any]], str]:
+    def read(side: dict[str, Any]) -> str:
+        pages = side[key]
+        return f"{pages:,} ({_percent(pages / side['working_set_pages'])})" if pages else "none"
+
+    return read
+
+
+TIERED_ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
+    (
+        "conversations × turns",
+        lambda s: f"{s['conversations']} × {s['turns'] // s['conversations']}",
+    ),
+    ("device pool, pages (of the working set)", _pages("device_pages")),
+    ("host tier, pages (of the working set)", _pages("host_pages")),
+    ("prefix hit rate (reused ÷ looked-up)", _field("hit_rate", _percent)),
+    ("  from the device", lambda s: _percent(s["hit_rate_by_tier"]["device"])),
+    ("  from the host tier", lambda s: _percent(s["hit_rate_by_tier"]["host"])),
+    ("  with unbounded memory", _field("ideal_hit_rate", _percent)),
+    ("prompt tokens computed", _field("computed_prompt_tokens", _count)),
+    (
+        "host pages stored / loaded",
+        lambda s: f"{s['host_stored_pages']:,} / {s['host_loaded_pages']:,}",
+    ),
+    ("device prefix evictions (pages)", _field("device_evicted_pages", _count)),
+    ("preemptions (recomputed later)", _field("preemptions", _count)),
+    ("steps", _field("steps", _count)),
+)
+"""Rows of the tiered scenario: one column without a host tier, one with it."""
 
 
 @contextmanager
@@ -103,21 +138,36 @@ def _progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
 
 def simulate(
     scenario: Annotated[
-        Scenario, typer.Option(help="Workload to replay (the write-up's three scenarios).")
+        Scenario,
+        typer.Option(
+            help="Workload to replay: the write-up's three scenarios, or tiered-prefix "
+            "(multi-turn chat on a pool holding a quarter of it, without and with a host tier)."
+        ),
     ] = Scenario.RANDOM_LENGTHS,
     seed: Annotated[int, typer.Option(help="Seed of the workload; a seed names one run.")] = 0,
     requests: Annotated[
-        int | None, typer.Option(min=1, help="Number of requests (default: the scenario's).")
+        int | None,
+        typer.Option(
+            min=1,
+            help="Number of requests (default: the scenario's; tiered-prefix: turns, 6 a "
+            "conversation).",
+        ),
     ] = None,
     budget_fraction: Annotated[
         float | None,
         typer.Option(
-            min=0.01, max=1.0, help="KV budget as a share of peak demand (default: the scenario's)."
+            min=0.01,
+            max=1.0,
+            help="KV budget as a share of peak demand (default: the scenario's; tiered-prefix: "
+            "the device pool as a share of the working set, 0.25).",
         ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    """Replay a workload against contiguous and paged KV allocation under one memory budget."""
+    """Replay a workload against contiguous and paged KV allocation under one memory budget.
+
+    tiered-prefix: multi-turn chat on the agent's scheduler, without and with a host tier.
+    """
     from kvctl.simulate import run_scenario
 
     with _progress_bar(not json_output) as progress:

@@ -265,6 +265,51 @@ class AlertSettings(Section):
         le=86400.0,
         unit="seconds",
     )
+    tier_reuse_min: float = setting(
+        0.05,
+        "Alert when a tier loads back fewer pages than this share of the pages it stores over "
+        "the window (with at least tier_stores_min stores): it costs memory and copies for "
+        "nothing.",
+        ge=0.0,
+        le=1.0,
+        unit="ratio",
+    )
+    tier_stores_min: int = setting(
+        64,
+        "Pages a tier must store in the window before its reuse can alert: a tier filling up "
+        "after a start is not a trend.",
+        ge=1,
+        le=1_000_000_000,
+        unit="pages",
+    )
+    tier_load_cost_max: float = setting(
+        1.0,
+        "Alert when loading a prompt token from a tier takes longer than this many times the "
+        "time computing it takes (prefill seconds per token), over the window.",
+        ge=0.01,
+        le=1000.0,
+    )
+    tier_loads_min: int = setting(
+        16,
+        "Pages a tier must load in the window before its load time can alert.",
+        ge=1,
+        le=1_000_000_000,
+        unit="pages",
+    )
+    tier_store_failures_max: int = setting(
+        0,
+        "Alert when more pages than this failed to be stored into a tier over the window.",
+        ge=0,
+        le=1_000_000_000,
+        unit="pages",
+    )
+    disk_tier_free_min: float = setting(
+        1.0,
+        "Alert when the disk tier's filesystem has less free space than this share of what "
+        "the tier may still fill (capacity - used bytes): its stores would start failing.",
+        ge=0.0,
+        le=100.0,
+    )
 
 
 class RuntimeSettings(Section):

@@ -1,15 +1,24 @@
 """`kvctl simulate`: replay a synthetic workload against contiguous and paged KV allocation.
 
-Plain Python on top of the pool's bookkeeping (no torch), so a run needs no GPU.
+Plain Python on top of the pool's bookkeeping (no torch), so a run needs no GPU. The
+`tiered-prefix` scenario (`kvctl.simulate.tiered`) drives the agent's own scheduler, prefix cache
+and host tier on CPU tensors; it is imported only when that scenario runs.
 """
 
 from kvctl.simulate.contiguous import ArenaStats, ContiguousAllocator, OutOfMemory
-from kvctl.simulate.runner import RESULT_KEYS, SimulationConfig, SimulationResult, run_scenario
+from kvctl.simulate.runner import (
+    RESULT_KEYS,
+    TIERED,
+    SimulationConfig,
+    SimulationResult,
+    run_scenario,
+)
 from kvctl.simulate.workloads import SCENARIOS, Model, Request, Workload, build_workload
 
 __all__ = [
     "RESULT_KEYS",
     "SCENARIOS",
+    "TIERED",
     "ArenaStats",
     "ContiguousAllocator",
     "Model",

@@ -65,6 +65,10 @@ from kvctl.simulate.workloads import DECODE_CHUNK, Workload, build_workload
 Progress = Callable[[int, int], None]
 """Told (requests settled so far, total) across both sides, at most once per step."""
 
+TIERED = "tiered-prefix"
+"""The scenario of `kvctl.simulate.tiered` (multi-turn chat without and with a host tier); it
+drives the agent's scheduler and tiers, which need torch, so it is imported only when run."""
+
 
 @dataclass(frozen=True)
 class SimulationConfig:
@@ -288,7 +292,12 @@ def run_scenario(
     `overrides` are `SimulationConfig` fields (`requests`, `budget_fraction`, `page_size`,
     `decode_chunk`, `max_steps`). Returns exactly
     `{"scenario": name, "seed": seed, "results": {"contiguous": {...}, "paged": {...}}}`.
+    `TIERED` runs `kvctl.simulate.tiered.run_tiered` instead (its own sides and fields).
     """
+    if name == TIERED:
+        from kvctl.simulate.tiered import run_tiered
+
+        return run_tiered(seed, progress, **overrides)
     unknown = set(overrides) - {f.name for f in fields(SimulationConfig)}
     if unknown:
         raise TypeError(f"unknown simulation settings: {', '.join(sorted(unknown))}")

@@ -27,7 +27,7 @@ from kvctl.fleet import Reading
 from kvctl.sizing import ResizePlan
 from kvctl.tui.detail import DetailScreen
 from kvctl.tui.fleet_screen import FleetScreen
-from kvctl.tui.history import WINDOWS, History
+from kvctl.tui.history import WINDOWS, History, RateWindow
 from kvctl.tui.screens import AlertsScreen, ConfirmScreen, HelpScreen, ResizeScreen
 from kvctl.tui.source import DataSource
 
@@ -64,6 +64,7 @@ class TopApp(App[None]):
         self.last_good: dict[str, tuple[float, Reading]] = {}
         hold = 2.5 * interval  # a poll a little late is not a gap in the sparklines
         self.histories: dict[str, History] = {agent: History(hold) for agent in source.agents}
+        self.rates: dict[str, RateWindow] = {agent: RateWindow() for agent in source.agents}
         self.message = ""
         self.detail = DetailScreen(id="detail")
         self.fleet = FleetScreen()
@@ -95,6 +96,8 @@ class TopApp(App[None]):
 
     async def _poll(self) -> None:
         readings = await self.source.read()
+        if not self.screen_stack:  # the app closed while the agents answered
+            return
         now = self.clock()
         for reading in readings:
             self._remember(reading, now)
@@ -107,6 +110,7 @@ class TopApp(App[None]):
         if reading.up and reading.pool is not None:
             self.last_good[reading.agent] = (now, reading)
             self.histories[reading.agent].add(reading.pool, now)
+            self.rates[reading.agent].add(reading.pool)
             if previous is not None and not previous.up:
                 self.say(f"{reading.agent} answers again")
         elif previous is None or previous.up:
@@ -124,7 +128,9 @@ class TopApp(App[None]):
         position = (self.current, len(self.source.agents))
         self.detail.bar.show(position, reading, age, self.interval, self.readonly)
         self.detail.refresh_bindings()  # the acting keys follow whether this agent answers
-        self.detail.show(reading, good, self.histories[agent], self.window, now)
+        self.detail.show(
+            reading, good, self.histories[agent], self.window, now, self.rates[agent].rates()
+        )
         if isinstance(self.screen, AlertsScreen):
             shown = reading if reading.up else good
             self.screen.show(agent, shown.alerts if shown else ())

@@ -1,4 +1,5 @@
-"""One agent in detail: the four numbers with their history, requests, alerts, the page map.
+"""One agent in detail: the four numbers with their history, requests, alerts, the page map,
+and the tiers below the device when the agent has any.
 
 The screen only lays the panels out and offers the keys that act on the agent shown; the app
 owns the readings and does the acting, so the fleet screen and this one show the same data.
@@ -22,7 +23,9 @@ from kvctl.tui.widgets.alerts import AlertsPanel
 from kvctl.tui.widgets.headlines import Headlines
 from kvctl.tui.widgets.pool_map import PoolMapView
 from kvctl.tui.widgets.requests import RequestsPanel
+from kvctl.tui.widgets.tiers import TierPanel
 from kvctl.view import fmt
+from kvctl.view.tiers import TierRates
 
 if TYPE_CHECKING:
     from kvctl.tui.app import TopApp
@@ -41,6 +44,8 @@ class DetailScreen(Screen[None]):
     }
     DetailScreen #panels { height: auto; }
     DetailScreen #panels > Vertical { width: 1fr; height: auto; }
+    DetailScreen #bottom { height: 1fr; }
+    DetailScreen #bottom > Vertical { width: 1fr; height: 1fr; }
     DetailScreen #message { height: 1; color: $text-muted; padding: 0 1; }
     """
     BINDINGS: ClassVar[list[BindingType]] = [
@@ -62,8 +67,11 @@ class DetailScreen(Screen[None]):
         self.requests = RequestsPanel(id="requests")
         self.alerts = AlertsPanel(id="alerts")
         self.pool_map = PoolMapView(id="map")
+        self.tiers = TierPanel(id="tiers")
         self.message = Static("", id="message")
         self.headlines_panel = self._panel(self.headlines, HEADLINES_TITLE)
+        self.tiers_panel = self._panel(self.tiers, "tiers below the device")
+        self.tiers_panel.display = False  # until a reading says the agent has tiers
 
     @property
     def top(self) -> TopApp:
@@ -75,9 +83,9 @@ class DetailScreen(Screen[None]):
         with Horizontal(id="panels"):
             yield self._panel(self.requests, "requests and memory")
             yield self._panel(self.alerts, "firing alerts")
-        map_panel = self._panel(self.pool_map, "pool map")
-        map_panel.styles.height = "1fr"
-        yield map_panel
+        with Horizontal(id="bottom"):  # the map, and the tiers beside it when there are any
+            yield self._panel(self.pool_map, "pool map")
+            yield self.tiers_panel
         yield self.message
         yield Footer()
 
@@ -94,8 +102,10 @@ class DetailScreen(Screen[None]):
         history: History,
         window: Window,
         now: float,
+        rates: TierRates | None = None,
     ) -> None:
-        """Fill every panel: `good` (the last reading that answered) while `reading` failed."""
+        """Fill every panel: `good` (the last reading that answered) while `reading` failed;
+        `rates` are the agent's per-second rates for the tier panel."""
         shown = reading if reading.up else good
         pool = shown.pool if shown else None
         self.headlines.show(pool, history, stale=not reading.up, now=now, window=window)
@@ -105,6 +115,8 @@ class DetailScreen(Screen[None]):
         self.pool_map.show(shown.map if shown else None)
         self.requests.show(pool)
         self.alerts.show(shown.alerts if shown else ())
+        self.tiers.show(pool, rates if reading.up else None, stale=not reading.up)
+        self.tiers_panel.display = pool is not None and bool(pool.tiers)
 
     def say(self, message: str) -> None:
         self.message.update(message)

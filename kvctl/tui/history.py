@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvctl.api import PoolSnapshot
+from kvctl.view.tiers import TierRates, tier_rates
 
 SERIES = ("alloc_success_ratio", "fragmentation_ratio", "utilization_ratio", "prefix_hit_ratio")
 WORST: dict[str, Callable[[float, float], float]] = {
@@ -133,3 +134,37 @@ class History:
     def __len__(self) -> int:
         """Readings recorded this session (not the buckets they are kept in)."""
         return self._count
+
+
+RATE_SECONDS = 10.0
+"""The span rates are taken over: steadier than between two polls, still close to now."""
+
+
+class RateWindow:
+    """The readings of one agent over the last `seconds` of its own clock, for per-second rates
+    (prefill saved, bytes loaded from each tier) between the oldest and the newest."""
+
+    def __init__(self, seconds: float = RATE_SECONDS) -> None:
+        self.seconds = seconds
+        self._readings: deque[PoolSnapshot] = deque()
+
+    def add(self, pool: PoolSnapshot) -> None:
+        """Keep `pool`; a reading from the same instant replaces the last one, and a counter
+        that went back (the agent restarted) starts the window again."""
+        if self._readings:
+            last = self._readings[-1]
+            if pool.prefix_hits_tokens_total < last.prefix_hits_tokens_total:
+                self._readings.clear()
+            elif pool.timestamp <= last.timestamp:
+                self._readings.pop()
+        self._readings.append(pool)
+        while len(self._readings) > 2 and pool.timestamp - self._readings[1].timestamp >= (
+            self.seconds
+        ):
+            self._readings.popleft()
+
+    def rates(self) -> TierRates | None:
+        """Rates between the oldest and the newest reading kept; None before two readings."""
+        if len(self._readings) < 2:
+            return None
+        return tier_rates(self._readings[0], self._readings[-1])

@@ -140,6 +140,11 @@ HELP_NOTES = (
     "dip stays visible; older history is kept at a coarser grain, never dropped.",
     "Pool map: one glyph per slice of pages, its height how full the slice is; magenta used, "
     "cyan cached, grey free; ╵ marks where a segment (the unit of resize) begins.",
+    "Tiers (beside the map, only for an agent started with --host-tier-memory or "
+    "--disk-tier-path): the share of reused prompt tokens found on the device, in host memory "
+    "and on disk over the last 10 s, the prompt tokens a second the cache saved computing, and "
+    "per tier how full it is and the bytes a second loaded from it; a load should cost less "
+    "per token than prefill. kvctl pool resize --tier host|disk changes a tier's size.",
     "With --readonly, d and r are not offered; while the shown agent does not answer, they are "
     "shown dimmed and do nothing. A down agent stays in the fleet table, with why.",
 )

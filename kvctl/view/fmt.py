@@ -119,3 +119,24 @@ def headlines(pool: PoolSnapshot) -> tuple[Headline, ...]:
             pool.prefix_hit_ratio,
         ),
     )
+
+
+def per_token(seconds: float | None) -> str:
+    """A cost per token, in the unit that keeps it short: "3.95 µs", "106 µs", "1.2 ms"."""
+    if seconds is None:
+        return "–"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s"
+
+
+def byte_rate(per_second: float | None) -> str:
+    """Bytes per second in binary units: "12.3 MiB/s"; "–" without two readings."""
+    return "–" if per_second is None else f"{format_bytes(per_second)}/s"
+
+
+def token_rate(per_second: float | None) -> str:
+    """Tokens per second, whole: "1,234 tok/s"; "–" without two readings."""
+    return "–" if per_second is None else f"{per_second:,.0f} tok/s"

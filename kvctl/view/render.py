@@ -15,10 +15,10 @@ from rich.table import Table
 from rich.text import Text
 
 from kvctl.units import format_bytes
-from kvctl.view import fmt
+from kvctl.view import fmt, tiers
 
 if TYPE_CHECKING:
-    from kvctl.api import Alert, DefragResult, PoolSnapshot, ResizeResult
+    from kvctl.api import Alert, DefragResult, PoolSnapshot, ResizeResult, TierReading
     from kvctl.fleet import Reading
     from kvctl.sizing import ResizePlan
 
@@ -55,7 +55,7 @@ def headline_table(pool: PoolSnapshot) -> Table:
 
 
 def pool_table(pool: PoolSnapshot) -> Table:
-    """Geometry, requests and defragmentation of one pool."""
+    """Geometry, requests and defragmentation of one pool, and its tiers when it has any."""
     table = _pairs()
     table.add_row("pool", f"{pool.pool} on {pool.device}")
     table.add_row(
@@ -79,6 +79,8 @@ def pool_table(pool: PoolSnapshot) -> Table:
     table.add_row("resizes", f"{grows} grows, {shrinks} shrinks")
     for gpu in pool.gpus:
         table.add_row(f"gpu{gpu.index}", gpu_text(gpu.name, gpu.used_bytes, gpu.total_bytes))
+    for label, text in tiers.tier_rows(pool):
+        table.add_row(label, text)
     return table
 
 
@@ -306,14 +308,48 @@ def rounding_note(plan: ResizePlan) -> str:
     return note
 
 
+def tier_resize_plan(agent: str, pool: PoolSnapshot, tier: TierReading, plan: ResizePlan) -> str:
+    """A tier's resize as the confirmation shows it, with what happens to the pages it holds:
+    those that no longer fit go to the tier below, or are dropped from the last one."""
+    line = (
+        f"{agent} {tier.tier} tier: {plan.old_pages:,} pages ({format_bytes(plan.old_bytes)}) → "
+        f"{plan.new_pages:,} pages ({format_bytes(plan.new_bytes)})"
+    )
+    notes = []
+    if plan.new_pages == plan.old_pages:
+        notes.append("nothing changes")
+    elif plan.new_pages == 0:
+        notes.append("turns the tier off")
+    leaving = tier.used_pages - plan.new_pages
+    if leaving > 0:
+        below = [t for t in pool.tiers if t.tier != tier.tier and t.tier == "disk"]
+        to = (
+            "go to the disk tier"
+            if tier.tier == "host" and below and below[0].capacity_pages
+            else "are dropped"
+        )
+        notes.append(f"{leaving:,} of the {tier.used_pages:,} pages it holds {to}")
+    free = tier.filesystem_free_bytes
+    growth = plan.new_bytes - plan.old_bytes
+    if free is not None and growth > free:
+        notes.append(f"more than the {format_bytes(free)} free on its filesystem")
+    return "; ".join([line, *notes])
+
+
 def resize_result(result: ResizeResult) -> Table:
     table = _pairs()
+    device = result.tier == "device"
     table.add_row(
-        result.direction,
+        result.direction if device else f"{result.tier} tier {result.direction}",
         f"{result.old_pages:,} pages ({format_bytes(result.old_bytes)}) → "
         f"{result.new_pages:,} pages ({format_bytes(result.new_bytes)})",
     )
-    if result.pages_moved or result.pages_evicted:
+    if not device:
+        if result.pages_evicted:
+            table.add_row(
+                "evicted", f"{result.pages_evicted:,} pages, to the tier below or dropped"
+            )
+    elif result.pages_moved or result.pages_evicted:
         table.add_row("moved", f"{result.pages_moved:,} pages, {result.pages_evicted:,} evicted")
     return table
 

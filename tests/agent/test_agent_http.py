@@ -464,6 +464,10 @@ def test_public_bind_without_token_is_refused() -> None:
         (["--max-pool-pages", "64"], "initial size of 1024 pages is above --max-pool-pages 64"),
         (["--advertise-url", "http://0.0.0.0:8477"], "wildcard address"),
         (["--device", "tpu"], "cpu, cuda or cuda:N"),
+        (["--host-tier-memory", "1000TiB"], "the host tier would take 1000 TiB more"),
+        (["--disk-tier-path", "/proc/version"], "exists and is not a directory"),
+        (["--disk-tier-size", "1GiB"], "--disk-tier-size needs --disk-tier-path"),
+        (["--no-prefix-cache", "--host-tier-memory", "1GiB"], "they need the prefix cache"),
     ],
 )
 def test_bad_flags_are_one_line_errors(flags, message) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pool_readings import pool_snapshot
+from pool_readings import pool_snapshot, tier_reading
 from prometheus_client.parser import text_string_to_metric_families
 from promised_metrics import PROMISED_METRICS
 
@@ -32,11 +32,51 @@ from kvctl.agent.metrics import (
     render,
 )
 from kvctl.agent.metrics_docs import metrics_markdown
-from kvctl.api import GpuMemory, PoolSnapshot
+from kvctl.api import GpuMemory, PoolSnapshot, TierReading
 
 ROOT = Path(__file__).resolve().parents[2]
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def host_tier(**changes: Any) -> TierReading:
+    fields: dict[str, Any] = dict(
+        capacity_pages=2048,
+        used_pages=1500,
+        page_bytes=4096,
+        hits_tokens_total=2400,
+        stored_pages_total=5000,
+        stored_bytes_total=20_480_000,
+        loaded_pages_total=150,
+        loaded_bytes_total=614_400,
+        store_seconds_total=1.25,
+        load_seconds_total=0.5,
+        evicted_pages_total=3100,
+        store_failures_total={"full": 4, "io": 0},
+    )
+    return tier_reading("host", **{**fields, **changes})
+
+
+def disk_tier(**changes: Any) -> TierReading:
+    fields: dict[str, Any] = dict(
+        capacity_pages=10_000,
+        used_pages=3000,
+        page_bytes=4144,
+        hits_tokens_total=640,
+        stored_pages_total=3100,
+        stored_bytes_total=12_697_600,
+        loaded_pages_total=40,
+        loaded_bytes_total=163_840,
+        store_seconds_total=6.5,
+        load_seconds_total=2.0,
+        evicted_pages_total=100,
+        store_failures_total={"full": 0, "io": 7},
+        load_failures_total={"missing": 1, "truncated": 2, "checksum": 3, "io": 0},
+        path="/var/lib/kvctl/tier",
+        filesystem_free_bytes=50_000_000_000,
+        filesystem_size_bytes=1_000_000_000_000,
+    )
+    return tier_reading("disk", **{**fields, **changes})
 
 
 def make_snapshot(**overrides: Any) -> PoolSnapshot:
@@ -67,6 +107,9 @@ def make_snapshot(**overrides: Any) -> PoolSnapshot:
         prefix_hits_tokens_total=12_000,
         prefix_hit_ratio=0.2,
         prefix_evictions_total=11,
+        prefix_hits_tokens_by_tier={"device": 8960, "host": 2400, "disk": 640},
+        tiers=[host_tier(), disk_tier()],
+        prefill_seconds_per_token=0.0004,
         defrag_runs_total={"manual": 2, "threshold": 5},
         defrag_pages_moved_total=321,
         defrag_active=False,
@@ -121,6 +164,42 @@ def series(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
 GIB = 2**30
 
 
+TIER_SERIES: Samples = {
+    series("kvctl_kv_tier_capacity_bytes", tier="host"): 2048 * 4096,
+    series("kvctl_kv_tier_capacity_bytes", tier="disk"): 10_000 * 4144,
+    series("kvctl_kv_tier_used_bytes", tier="host"): 1500 * 4096,
+    series("kvctl_kv_tier_used_bytes", tier="disk"): 3000 * 4144,
+    series("kvctl_kv_tier_stored_pages_total", tier="host"): 5000,
+    series("kvctl_kv_tier_stored_pages_total", tier="disk"): 3100,
+    series("kvctl_kv_tier_stored_bytes_total", tier="host"): 20_480_000,
+    series("kvctl_kv_tier_stored_bytes_total", tier="disk"): 12_697_600,
+    series("kvctl_kv_tier_loaded_pages_total", tier="host"): 150,
+    series("kvctl_kv_tier_loaded_pages_total", tier="disk"): 40,
+    series("kvctl_kv_tier_loaded_bytes_total", tier="host"): 614_400,
+    series("kvctl_kv_tier_loaded_bytes_total", tier="disk"): 163_840,
+    series("kvctl_kv_tier_store_seconds_total", tier="host"): 1.25,
+    series("kvctl_kv_tier_store_seconds_total", tier="disk"): 6.5,
+    series("kvctl_kv_tier_load_seconds_total", tier="host"): 0.5,
+    series("kvctl_kv_tier_load_seconds_total", tier="disk"): 2.0,
+    series("kvctl_kv_tier_evicted_pages_total", tier="host"): 3100,
+    series("kvctl_kv_tier_evicted_pages_total", tier="disk"): 100,
+    series("kvctl_kv_tier_store_failures_total", tier="host", reason="full"): 4,
+    series("kvctl_kv_tier_store_failures_total", tier="host", reason="io"): 0,
+    series("kvctl_kv_tier_store_failures_total", tier="disk", reason="full"): 0,
+    series("kvctl_kv_tier_store_failures_total", tier="disk", reason="io"): 7,
+    series("kvctl_kv_tier_load_failures_total", tier="host", reason="missing"): 0,
+    series("kvctl_kv_tier_load_failures_total", tier="host", reason="truncated"): 0,
+    series("kvctl_kv_tier_load_failures_total", tier="host", reason="checksum"): 0,
+    series("kvctl_kv_tier_load_failures_total", tier="host", reason="io"): 0,
+    series("kvctl_kv_tier_load_failures_total", tier="disk", reason="missing"): 1,
+    series("kvctl_kv_tier_load_failures_total", tier="disk", reason="truncated"): 2,
+    series("kvctl_kv_tier_load_failures_total", tier="disk", reason="checksum"): 3,
+    series("kvctl_kv_tier_load_failures_total", tier="disk", reason="io"): 0,
+    series("kvctl_kv_tier_filesystem_free_bytes", tier="disk"): 50_000_000_000,
+    series("kvctl_kv_tier_filesystem_size_bytes", tier="disk"): 1_000_000_000_000,
+}
+
+
 def expected_for_full_snapshot() -> Samples:
     expected = {
         series("kvctl_build_info", version=__version__): 1,
@@ -141,7 +220,9 @@ def expected_for_full_snapshot() -> Samples:
         series("kvctl_alloc_failures_total"): 3,
         series("kvctl_alloc_success_ratio"): 0.99,
         series("kvctl_prefix_cache_queries_tokens_total"): 50_000,
-        series("kvctl_prefix_cache_hits_tokens_total"): 12_000,
+        series("kvctl_prefix_cache_hits_tokens_total", tier="device"): 8960,
+        series("kvctl_prefix_cache_hits_tokens_total", tier="host"): 2400,
+        series("kvctl_prefix_cache_hits_tokens_total", tier="disk"): 640,
         series("kvctl_prefix_cache_hit_ratio"): 0.2,
         series("kvctl_defrag_runs_total", trigger="manual"): 2,
         series("kvctl_defrag_runs_total", trigger="threshold"): 5,
@@ -178,6 +259,8 @@ def expected_for_full_snapshot() -> Samples:
         series("kvctl_prompt_tokens_total"): 5000,
         series("kvctl_generation_tokens_total"): 1200,
         series("kvctl_prefix_cache_evicted_pages_total"): 11,
+        series("kvctl_prefill_seconds_per_token"): 0.0004,
+        **TIER_SERIES,
     }
     empty = (
         ("kvctl_defrag_duration_seconds", DEFRAG_DURATION_BUCKETS),
@@ -292,6 +375,101 @@ def test_registries_are_independent() -> None:
     assert b'pool="b"' in render(second)[0]
 
 
+# ---- tiers below the device pool ------------------------------------------------------------
+
+
+def tier_series(samples: Samples) -> set[tuple[str, str]]:
+    """(family, tier) of every series that has a `tier` label."""
+    return {(name, dict(labels)["tier"]) for name, labels in samples if "tier" in dict(labels)}
+
+
+def test_hits_by_tier_add_up_to_every_hit() -> None:
+    samples = kvctl_samples(scrape(make_snapshot()))
+    hits = {
+        dict(labels)["tier"]: value
+        for (name, labels), value in samples.items()
+        if name == "kvctl_prefix_cache_hits_tokens_total"
+    }
+    assert hits == {"device": 8960, "host": 2400, "disk": 640}
+    assert sum(hits.values()) == make_snapshot().prefix_hits_tokens_total
+
+
+def test_an_agent_without_tiers_has_only_device_hits_and_no_tier_series() -> None:
+    snapshot = make_snapshot(tiers=[], prefix_hits_tokens_by_tier={"device": 12_000})
+    samples = kvctl_samples(scrape(snapshot))
+    assert tier_series(samples) == {("kvctl_prefix_cache_hits_tokens_total", "device")}
+    assert samples[series("kvctl_prefix_cache_hits_tokens_total", tier="device")] == 12_000
+    text = scrape(snapshot)
+    assert "kvctl_kv_tier_" not in text  # not even HELP/TYPE lines of an empty family
+
+
+def test_a_snapshot_without_the_split_counts_every_hit_on_the_device() -> None:
+    samples = kvctl_samples(scrape(make_snapshot(tiers=[], prefix_hits_tokens_by_tier={})))
+    assert samples[series("kvctl_prefix_cache_hits_tokens_total", tier="device")] == 12_000
+
+
+def test_a_tier_never_given_room_has_no_series() -> None:
+    """A disk-only agent lists an empty host tier: it was never configured, so it has none."""
+    idle_host = tier_reading("host", capacity_pages=0)
+    snapshot = make_snapshot(
+        tiers=[idle_host, disk_tier()],
+        prefix_hits_tokens_by_tier={"device": 11_360, "host": 0, "disk": 640},
+    )
+    samples = kvctl_samples(scrape(snapshot))
+    assert {tier for _, tier in tier_series(samples)} == {"device", "disk"}
+    assert {name for name, tier in tier_series(samples) if tier == "disk"} == {
+        name for name, _ in TIER_SERIES
+    } | {"kvctl_prefix_cache_hits_tokens_total"}
+    hits = [v for (n, _), v in samples.items() if n == "kvctl_prefix_cache_hits_tokens_total"]
+    assert sum(hits) == 12_000
+
+
+def test_a_tier_turned_off_after_use_keeps_its_counters() -> None:
+    off = host_tier(capacity_pages=0, used_pages=0)
+    samples = kvctl_samples(scrape(make_snapshot(tiers=[off, disk_tier()])))
+    assert samples[series("kvctl_kv_tier_capacity_bytes", tier="host")] == 0
+    assert samples[series("kvctl_kv_tier_stored_pages_total", tier="host")] == 5000
+    assert samples[series("kvctl_prefix_cache_hits_tokens_total", tier="host")] == 2400
+
+
+def test_only_the_disk_tier_has_filesystem_series_and_only_when_readable() -> None:
+    samples = kvctl_samples(scrape(make_snapshot()))
+    filesystem = {s for s in tier_series(samples) if "filesystem" in s[0]}
+    assert filesystem == {
+        ("kvctl_kv_tier_filesystem_free_bytes", "disk"),
+        ("kvctl_kv_tier_filesystem_size_bytes", "disk"),
+    }
+    gone = disk_tier(filesystem_free_bytes=None, filesystem_size_bytes=None)
+    text = scrape(make_snapshot(tiers=[host_tier(), gone]))
+    assert "kvctl_kv_tier_filesystem_" not in text
+    assert 'kvctl_kv_tier_used_bytes{pool="llama-3-8b",tier="disk"}' in text
+
+
+def test_prefill_seconds_per_token_is_absent_until_measured() -> None:
+    families = text_string_to_metric_families(scrape(make_snapshot(prefill_seconds_per_token=None)))
+    assert "kvctl_prefill_seconds_per_token" not in {f.name for f in families}
+    samples = kvctl_samples(scrape(make_snapshot()))
+    assert samples[series("kvctl_prefill_seconds_per_token")] == 0.0004
+
+
+def test_every_failure_reason_appears_from_the_start() -> None:
+    fresh = tier_reading("disk", store_failures_total={}, load_failures_total={})
+    samples = kvctl_samples(scrape(make_snapshot(tiers=[fresh])))
+    reasons = {
+        (name, dict(labels)["reason"])
+        for (name, labels), value in samples.items()
+        if "failures" in name and value == 0
+    }
+    assert reasons == {
+        ("kvctl_kv_tier_store_failures_total", "full"),
+        ("kvctl_kv_tier_store_failures_total", "io"),
+        ("kvctl_kv_tier_load_failures_total", "missing"),
+        ("kvctl_kv_tier_load_failures_total", "truncated"),
+        ("kvctl_kv_tier_load_failures_total", "checksum"),
+        ("kvctl_kv_tier_load_failures_total", "io"),
+    }
+
+
 # ---- the defrag-duration histogram ----------------------------------------------------------
 
 
@@ -363,8 +541,8 @@ def test_table_covers_design_and_has_no_duplicates() -> None:
 
 
 def test_names_follow_prometheus_conventions() -> None:
-    non_base_units = re.compile(
-        r"_(milli|micro|nano|kilo|mega|giga|k|m|g|ki|mi|gi)?(seconds|bytes|b)_|"
+    non_base_units = re.compile(  # a base unit may be followed by `_per_` (seconds per token)
+        r"_(milli|micro|nano|kilo|mega|giga|k|m|g|ki|mi|gi)?(seconds|bytes|b)_(?!per_)|"
         r"_(ms|us|ns|kb|mb|gb|kib|mib|gib|minutes|hours|days|percent|perc|pct)(_|$)"
     )
     for metric in METRICS:

@@ -8,15 +8,20 @@ host:port, the same as Prometheus' scrape), commands aimed at the advertised URL
 link the agent answers. Each condition is notified once and resolved once: the agent's own
 alert (tripped by a threshold PATCHed onto an idle pool) comes only from the agent, and
 `KvctlAgentDown` (the agent stopped) only from Prometheus. Under real load on a pool too small,
-the allocation alert names the command that fixes it, and running it resolves the alert.
+the allocation alert names the command that fixes it, and running it resolves the alert. The
+tiers below the pool raise theirs from what really happens to them: a host tier that stores
+unique prompts nobody reuses, a disk tier whose directory is replaced by a file, a disk tier
+larger than its filesystem's free space; each resolves once the cause is gone.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -26,9 +31,11 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 from agent_process import SMALL_POOL, RunningAgent, launch_agent
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvctl.alerts import fetch_alerts, post_test_alert, render_rule_file
 from kvctl.api import AlertSettings
+from kvctl.units import parse_size
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -263,3 +270,185 @@ def test_kvctl_alerts_list_reads_alertmanager(alertmanager) -> None:
     assert fetch_alerts(alertmanager.alertmanager_url)[0]["labels"]["alertname"] == (
         "KvctlTestAlert"
     )
+
+
+# ---- tiers below the pool ---------------------------------------------------------------------
+
+TIER_ALERTS = (
+    *("--alert-interval", "1s", "--alert-for", "0s", "--stats-window", "4s"),
+    *("--set", "alerts.utilization_low=0", "--set", "alerts.prefix_hit_min=0"),
+)
+"""Alerts every second on a 4 s window, those about the pool's size and hit rate off."""
+TIER_AGENT = ("--pool-pages", "32", "--segment-pages", "32", "--page-size", "16", *TIER_ALERTS)
+"""A pool of a few prompts' pages, so each new prompt evicts the last ones'."""
+_UNIQUE = itertools.count()
+
+
+def drive_unique(url: str, stop: threading.Event) -> None:
+    """Unique prompts of a few pages, one at a time, until told to stop: the device evicts
+    each one's pages to make room for the next, and none is ever asked for again."""
+    with httpx.Client(base_url=url, timeout=60) as http:
+        while not stop.is_set():
+            n = next(_UNIQUE)
+            prompt = f"{n} a prompt nobody sends twice {n} " * 5
+            http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+
+
+class Traffic:
+    """`drive_unique` in a thread, for a `with` block."""
+
+    def __init__(self, url: str) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=drive_unique, args=(url, self.stop), daemon=True)
+
+    def __enter__(self) -> Traffic:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+def tier_alerts(stack, name: str, agent: RunningAgent, **labels: str) -> list[dict]:
+    """Active alerts `name` of `agent` in Alertmanager with `labels`."""
+    instance = agent.url.removeprefix("http://")
+    return [
+        a
+        for a in named(stack, name)
+        if a["labels"]["instance"] == instance
+        and all(a["labels"].get(k) == v for k, v in labels.items())
+    ]
+
+
+def disk_tier(agent: RunningAgent) -> dict:
+    """The disk tier's reading in the agent's /v1/pool."""
+    tiers = httpx.get(f"{agent.url}/v1/pool").json()["tiers"]
+    return next(t for t in tiers if t["tier"] == "disk")
+
+
+def samples(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The agent's series `name`, by their labels other than `pool`."""
+    body = httpx.get(f"{url}/metrics").text
+    return {
+        tuple(sorted((k, v) for k, v in sample.labels.items() if k != "pool")): sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def test_a_host_tier_nobody_loads_from_fires_and_resolves_when_stores_stop(prom_stack) -> None:
+    am_url = prom_stack.start_alertmanager()
+    agent = launch_agent(
+        *TIER_AGENT,
+        *("--host-tier-memory", "8MiB", "--alertmanager-url", am_url),
+        *("--set", "alerts.tier_stores_min=4"),
+    )
+    try:
+        with Traffic(agent.url):
+            [alert] = prom_stack.wait_for(
+                lambda: tier_alerts(prom_stack, "KvctlTierStoresUnused", agent, tier="host"),
+                "KvctlTierStoresUnused from the agent",
+            )
+        assert alert["labels"] == {
+            "alertname": "KvctlTierStoresUnused",
+            "severity": "warning",
+            "pool": "demo",
+            "instance": agent.url.removeprefix("http://"),
+            "job": "kvctl-agent",
+            "tier": "host",
+        }
+        assert remediation_command(alert) == [
+            *("kvctl", "--agent", agent.url),
+            *("pool", "resize", "--tier", "host", "--size", "0"),
+        ]
+        tiers = httpx.get(f"{agent.url}/v1/pool").json()["tiers"]
+        [host] = [t for t in tiers if t["tier"] == "host"]
+        assert host["stored_pages_total"] > 0 and host["loaded_pages_total"] == 0
+        prom_stack.wait_for(
+            lambda: not tier_alerts(prom_stack, "KvctlTierStoresUnused", agent),
+            "KvctlTierStoresUnused to resolve once the stores stop",
+        )
+        # the tier series add up to every hit, as /v1/pool counts them
+        pool = httpx.get(f"{agent.url}/v1/pool").json()
+        by_tier = samples(agent.url, "kvctl_prefix_cache_hits_tokens_total")
+        assert set(by_tier) == {(("tier", "device"),), (("tier", "host"),)}
+        assert sum(by_tier.values()) == pool["prefix_hits_tokens_total"]
+    finally:
+        agent.stop()
+
+
+def test_a_disk_tier_that_cannot_write_fires_and_resolves_once_its_directory_is_back(
+    prom_stack, tmp_path
+) -> None:
+    am_url = prom_stack.start_alertmanager()
+    directory = tmp_path / "disk-tier"
+    agent = launch_agent(
+        *TIER_AGENT,
+        *("--disk-tier-path", str(directory), "--disk-tier-size", "64MiB"),
+        *("--alertmanager-url", am_url),
+    )
+    aside = tmp_path / "disk-tier.aside"
+    try:
+        with Traffic(agent.url):
+            prom_stack.wait_for(lambda: disk_tier(agent)["used_pages"], "pages stored on disk")
+            directory.rename(aside)
+            directory.write_text("not a directory")  # every page file write fails now
+            [alert] = prom_stack.wait_for(
+                lambda: tier_alerts(
+                    prom_stack, "KvctlTierStoreFailures", agent, tier="disk", reason="io"
+                ),
+                "KvctlTierStoreFailures from the agent",
+            )
+            assert alert["labels"]["severity"] == "warning"
+            assert f"`mkdir -p {directory}`" in alert["annotations"]["remediation"]
+            assert "fails although" in alert["annotations"]["description"]
+            directory.unlink()
+            aside.rename(directory)  # back, while the stores go on
+            prom_stack.wait_for(
+                lambda: not tier_alerts(prom_stack, "KvctlTierStoreFailures", agent),
+                "KvctlTierStoreFailures to resolve a window after the directory is back",
+            )
+        assert disk_tier(agent)["store_failures_total"]["io"] > 0
+        failed = samples(agent.url, "kvctl_kv_tier_store_failures_total")
+        assert failed[(("reason", "io"), ("tier", "disk"))] > 0
+    finally:
+        agent.stop()
+
+
+def test_a_disk_tier_larger_than_the_free_space_fires_until_resized_to_what_fits(
+    prom_stack, tmp_path
+) -> None:
+    am_url = prom_stack.start_alertmanager()
+    directory = tmp_path / "big-tier"
+    free = shutil.disk_usage(tmp_path).free
+    agent = launch_agent(  # a page of 256 tokens is a 1 MiB file: few slots to index
+        *("--pool-pages", "8", "--segment-pages", "8", "--page-size", "256", *TIER_ALERTS),
+        *("--disk-tier-path", str(directory), "--disk-tier-size", str(2 * free)),
+        *("--alertmanager-url", am_url),
+    )
+    try:
+        [alert] = prom_stack.wait_for(
+            lambda: tier_alerts(prom_stack, "KvctlDiskTierFilesystemFull", agent, tier="disk"),
+            "KvctlDiskTierFilesystemFull from the agent",
+        )
+        command = remediation_command(alert)
+        assert command[:-1] == [
+            *("kvctl", "--agent", agent.url),
+            *("pool", "resize", "--tier", "disk", "--size"),
+        ]
+        fits = parse_size(command[-1])
+        assert 0 < fits <= shutil.disk_usage(tmp_path).free
+        resized = httpx.post(
+            f"{agent.url}/v1/pool/resize", json={"tier": "disk", "bytes": fits}, timeout=30
+        )
+        resized.raise_for_status()
+        prom_stack.wait_for(
+            lambda: not tier_alerts(prom_stack, "KvctlDiskTierFilesystemFull", agent),
+            "KvctlDiskTierFilesystemFull to resolve once the tier fits",
+        )
+        free = samples(agent.url, "kvctl_kv_tier_filesystem_free_bytes")
+        assert set(free) == {(("tier", "disk"),)}
+    finally:
+        agent.stop()

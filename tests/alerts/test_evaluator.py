@@ -5,6 +5,7 @@ identity labels, all on an injected clock."""
 from __future__ import annotations
 
 import pytest
+from pool_readings import tier_reading
 
 from kvctl import api
 from kvctl.alerts import DEFINITIONS, AlertEvaluator
@@ -318,7 +319,25 @@ TRIGGERS = {
     "KvctlGpuMemoryNearCapacity": dict(
         gpus=[api.GpuMemory(index=0, name="L4", used_bytes=23 << 30, total_bytes=24 << 30)]
     ),
+    # tier alerts read counters over the window: the first snapshot (BEFORE) starts the history
+    "KvctlTierStoresUnused": dict(tiers=[tier_reading("host", stored_pages_total=500)]),
+    "KvctlTierLoadsSlowerThanPrefill": dict(
+        prefill_seconds_per_token=0.0004,
+        tiers=[
+            tier_reading(
+                "host", loaded_pages_total=100, hits_tokens_total=1600, load_seconds_total=2.0
+            )
+        ],
+    ),
+    "KvctlTierStoreFailures": dict(
+        tiers=[tier_reading("disk", store_failures_total={"full": 0, "io": 12})]
+    ),
+    "KvctlDiskTierFilesystemFull": dict(
+        tiers=[tier_reading("disk", capacity_pages=20_000_000, filesystem_free_bytes=100 << 30)]
+    ),
 }
+BEFORE = {name: dict(tiers=[tier_reading("host")]) for name in TRIGGERS if "Tier" in name}
+BEFORE["KvctlTierStoreFailures"] = dict(tiers=[tier_reading("disk")])
 
 
 @pytest.mark.parametrize("definition", DEFINITIONS, ids=lambda d: d.name)
@@ -326,7 +345,7 @@ def test_every_alert_fires_with_a_value_a_cause_and_a_command(
     definition, clock, make_snapshot
 ) -> None:
     ev = evaluator(clock, for_s=0)
-    ev.evaluate(make_snapshot())
+    ev.evaluate(make_snapshot(**BEFORE.get(definition.name, {})))
     clock.now += 60
     alerts = {a.name: a for a in ev.evaluate(make_snapshot(**TRIGGERS[definition.name]))}
     alert = alerts[definition.name]

@@ -1,5 +1,6 @@
 """The generated rule file in a real Prometheus that scrapes scripted exporters and alerts a real
-Alertmanager: the rules load without errors, the recording rules return values, and the fleet
+Alertmanager: the rules load without errors, the recording rules return values (the prefix hit
+ratio summed over the tiers its hits come from, each tier's reuse and load cost), and the fleet
 alert, which needs several agents, arrives with its texts and resolves when the fleet recovers.
 
 Each exporter serves the agent's metric names with values the test sets (three "nodes" serving
@@ -46,12 +47,22 @@ class ScriptedExporter:
             "kvctl_alloc_attempts_total": 10 * n,
             "kvctl_alloc_failures_total": 0,
             "kvctl_prefix_cache_queries_tokens_total": 100 * n,
-            "kvctl_prefix_cache_hits_tokens_total": 50 * n,
             "kvctl_preemptions_total": 0,
             "kvctl_defrag_pages_moved_total": 0,
         }
         for name, value in counters.items():
             lines += [f"# TYPE {name} counter", f'{name}{{pool="demo"}} {value}']
+        # half the tokens hit: 30 on the device and 20 loaded from the host tier, which loads
+        # 1 page for every 8 it stores, at 2 ms a token
+        tiered = {
+            "kvctl_prefix_cache_hits_tokens_total": {"device": 30 * n, "host": 20 * n},
+            "kvctl_kv_tier_stored_pages_total": {"host": 8 * n},
+            "kvctl_kv_tier_loaded_pages_total": {"host": n},
+            "kvctl_kv_tier_load_seconds_total": {"host": 0.04 * n},
+        }
+        for name, values in tiered.items():
+            lines.append(f"# TYPE {name} counter")
+            lines += [f'{name}{{pool="demo",tier="{t}"}} {v}' for t, v in values.items()]
         lines += [
             "# TYPE kvctl_defrag_duration_seconds histogram",
             'kvctl_defrag_duration_seconds_bucket{pool="demo",le="+Inf"} 0',
@@ -107,18 +118,25 @@ def test_rules_load_record_and_raise_the_fleet_alert(prom_stack, fleet) -> None:
         return rules if done else []
 
     loaded = prom_stack.wait_for(evaluated_rules, "every rule to be evaluated")
-    assert len(loaded) == 9
+    assert len(loaded) == 11
     assert [(r["name"], r["health"]) for r in loaded if r["health"] != "ok"] == []
 
     def recorded(name: str) -> list[float]:
         return [float(r["value"][1]) for r in prom_stack.query(name)]
 
-    ratios = ("kvctl:alloc_success:ratio_rate5m", "kvctl:prefix_hit:ratio_rate5m")
+    ratios = (
+        "kvctl:alloc_success:ratio_rate5m",
+        "kvctl:prefix_hit:ratio_rate5m",
+        "kvctl:tier_reuse:ratio_rate5m",
+        "kvctl:tier_load_seconds_per_token:rate5m",
+    )
     prom_stack.wait_for(
         lambda: all(len(recorded(name)) == len(fleet) for name in ratios), "every node's ratios"
     )
     assert recorded("kvctl:alloc_success:ratio_rate5m") == [1.0, 1.0, 1.0]
     assert recorded("kvctl:prefix_hit:ratio_rate5m") == pytest.approx([0.5, 0.5, 0.5])
+    assert recorded("kvctl:tier_reuse:ratio_rate5m") == pytest.approx([0.125] * 3)
+    assert recorded("kvctl:tier_load_seconds_per_token:rate5m") == pytest.approx([0.002] * 3)
 
     [alert] = prom_stack.wait_for(
         lambda: active(prom_stack, "KvctlFleetPressureHigh"), "the fleet alert in Alertmanager"

@@ -105,7 +105,7 @@ def test_promtool_accepts_the_rule_file(tool, tmp_path) -> None:
     custom.write_text(render_rule_file(api.AlertSettings(for_s=0, pressure_high=0.5)))
     result = run(tool("promtool"), "check", "rules", str(RULES), str(custom))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("SUCCESS: 9 rules found") == 2
+    assert result.stdout.count("SUCCESS: 11 rules found") == 2
 
 
 def test_promtool_unit_tests_of_every_alert_pass(tool) -> None:
@@ -116,10 +116,35 @@ def test_promtool_unit_tests_of_every_alert_pass(tool) -> None:
 def test_the_unit_tests_cover_every_rule_firing_and_not_firing() -> None:
     firing, quiet = set(), set()
     for group in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
-        for case in group["alert_rule_test"]:
+        for case in group.get("alert_rule_test", []):
             (firing if case.get("exp_alerts") else quiet).add(case["alertname"])
     assert firing == {r.name for r in RULE_ONLY}
     assert quiet == {r.name for r in RULE_ONLY}
+
+
+def test_every_recording_rule_over_tiered_series_has_a_unit_test() -> None:
+    """Prefix hits carry `tier`: a rule that divides them by an untiered series must sum the
+    tiers away, or it matches nothing; promtool checks each such rule's value."""
+    tested = {
+        case["expr"]
+        for group in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+        for case in group.get("promql_expr_test", [])
+    }
+    tiered = {
+        name
+        for name, expr in RECORDING_RULES
+        if "kvctl_kv_tier_" in expr or "kvctl_prefix_cache_hits_tokens_total" in expr
+    }
+    assert tiered == {
+        "kvctl:prefix_hit:ratio_rate5m",
+        "kvctl:tier_reuse:ratio_rate5m",
+        "kvctl:tier_load_seconds_per_token:rate5m",
+    }
+    assert tiered <= tested
+    [hit_ratio] = [
+        expr for name, expr in RECORDING_RULES if name == "kvctl:prefix_hit:ratio_rate5m"
+    ]
+    assert hit_ratio.startswith("sum without (tier) (rate(kvctl_prefix_cache_hits_tokens_total")
 
 
 def test_a_down_agent_inhibits_its_own_alerts_by_instance() -> None:

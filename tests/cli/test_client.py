@@ -72,7 +72,14 @@ def test_resize_sends_only_the_given_field() -> None:
     seen: list[httpx.Request] = []
     with pytest.raises(AgentProtocolError):
         answering(200, {}, seen).resize(ResizeRequest(pages=64))
-    assert json.loads(seen[0].content) == {"pages": 64}
+    assert json.loads(seen[0].content) == {"pages": 64}  # no `tier`: older agents refuse it
+
+
+def test_resize_of_a_tier_names_it() -> None:
+    seen: list[httpx.Request] = []
+    with pytest.raises(AgentProtocolError):
+        answering(200, {}, seen).resize(ResizeRequest(tier="host", bytes=1 << 30))
+    assert json.loads(seen[0].content) == {"tier": "host", "bytes": 1 << 30}
 
 
 def test_401_with_a_token_says_to_check_it() -> None:

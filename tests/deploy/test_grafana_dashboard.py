@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from local_tools import find_binary
-from promised_metrics import series_names
+from promised_metrics import TIERED, series_names
 
 from kvctl.alerts import render_rule_file
 
@@ -176,3 +176,78 @@ def test_the_dashboard_plots_what_the_agents_alerts_read(dashboard) -> None:
         p for p in panels(dashboard) if "kvctl_queue_stalled_seconds" in str(p.get("targets"))
     ]
     assert queue["fieldConfig"]["defaults"]["unit"] == "s"
+
+
+def test_the_tiers_row_plots_what_the_tier_alerts_read(dashboard) -> None:
+    """Hit tokens by tier, tier bytes against capacity and the disk's free space, bandwidth,
+    load cost against prefill cost, reuse and failures, each in the Tiers row."""
+    rows = [p for p in dashboard["panels"] if p["type"] == "row"]
+    titles = [r["title"] for r in rows]
+    assert "Tiers" in titles
+    start = dashboard["panels"].index(rows[titles.index("Tiers")])
+    following = dashboard["panels"][start + 1 :]
+    end = next((i for i, p in enumerate(following) if p["type"] == "row"), len(following))
+    tier_panels = following[:end]
+    queries = {
+        name
+        for panel in tier_panels
+        for target in panel["targets"]
+        for name in metric_names(target["expr"])
+    }
+    assert queries == {
+        "kvctl_prefix_cache_hits_tokens_total",
+        "kvctl_kv_tier_used_bytes",
+        "kvctl_kv_tier_capacity_bytes",
+        "kvctl_kv_tier_filesystem_free_bytes",
+        "kvctl_kv_tier_loaded_bytes_total",
+        "kvctl_kv_tier_stored_bytes_total",
+        "kvctl:tier_load_seconds_per_token:rate5m",
+        "kvctl_prefill_seconds_per_token",
+        "kvctl:tier_reuse:ratio_rate5m",
+        "kvctl_kv_tier_store_failures_total",
+        "kvctl_kv_tier_load_failures_total",
+    }
+    units = {p["title"]: p["fieldConfig"]["defaults"]["unit"] for p in tier_panels}
+    assert units["Tier used vs capacity"] == "bytes"
+    assert units["Load seconds per token vs prefill"] == "s"
+    [hits] = [p for p in tier_panels if "by tier" in p["title"]]
+    assert hits["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert "tier" in hits["targets"][0]["expr"].split("sum by (", 1)[1].split(")", 1)[0]
+
+
+_AGGREGATED = re.compile(r"\b(?:sum|avg|max|min)\s+(by|without)\s*\(([^)]*)\)\s*\((?:\s*\w+\()?$")
+
+
+def keeps_or_sums_tier(expr: str, name: str) -> bool:
+    """Whether every use of `name` in `expr` picks tiers with a `tier` matcher, or is summed
+    by labels (which keep `tier` apart or add the tiers up) or without `tier`, directly around
+    the series or around the one function (`rate`) applied to it."""
+    for match in re.finditer(rf"\b{name}\b", expr):
+        after = expr[match.end() :]
+        if after.startswith("{") and "tier" in after[: after.index("}")]:
+            continue
+        aggregation = _AGGREGATED.search(expr[: match.start()])
+        if aggregation is None:
+            return False
+        how, labels = aggregation.groups()
+        if how == "without" and "tier" not in re.split(r"\s*,\s*", labels.strip()):
+            return False  # `by` either names tier or sums the tiers up; `without` must name it
+    return True
+
+
+def test_queries_of_tiered_series_never_mix_tiers_with_untiered_series(dashboard) -> None:
+    """Prefix hits are one series per tier: summed without `tier` (the hit ratio), or kept
+    apart by it (hits by tier), never divided as they are by the untiered lookups."""
+    [group] = yaml.safe_load(render_rule_file())["groups"]
+    exprs = [*dashboard_queries(dashboard), *(r["expr"] for r in group["rules"])]
+    uses = 0
+    for expr in exprs:
+        for name in TIERED & metric_names(expr):
+            uses += 1
+            assert keeps_or_sums_tier(expr, name), expr
+    assert uses >= 3  # the hit ratio, the load cost per token, the hits by tier
+    hits = "kvctl_prefix_cache_hits_tokens_total"
+    assert not keeps_or_sums_tier(f"rate({hits}[5m]) / rate(kvctl_x_total[5m])", hits)
+    assert not keeps_or_sums_tier(f"sum without (instance) (rate({hits}[5m]))", hits)
+    assert keeps_or_sums_tier(f"sum by (pool) (rate({hits}[5m]))", hits)
+    assert keeps_or_sums_tier(f"sum without (tier) (rate({hits}[5m])) / rate(x[5m])", hits)

@@ -82,6 +82,7 @@ def test_a_damaged_disk_page_is_a_miss(make_engine, demo, tmp_path, damage):
     engine = make_engine(disk_tier_path=str(tmp_path), disk_tier_bytes=1 << 26)
     run(engine, prompt)
     evict_all(engine, vocab)
+    engine.tiers.flush()
     files = sorted(tmp_path.glob("*.kvpage"))
     assert files
     for f in files:

@@ -221,3 +221,11 @@ async def test_quit(fakes) -> None:
         await pilot.pause()
         assert not app.is_running
     assert app.source.closed
+
+
+async def test_a_poll_answered_after_the_app_closed_changes_nothing(fakes) -> None:
+    app = fakes.make_app({NODE1: [fakes.reading(NODE1)]})
+    async with app.run_test() as pilot:
+        await fakes.polled(app, pilot)
+    assert not app.screen_stack
+    await app._poll()  # the agents' answer arriving during shutdown must not raise

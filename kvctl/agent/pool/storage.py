@@ -714,22 +714,34 @@ class KVStorage:
     # ---- whole-page helpers (tests, diagnostics) ----------------------------------------
 
     def read_pages(self, page_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Copies of whole pages: `[n, layers, 2, page_size, kv_heads, head_dim]`."""
-        ids = torch.as_tensor(page_ids, dtype=torch.long, device=self._device).reshape(-1)
-        out = torch.empty((ids.numel(), *self._page_shape), dtype=self._dtype, device=self._device)
-        for s, pos in _group(ids // self.segment_pages, len(self._segments)):
-            out[pos] = self._segments[s][ids[pos] - s * self.segment_pages]
+        """Copies of whole pages: `[n, layers, 2, page_size, kv_heads, head_dim]`.
+
+        One row copy per page: torch's CPU index_put / index_copy move an element at a time,
+        and a page is tens of KiB to MiBs (the tiers store and load through here)."""
+        ids = _page_list(page_ids)
+        out = torch.empty((len(ids), *self._page_shape), dtype=self._dtype, device=self._device)
+        per = self.segment_pages
+        for i, page in enumerate(ids):
+            out[i].copy_(self._segments[page // per][page % per])
         return out
 
     def fill_pages(
         self, page_ids: Sequence[int] | torch.Tensor, values: torch.Tensor | float
     ) -> None:
         """Set whole pages to `values`, broadcast to `[n, layers, 2, page_size, kvh, hd]`."""
-        ids = torch.as_tensor(page_ids, dtype=torch.long, device=self._device).reshape(-1)
-        full = (ids.numel(), *self._page_shape)
+        ids = _page_list(page_ids)
+        full = (len(ids), *self._page_shape)
         vals = torch.as_tensor(values, dtype=self._dtype, device=self._device).expand(full)
-        for s, pos in _group(ids // self.segment_pages, len(self._segments)):
-            self._segments[s][ids[pos] - s * self.segment_pages] = vals[pos]
+        per = self.segment_pages
+        for i, page in enumerate(ids):
+            self._segments[page // per][page % per].copy_(vals[i])
+
+
+def _page_list(page_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    """Page ids as Python ints, checked against nothing (callers pass pages they own)."""
+    if isinstance(page_ids, torch.Tensor):
+        return [int(p) for p in page_ids.reshape(-1).tolist()]
+    return [int(p) for p in page_ids]
 
 
 def _group(keys: torch.Tensor, num_keys: int) -> list[tuple[int, torch.Tensor]]:

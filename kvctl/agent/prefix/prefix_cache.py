@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 from kvctl.agent.pool import PagePool, PageState
 from kvctl.agent.pool.page_pool import PoolCorrupted
@@ -87,9 +88,18 @@ class PrefixCacheStats:
         return sum(self.evictions.values())
 
 
-Spill = Callable[[IsolationKey, list[int], int, list[int]], None]
-"""Called with (partition, tokens up to the pages' end, index of the first page, pool pages)
-for pages about to be evicted, while they still hold their K/V (see `PrefixCache.spill`)."""
+class Spilled(NamedTuple):
+    """Pages about to be evicted, while they still hold their K/V: `pages` are pages
+    `first_page, ...` of a prompt of `key`'s partition whose tokens up to them are `tokens`."""
+
+    key: IsolationKey
+    tokens: list[int]
+    first_page: int
+    pages: list[int]
+
+
+Spill = Callable[[list[Spilled]], None]
+"""Where one eviction's pages go instead of being dropped (see `PrefixCache.spill`)."""
 
 
 class PrefixCacheCorrupted(PoolCorrupted):
@@ -215,6 +225,7 @@ class PrefixCache:
         return how many were freed. Pages a request uses and pinned pages are never freed."""
         order, release = self._order, self.pool.release_cached
         set_aside: list[tuple[RadixNode, RadixTree]] = []
+        spilled: list[Spilled] = []
         freed = 0
         while freed < num_pages:
             first = order.pop()
@@ -227,7 +238,8 @@ class PrefixCache:
                 continue
             if self.spill is not None:
                 start = leaf.end // self.page_size - count
-                self.spill(self._key_of(tree), _path_tokens(leaf), start, leaf.pages[-count:])
+                key = self._key_of(tree)
+                spilled.append(Spilled(key, _path_tokens(leaf), start, leaf.pages[-count:]))
             dropped, remaining = tree.drop_last_pages(leaf, count)
             release(dropped)
             freed += count
@@ -237,6 +249,8 @@ class PrefixCache:
                 self._drop_partition(tree)
         for leaf, tree in set_aside:
             order.add(leaf, tree)
+        if spilled and self.spill is not None:  # freed pages keep their K/V until reallocated
+            self.spill(spilled)
         self.evictions[self._policy.name] += freed
         self._held_pages -= freed
         return freed

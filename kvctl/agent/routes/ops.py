@@ -123,7 +123,11 @@ def router(ctx: ServerContext) -> APIRouter:
                 "--disk-tier-path)",
             )
         pages = body.pages if body.pages is not None else (body.bytes or 0) // tier.page_bytes
-        result = await ctx.on_engine(lambda: service.resize_tier(body.tier, pages))
+        try:
+            result = await ctx.on_engine(lambda: service.resize_tier(body.tier, pages))
+        except ValueError as refused:
+            ctx.audit_request(request, "resize", "refused", tier=body.tier, reason=str(refused))
+            raise ApiError(409, f"resize refused: {refused}") from None
         ctx.audit_request(
             request,
             "resize",

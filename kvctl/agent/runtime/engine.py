@@ -292,7 +292,7 @@ class Engine:
             else None
         )
         if self.tiers is not None and self.prefix_cache is not None:
-            self.prefix_cache.spill = self.tiers.store
+            self.prefix_cache.spill = self.tiers.store_many
         self.scheduler = Scheduler(
             self.pool,
             config.max_batch_seqs,

@@ -4,12 +4,14 @@ One file per page, named by its digest: a 48-byte header (magic, the page's dige
 checksum of the contents, their length) and the page's bytes. A file is written to a temporary
 name and renamed, so a crash leaves a whole file or none; a read checks the length, the digest
 and the checksum, and anything else (missing, truncated, another page's, altered) is a miss that
-is counted and never wrong K/V. Files left by an earlier run are removed at start: a checkpoint
-replaced under the same name and shape must not be served from them.
+is counted and never wrong K/V. Files are written by a background thread (`DiskWriter`), so a
+store costs the engine a memcpy, not a disk write. Files left by an earlier run are removed at
+start: a checkpoint replaced under the same name and shape must not be served from them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from kvctl.agent.tiers.disk_writer import DiskWriter
 
 MAGIC = b"KVCTLKV1"
 SUFFIX = ".kvpage"
@@ -38,7 +42,13 @@ class DiskSlots:
 
     name = "disk"
 
-    def __init__(self, path: Path, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        path: Path,
+        page_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        background: bool = True,
+    ) -> None:
         self.path = Path(path)
         self.page_shape = page_shape
         self.dtype = dtype
@@ -46,38 +56,78 @@ class DiskSlots:
         self.file_bytes = _HEADER.size + self.page_bytes
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"--disk-tier-path {self.path} exists and is not a directory")
-        self.path.mkdir(parents=True, exist_ok=True)
-        for stale in (*self.path.glob(f"*{SUFFIX}"), *self.path.glob(f"*{SUFFIX}.tmp")):
-            stale.unlink(missing_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True, mode=0o700)  # K/V is the users' data
+            for stale in (*self.path.glob(f"*{SUFFIX}"), *self.path.glob(f"*{SUFFIX}.tmp")):
+                stale.unlink(missing_ok=True)
+            probe = self.path / f".probe{SUFFIX}.tmp"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            raise ValueError(f"--disk-tier-path {self.path}: {error.strerror}") from None
+        self._writer = DiskWriter(self._write_file, self._remove_file) if background else None
 
     def file_of(self, digest: bytes) -> Path:
         return self.path / f"{digest.hex()}{SUFFIX}"
 
     def write(self, digests: list[bytes], data: Tensor) -> list[bool]:
-        """Write each page's file; returns which were written (an OSError, say a full disk or a
-        directory gone, fails that page and the caller counts it)."""
+        """Write each page's file; returns which were written. In the background (the default)
+        this only copies the bytes out and queues them, every page counts as written, and a
+        write that fails later is reported by `take_failures`; otherwise an OSError (a full
+        disk, a directory gone) fails that page here."""
         host = data.detach().to("cpu").contiguous()
         raw = host.view(torch.uint8).reshape(len(digests), -1).numpy()
         written = []
         for digest, row in zip(digests, raw, strict=True):
             payload = row.tobytes()
-            checksum = hashlib.blake2b(payload, digest_size=16).digest()
-            header = _HEADER.pack(MAGIC, digest, checksum, len(payload))
-            target = self.file_of(digest)
-            temporary = target.with_name(target.name + ".tmp")
+            if self._writer is not None:
+                self._writer.submit(digest, payload)
+                written.append(True)
+                continue
             try:
-                with open(temporary, "wb") as f:
-                    f.write(header)
-                    f.write(payload)
-                os.replace(temporary, target)
+                self._write_file(digest, payload)
                 written.append(True)
             except OSError:
                 written.append(False)
         return written
 
+    def _write_file(self, digest: bytes, payload: bytes) -> None:
+        """Checksum and write one page's file under a temporary name, then rename it."""
+        checksum = hashlib.blake2b(payload, digest_size=16).digest()
+        header = _HEADER.pack(MAGIC, digest, checksum, len(payload))
+        target = self.file_of(digest)
+        temporary = target.with_name(target.name + ".tmp")
+        try:
+            with open(temporary, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(temporary, target)
+        except OSError:
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
+            raise
+
+    def _remove_file(self, digest: bytes) -> None:
+        with contextlib.suppress(OSError):  # gone already, or the directory is
+            self.file_of(digest).unlink(missing_ok=True)
+
+    def take_failures(self) -> list[bytes]:
+        """Pages whose background write failed since the last call (to forget and count)."""
+        return self._writer.take_failures() if self._writer is not None else []
+
+    def flush(self) -> None:
+        """Wait until every queued page is on disk (or has failed)."""
+        if self._writer is not None:
+            self._writer.flush()
+
     def read(self, digest: bytes) -> Tensor:
         """The page of `digest`, `[*page_shape]` on the host; `DiskPageError` when the file is
         missing, truncated, another page's or altered."""
+        if self._writer is not None:
+            queued = self._writer.pending(digest)
+            if queued is not None:  # not written yet: the bytes are still in memory
+                flat = torch.frombuffer(bytearray(queued), dtype=torch.uint8)
+                return flat.view(self.dtype).reshape(self.page_shape)
         target = self.file_of(digest)
         try:
             blob = target.read_bytes()
@@ -97,8 +147,12 @@ class DiskSlots:
         return flat.view(self.dtype).reshape(self.page_shape)
 
     def remove(self, digests: list[bytes]) -> None:
+        """Delete pages' files (and cancel their queued writes); a directory that is gone or
+        unreadable is not an error here: the pages are forgotten either way."""
         for digest in digests:
-            self.file_of(digest).unlink(missing_ok=True)
+            if self._writer is not None:
+                self._writer.cancel(digest)
+            self._remove_file(digest)
 
     def filesystem(self) -> tuple[int, int] | None:
         """(free bytes, size bytes) of the filesystem holding the directory; None when it

@@ -14,6 +14,7 @@ outnumber live ones, so eviction costs O(log n) per page.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kvctl.agent.prefix.eviction import EvictionPolicy, make_policy
@@ -43,7 +44,11 @@ class TierIndex:
     def __post_init__(self) -> None:
         if self.capacity < 0:
             raise ValueError("a tier's capacity must be 0 or more pages")
-        self._free = list(range(self.capacity))  # a heap: the lowest slot is reused first
+        # Free slots: every slot from `_fresh` up, and the released ones below it in `_free` (a
+        # heap: the lowest is reused first). Lazy, so a disk tier of a billion pages costs
+        # nothing until pages arrive.
+        self._fresh = 0
+        self._free: list[int] = []
         self._heap: list[tuple[tuple[int, ...], int, TierEntry]] = []
         self._clock = 0
         self._serial = 0
@@ -59,7 +64,13 @@ class TierIndex:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return self.capacity - len(self.entries)
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return heapq.heappop(self._free)
+        self._fresh += 1
+        return self._fresh - 1
 
     def set_policy(self, name: str) -> None:
         self.policy = make_policy(name)
@@ -70,13 +81,13 @@ class TierIndex:
     def add(self, digests: list[bytes]) -> list[TierEntry]:
         """New entries for `digests` (not yet in the tier, at most `free_slots` of them), in
         the order given: a chain's pages from the shallowest. Their ticks run deepest first."""
-        if len(digests) > len(self._free):
-            raise ValueError(f"{len(digests)} pages need slots and {len(self._free)} are free")
+        if len(digests) > self.free_slots:
+            raise ValueError(f"{len(digests)} pages need slots and {self.free_slots} are free")
         entries = []
         ticks = self._ticks(len(digests))
         for digest, tick in zip(digests, ticks, strict=True):
             self._serial += 1
-            entry = TierEntry(digest, heapq.heappop(self._free), self._serial, tick, tick)
+            entry = TierEntry(digest, self._take_slot(), self._serial, tick, tick)
             self.entries[digest] = entry
             entries.append(entry)
             self._push(entry)
@@ -99,17 +110,26 @@ class TierIndex:
             if entry.slot < self.capacity:
                 heapq.heappush(self._free, entry.slot)
 
-    def victims(self, count: int) -> list[TierEntry]:
+    def victims(self, count: int, spare: Collection[TierEntry] = ()) -> list[TierEntry]:
         """Take up to `count` entries out of the tier in eviction order and return them (their
-        slots are free once the caller has read what it keeps of them)."""
+        slots are free once the caller has read what it keeps of them). Entries in `spare`
+        stay, whatever their place in the order (the pages of a chain being stored)."""
         out: list[TierEntry] = []
+        spared = {id(e) for e in spare}
+        skipped = []
         heap = self._heap
         while heap and len(out) < count:
-            _, version, entry = heapq.heappop(heap)
+            item = heapq.heappop(heap)
+            _, version, entry = item
             if version != entry.version or self.entries.get(entry.digest) is not entry:
+                continue
+            if id(entry) in spared:
+                skipped.append(item)
                 continue
             self.remove(entry)
             out.append(entry)
+        for item in skipped:
+            heapq.heappush(heap, item)
         return out
 
     def resize(self, capacity: int) -> tuple[list[TierEntry], list[tuple[TierEntry, int]]]:
@@ -119,14 +139,12 @@ class TierIndex:
         if capacity < 0:
             raise ValueError("a tier's capacity must be 0 or more pages")
         evicted = self.victims(len(self.entries) - capacity) if len(self.entries) > capacity else []
-        old = self.capacity
         self.capacity = capacity
-        if capacity >= old:
-            for slot in range(old, capacity):
-                heapq.heappush(self._free, slot)
+        if self._fresh <= capacity:  # every slot in use is below the new size
             return evicted, []
-        taken = {e.slot for e in self.entries.values()}
-        self._free = [s for s in range(capacity) if s not in taken]
+        # every slot below the new size is now in use or in `_free`: enough for those above
+        self._fresh = capacity
+        self._free = [s for s in self._free if s < capacity]
         heapq.heapify(self._free)
         moves = []
         for entry in self.entries.values():
@@ -163,7 +181,15 @@ class TierIndex:
             out.append("two pages share a slot")
         if any(not 0 <= s < self.capacity for s in slots):
             out.append("a page's slot is outside the capacity")
-        if set(slots) & set(self._free) or len(slots) + len(self._free) != self.capacity:
+        released = set(self._free)
+        below = self._fresh
+        if (
+            released & set(slots)
+            or len(released) != len(self._free)
+            or any(s >= below for s in (*slots, *released))
+            or len(slots) + len(released) != below
+            or below > self.capacity
+        ):
             out.append("free slots and pages do not cover the capacity exactly once")
         live = {id(e) for _, v, e in self._heap if v == e.version}
         if any(id(e) not in live for e in self.entries.values()):

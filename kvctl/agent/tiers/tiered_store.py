@@ -2,11 +2,16 @@
 
 Pages the prefix cache evicts from the device are *stored* into the first tier instead of being
 dropped; a tier that needs room evicts by its own policy and hands its victims to the tier below
-(host → disk), and the last tier drops them. At admission a prompt is *looked up* past what the
-device matched, page by page through every tier (`lookup`, the index only), and once the request
-has its pages the hit is *fetched*: host slots and verified disk files are copied into a device
-tensor that the engine writes into the request's pages before the step's forward (`fetch`). A
-page that fails its check cuts the hit there and is computed like any other.
+(host → disk), and the last tier drops them. A prompt's pages keep their order all the way down
+(the deepest goes first, in the tier below too), the pages being stored are never what makes
+room for themselves, and a prompt longer than a tier leaves its first pages there and hands the
+rest down, so a prefix loses its tail, not its head.
+
+At admission a prompt is *looked up* past what the device matched, page by page through every
+tier (`lookup`, the index only), and once the request has its pages the hit is *fetched*: host
+slots and verified disk files are copied into a device tensor that the engine writes into the
+request's pages before the step's forward (`fetch`). A page that fails its check cuts the hit
+there and is computed like any other.
 
 Tiers are inclusive: a loaded page stays in its tier, so evicting it from the device again costs
 a touch, not a copy. Every hit is attributed to the one tier its pages came from; counters,
@@ -27,10 +32,12 @@ from torch import Tensor
 from kvctl.agent.pool.storage import KVStorage
 from kvctl.agent.prefix import IsolationKey
 from kvctl.agent.prefix.eviction import make_policy
+from kvctl.agent.prefix.prefix_cache import Spilled
 from kvctl.agent.tiers.disk_tier import LOAD_FAILURES, DiskPageError, DiskSlots
-from kvctl.agent.tiers.host_tier import HostSlots
+from kvctl.agent.tiers.host_tier import HostSlots, available_memory
 from kvctl.agent.tiers.page_keys import layout_of, page_digests, root_digest
 from kvctl.agent.tiers.tier_index import TierEntry, TierIndex
+from kvctl.units import format_bytes
 
 TIER_NAMES = ("host", "disk")
 STORE_FAILURES = ("full", "io")
@@ -147,6 +154,7 @@ class TieredStore:
         self.clock = clock
         self._roots: dict[IsolationKey, bytes] = {}
         host = HostSlots(0, shape, storage.dtype, storage.device)
+        check_host_memory(host_bytes // host.page_bytes * host.page_bytes)
         self.tiers: list[_Tier] = [_Tier(host, TierIndex(0, make_policy(host_policy)))]
         self._resize_tier(self.tiers[0], host_bytes // host.page_bytes)
         if disk_path is not None:
@@ -164,6 +172,7 @@ class TieredStore:
         raise ValueError(f"no {name} tier on this agent (tiers: {configured})")
 
     def stats(self) -> list[TierStats]:
+        self._reap()
         out = []
         for tier in self.tiers:
             disk = tier.slots if isinstance(tier.slots, DiskSlots) else None
@@ -181,6 +190,25 @@ class TieredStore:
             )
         return out
 
+    def flush(self) -> None:
+        """Wait for the disk tier's queued writes, and account for those that failed."""
+        for tier in self.tiers:
+            if isinstance(tier.slots, DiskSlots):
+                tier.slots.flush()
+        self._reap()
+
+    def _reap(self) -> None:
+        """Forget disk pages whose background write failed, counted as `io` store failures
+        (they never became readable, so nothing may find them)."""
+        for tier in self.tiers:
+            if not isinstance(tier.slots, DiskSlots):
+                continue
+            for digest in tier.slots.take_failures():
+                entry = tier.index.get(digest)
+                if entry is not None:
+                    tier.index.remove(entry)
+                tier.counters.store_failures["io"] += 1
+
     def check(self) -> list[str]:
         """Problems of every tier's index (empty when none)."""
         return [f"{t.name}: {p}" for t in self.tiers for p in t.index.problems()]
@@ -192,58 +220,110 @@ class TieredStore:
     ) -> None:
         """Keep device pages `pages` (pages `first_page, ...` of `tokens`, whose first tokens
         are the prefix up to them) in the tiers: call it before the pool reuses them."""
-        if not pages:
+        self.store_many([Spilled(key, list(tokens), first_page, list(pages))])
+
+    def store_many(self, spilled: Sequence[Spilled]) -> None:
+        """Keep the pages of one eviction (`PrefixCache.spill`), each run in the order given
+        (the first evicted first, so the oldest in its tier). The pages a tier may need are
+        read from the pool in one gather; pages the top tier held then, and an earlier run
+        moved down meanwhile, are read before their own run (the pool still holds them)."""
+        self._reap()
+        top = next((t for t in self.tiers if t.index.capacity), None)
+        if top is None:
             return
-        digests = page_digests(self._root(key), tokens, self.page_size, first_page + len(pages))
-        digests = digests[first_page:]
-        first = self.tiers[0] if self.tiers[0].index.capacity else None
-        if first is not None:
-            known = [first.index.get(d) for d in digests]
-            first.index.touch([e for e in known if e is not None], hit=False)
-            wanted = [i for i, e in enumerate(known) if e is None]
-        else:
-            wanted = list(range(len(digests)))
-        if not wanted:
+        runs = [
+            (
+                page_digests(self._root(key), tokens, self.page_size, first + len(pages))[first:],
+                pages,
+            )
+            for key, tokens, first, pages in spilled
+            if pages
+        ]
+        if not runs:
             return
         started = self.clock()
-        data = self.storage.read_pages([pages[i] for i in wanted])
-        self._put(0, [digests[i] for i in wanted], data, started)
+        rows: dict[bytes, int] = {}
+        wanted: list[int] = []
+        for digests, pages in runs:
+            self._wanted(top, digests, pages, rows, wanted)
+        data = self.storage.read_pages(wanted) if wanted else None
+        for digests, pages in runs:
+            known = len(wanted)
+            self._wanted(top, digests, pages, rows, wanted)
+            if len(wanted) > known:
+                more = self.storage.read_pages(wanted[known:])
+                data = more if data is None else torch.cat([data, more])
+            self._put(0, digests, data, rows, started)
+            started = self.clock()
 
-    def _put(self, level: int, digests: list[bytes], data: Tensor, started: float) -> None:
-        """Store pages into tier `level` (one with no capacity passes them down)."""
+    @staticmethod
+    def _wanted(
+        top: _Tier,
+        digests: list[bytes],
+        pages: Sequence[int],
+        rows: dict[bytes, int],
+        wanted: list[int],
+    ) -> None:
+        """Add the pool pages whose contents storing a run may need: those the top tier does
+        not hold, and those past its capacity (they go on down)."""
+        for position, (digest, page) in enumerate(zip(digests, pages, strict=True)):
+            if digest not in rows and (digest not in top.index or position >= top.index.capacity):
+                rows[digest] = len(wanted)
+                wanted.append(page)
+
+    def _put(
+        self,
+        level: int,
+        digests: list[bytes],
+        data: Tensor | None,
+        rows: dict[bytes, int],
+        started: float,
+    ) -> None:
+        """Store pages into tier `level`, the first the most wanted (a chain's pages from the
+        shallowest; victims of the tier above from the last to go). `data[rows[d]]` is the page
+        of a digest the tier may not hold. A tier with no capacity passes them down; one with
+        less capacity than pages keeps the first and passes the rest down, and the last tier
+        drops what does not fit (counted as `full`). The tier's other pages make room, never
+        the ones stored; the pages end up touched in the order given, the first the newest."""
         if level >= len(self.tiers):
             return
         tier = self.tiers[level]
         index = tier.index
         if not index.capacity:
-            self._put(level + 1, digests, data, started)
+            self._put(level + 1, digests, data, rows, started)
             return
-        fresh = [i for i, d in enumerate(digests) if d not in index]
-        index.touch([index.entries[d] for d in digests if d in index], hit=False)
+        kept, over = digests[: index.capacity], digests[index.capacity :]
+        held = [e for e in map(index.get, kept) if e is not None]
+        fresh = [d for d in kept if d not in index]
         if len(fresh) > index.free_slots:
-            self._evict(level, index.victims(len(fresh) - index.free_slots))
-        if len(fresh) > index.free_slots:
-            tier.counters.store_failures["full"] += len(fresh) - index.free_slots
-            fresh = fresh[: index.free_slots]
-        if not fresh:
+            self._evict(level, index.victims(len(fresh) - index.free_slots, spare=held))
+        if fresh:
+            assert data is not None
+            entries = index.add(fresh)
+            picked = data[[rows[d] for d in fresh]]
+            if isinstance(tier.slots, DiskSlots):
+                written = tier.slots.write(fresh, picked)
+                for entry, ok in zip(entries, written, strict=True):
+                    if not ok:
+                        index.remove(entry)
+                failed = written.count(False)
+                tier.counters.store_failures["io"] += failed
+                stored = len(entries) - failed
+            else:
+                tier.slots.write([e.slot for e in entries], picked)
+                stored = len(entries)
+            counters = tier.counters
+            counters.stored_pages += stored
+            counters.stored_bytes += stored * tier.slots.page_bytes
+            counters.store_seconds += self.clock() - started
+        index.touch([index.entries[d] for d in kept if d in index], hit=False)
+        down = [d for d in over if d not in index and d in rows]
+        if not down:
             return
-        entries = index.add([digests[i] for i in fresh])
-        picked = data if len(fresh) == len(digests) else data[fresh]
-        if isinstance(tier.slots, DiskSlots):
-            written = tier.slots.write([e.digest for e in entries], picked)
-            for entry, ok in zip(entries, written, strict=True):
-                if not ok:
-                    index.remove(entry)
-            failed = written.count(False)
-            tier.counters.store_failures["io"] += failed
-            stored = len(entries) - failed
+        if any(t.index.capacity for t in self.tiers[level + 1 :]):
+            self._put(level + 1, down, data, rows, self.clock())
         else:
-            tier.slots.write([e.slot for e in entries], picked)
-            stored = len(entries)
-        counters = tier.counters
-        counters.stored_pages += stored
-        counters.stored_bytes += stored * tier.slots.page_bytes
-        counters.store_seconds += self.clock() - started
+            tier.counters.store_failures["full"] += len(down)
 
     def _evict(self, level: int, victims: list[TierEntry]) -> None:
         """Pages leaving tier `level`: handed down to the next tier, or dropped."""
@@ -254,10 +334,12 @@ class TieredStore:
         if isinstance(tier.slots, DiskSlots):
             tier.slots.remove([v.digest for v in victims])
             return
-        if level + 1 < len(self.tiers) and self.tiers[level + 1].index.capacity:
+        if any(t.index.capacity for t in self.tiers[level + 1 :]):
             started = self.clock()
-            data = tier.slots.read([v.slot for v in victims], torch.device("cpu"))
-            self._put(level + 1, [v.digest for v in victims], data, started)
+            order = victims[::-1]  # the last to go first: the order they had here is kept below
+            data = tier.slots.read([v.slot for v in order], torch.device("cpu"))
+            digests = [v.digest for v in order]
+            self._put(level + 1, digests, data, {d: i for i, d in enumerate(digests)}, started)
 
     # ---- finding and loading --------------------------------------------------------------
 
@@ -280,6 +362,7 @@ class TieredStore:
     def fetch(self, hit: TierHit) -> TierLoad | None:
         """The hit's pages as one device tensor, up to the first page that is gone or fails
         its check (None when that is the first). Counts each page's tokens to its tier."""
+        self._reap()
         device = self.storage.device
         plan: list[tuple[_Tier, TierEntry]] = []
         for digest in hit.digests:
@@ -314,8 +397,7 @@ class TieredStore:
         if host_rows:
             host = self.tiers[0]
             started = self.clock()
-            data = host.slots.read([plan[i][1].slot for i in host_rows], device)
-            out.index_copy_(0, torch.tensor(host_rows, device=device), data)
+            host.slots.read_into(out, host_rows, [plan[i][1].slot for i in host_rows])
             host.counters.load_seconds += self.clock() - started
         for position, page in disk_pages.items():
             out[position].copy_(page)
@@ -340,6 +422,8 @@ class TieredStore:
             raise ValueError("a tier's size must be 0 or more bytes")
         tier = self.tier(name)
         old = tier.index.capacity * tier.page_bytes
+        if isinstance(tier.slots, HostSlots):
+            check_host_memory(capacity_bytes - old)
         self._resize_tier(tier, capacity_bytes // tier.page_bytes)
         return old, tier.index.capacity * tier.page_bytes
 
@@ -369,3 +453,14 @@ def _copy(counters: TierCounters) -> TierCounters:
         store_failures=Counter(counters.store_failures),
         load_failures=Counter(counters.load_failures),
     )
+
+
+def check_host_memory(more_bytes: int) -> None:
+    """Refuse to take `more_bytes` of host memory the host does not have available: a host
+    tier that pushes the node into swap or the OOM killer costs more than any prefill."""
+    available = available_memory()
+    if more_bytes > 0 and available is not None and more_bytes > available:
+        raise ValueError(
+            f"the host tier would take {format_bytes(more_bytes)} more and the host has "
+            f"{format_bytes(available)} available; give a smaller size"
+        )
