@@ -27,31 +27,19 @@ import argparse
 import random
 import statistics
 import tempfile
-import time
 
 import torch
 from model_shapes import smollm_135m_shape
 from paired import MIN_ROUNDS, command_line, environment, load_average, spread
+from prefix_ttft import ONE_TOKEN, time_to_first_token
 
 from kvctl.agent.main import default_torch_threads
-from kvctl.agent.model import SamplingParams, build_demo_model
+from kvctl.agent.model import build_demo_model
 from kvctl.agent.runtime import Engine, EngineConfig
 from kvctl.settings import DefragSettings
 
-ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 MODES = ("recompute", "device", "host", "disk")
 QUESTION = 16
-
-
-def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
-    started = time.perf_counter()
-    request = engine.add_request(prompt, ONE_TOKEN)
-    while not request.output_ids:
-        engine.step()
-    elapsed = time.perf_counter() - started
-    while engine.has_work():
-        engine.step()
-    return elapsed, request.cached_tokens
 
 
 def place(engine: Engine, mode: str, prefix: list[int]) -> None:
@@ -108,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                     prefix = [rng.randrange(vocab) for _ in range(size)]
                     place(engine, mode, prefix)
                     question = [rng.randrange(vocab) for _ in range(QUESTION)]
-                    seconds, cached = ttft(engine, prefix + question)
+                    seconds, cached = time_to_first_token(engine, prefix + question)
                     expected = 0 if mode == "recompute" else size
                     assert cached == expected, (mode, cached, expected)
                     times[mode].append(seconds)

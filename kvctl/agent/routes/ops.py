@@ -94,39 +94,26 @@ def router(ctx: ServerContext) -> APIRouter:
     async def resize(request: Request, body: ResizeRequest) -> ResizeResult:
         """Grow or shrink the pool in whole segments, or a host or disk tier in pages (`tier`);
         a refused resize changes nothing."""
-        if body.tier != "device":
-            return await _resize_tier(request, body)
-        bytes_per_page = service.snapshot.bytes_per_page
-        pages = body.pages if body.pages is not None else -(-(body.bytes or 0) // bytes_per_page)
+        if body.tier == "device":
+            per_page = service.snapshot.bytes_per_page
+            pages = body.pages if body.pages is not None else -(-(body.bytes or 0) // per_page)
+            run, refusals = (lambda: service.resize(pages)), (PoolError,)
+        else:
+            tier = next((t for t in service.snapshot.tiers if t.tier == body.tier), None)
+            if tier is None:
+                raise ApiError(
+                    409,
+                    f"this agent has no {body.tier} tier (start it with --host-tier-memory or "
+                    "--disk-tier-path)",
+                )
+            pages = body.pages if body.pages is not None else (body.bytes or 0) // tier.page_bytes
+            run, refusals = (lambda: service.resize_tier(body.tier, pages)), (ValueError,)
         try:
-            result = await ctx.on_engine(lambda: service.resize(pages))
-        except PoolError as refused:
-            ctx.audit_request(request, "resize", "refused", pages=pages, reason=str(refused))
-            raise ApiError(409, f"resize refused: {refused}") from None
-        ctx.audit_request(
-            request,
-            "resize",
-            "ok",
-            old_pages=result.old_pages,
-            new_pages=result.new_pages,
-            pages_moved=result.pages_moved,
-            pages_evicted=result.pages_evicted,
-        )
-        return result
-
-    async def _resize_tier(request: Request, body: ResizeRequest) -> ResizeResult:
-        tier = next((t for t in service.snapshot.tiers if t.tier == body.tier), None)
-        if tier is None:
-            raise ApiError(
-                409,
-                f"this agent has no {body.tier} tier (start it with --host-tier-memory or "
-                "--disk-tier-path)",
+            result = await ctx.on_engine(run)
+        except refusals as refused:
+            ctx.audit_request(
+                request, "resize", "refused", tier=body.tier, pages=pages, reason=str(refused)
             )
-        pages = body.pages if body.pages is not None else (body.bytes or 0) // tier.page_bytes
-        try:
-            result = await ctx.on_engine(lambda: service.resize_tier(body.tier, pages))
-        except ValueError as refused:
-            ctx.audit_request(request, "resize", "refused", tier=body.tier, reason=str(refused))
             raise ApiError(409, f"resize refused: {refused}") from None
         ctx.audit_request(
             request,
@@ -135,6 +122,7 @@ def router(ctx: ServerContext) -> APIRouter:
             tier=body.tier,
             old_pages=result.old_pages,
             new_pages=result.new_pages,
+            pages_moved=result.pages_moved,
             pages_evicted=result.pages_evicted,
         )
         return result
