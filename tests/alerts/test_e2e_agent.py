@@ -11,7 +11,9 @@ alert (tripped by a threshold PATCHed onto an idle pool) comes only from the age
 the allocation alert names the command that fixes it, and running it resolves the alert. The
 tiers below the pool raise theirs from what really happens to them: a host tier that stores
 unique prompts nobody reuses, a disk tier whose directory is replaced by a file, a disk tier
-larger than its filesystem's free space; each resolves once the cause is gone.
+larger than its filesystem's free space (fixed by the command its alert names), host loads
+dearer than a (lowered) share of the measured prefill cost; each resolves once the cause is
+gone.
 """
 
 from __future__ import annotations
@@ -440,10 +442,9 @@ def test_a_disk_tier_larger_than_the_free_space_fires_until_resized_to_what_fits
         ]
         fits = parse_size(command[-1])
         assert 0 < fits <= shutil.disk_usage(tmp_path).free
-        resized = httpx.post(
-            f"{agent.url}/v1/pool/resize", json={"tier": "disk", "bytes": fits}, timeout=30
-        )
-        resized.raise_for_status()
+        result = kvctl(*command[1:], "--yes")  # the command the alert names, as it names it
+        assert result.returncode == 0, result.stderr
+        assert disk_tier(agent)["capacity_bytes"] <= fits
         prom_stack.wait_for(
             lambda: not tier_alerts(prom_stack, "KvctlDiskTierFilesystemFull", agent),
             "KvctlDiskTierFilesystemFull to resolve once the tier fits",
@@ -451,4 +452,49 @@ def test_a_disk_tier_larger_than_the_free_space_fires_until_resized_to_what_fits
         free = samples(agent.url, "kvctl_kv_tier_filesystem_free_bytes")
         assert set(free) == {(("tier", "disk"),)}
     finally:
+        agent.stop()
+
+
+def drive_cycle(url: str, stop: threading.Event) -> None:
+    """Six prompts of about ten pages each, sent in turn until told to stop: the 32-page pool
+    holds three, so each comes back after the device evicted it and loads from the host tier."""
+    prompts = [f"{n} a prompt that comes back after it left the device {n} " * 3 for n in range(6)]
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for prompt in itertools.cycle(prompts):
+            if stop.is_set():
+                return
+            http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+
+
+def test_host_tier_loads_dearer_than_the_bar_fire_and_resolve_when_loads_stop(prom_stack) -> None:
+    """Loads from the host tier cost a fraction of prefill on this model, so the alert's bar is
+    lowered (`alerts.tier_load_cost_max`) to a cost the loads really exceed: the alert fires from
+    measured load and prefill times, names its remedies, and resolves once nothing is loaded."""
+    am_url = prom_stack.start_alertmanager()
+    agent = launch_agent(
+        *TIER_AGENT,
+        *("--host-tier-memory", "8MiB", "--alertmanager-url", am_url),
+        *("--set", "alerts.tier_load_cost_max=0.01", "--set", "alerts.tier_loads_min=4"),
+    )
+    stop = threading.Event()
+    load = threading.Thread(target=drive_cycle, args=(agent.url, stop), daemon=True)
+    load.start()
+    try:
+        [alert] = prom_stack.wait_for(
+            lambda: tier_alerts(prom_stack, "KvctlTierLoadsSlowerThanPrefill", agent, tier="host"),
+            "KvctlTierLoadsSlowerThanPrefill from the agent",
+        )
+        pool = httpx.get(f"{agent.url}/v1/pool").json()
+        [host] = [t for t in pool["tiers"] if t["tier"] == "host"]
+        assert host["loaded_pages_total"] > 0 and pool["prefill_seconds_per_token"] > 0
+        assert host["load_seconds_per_token"] > 0.01 * pool["prefill_seconds_per_token"]
+        assert "prefix_cache.tier_min_load_tokens=" in alert["annotations"]["remediation"]
+        stop.set()
+        load.join(timeout=120)
+        prom_stack.wait_for(
+            lambda: not tier_alerts(prom_stack, "KvctlTierLoadsSlowerThanPrefill", agent),
+            "KvctlTierLoadsSlowerThanPrefill to resolve once nothing is loaded",
+        )
+    finally:
+        stop.set()
         agent.stop()
