@@ -73,9 +73,13 @@ class PoolMachine(RuleBasedStateMachine):
         self.tags[seq].extend(tags)
 
     def _snapshot(self) -> tuple:
+        """What a refused call must leave as it was: every page's state and every table. Not
+        the free extents: a refused call first takes growth reservations back (reserved pages
+        are free pages set aside, returned before anything fails), so a reserved page may show
+        up in the extents afterwards, still free."""
         return (
             self.pool.capacity,
-            self.pool.free_runs(),
+            self.pool.page_map(),
             {s: list(self.pool.table(s).pages) for s in self.tags},
             self.storage.num_pages,
         )
