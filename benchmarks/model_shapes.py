@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvctl.agent.model import ModelConfig
+import torch
+
+from kvctl.agent.model import ModelConfig, build_demo_model
 from kvctl.agent.model.demo import demo_config
+
+MODELS = ("demo", "135m")
 
 
 def smollm_135m_shape() -> ModelConfig:
@@ -25,3 +29,11 @@ def smollm_135m_shape() -> ModelConfig:
         tie_word_embeddings=True,
         name="smollm-135m-shape",
     )
+
+
+def benchmark_model(name: str) -> tuple:
+    """(config, model, tokenizer) of `--model demo|135m`: fp32 on the CPU, weights from seed 0;
+    the 135M shapes have no tokenizer (the demo's bytes do not cover their vocabulary)."""
+    config = smollm_135m_shape() if name == "135m" else None
+    model_config, model, tokenizer = build_demo_model("cpu", torch.float32, seed=0, config=config)
+    return model_config, model, tokenizer if config is None else None

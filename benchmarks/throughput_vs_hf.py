@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from model_shapes import smollm_135m_shape
+from model_shapes import benchmark_model
 from paired import (
     MIN_ROUNDS,
     command_line,
@@ -42,7 +42,7 @@ from paired import (
 )
 
 from kvctl.agent.main import default_torch_threads
-from kvctl.agent.model import SamplingParams, build_demo_model
+from kvctl.agent.model import SamplingParams
 from kvctl.agent.runtime import Engine, EngineConfig
 
 TARGET = 1.3
@@ -151,9 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# both sides: {args.threads} torch threads (the agent's default here: "
         f"{default_torch_threads()}); model {args.model}"
     )
-    config = smollm_135m_shape() if args.model == "135m" else None
-    _, model, byte_tokenizer = build_demo_model("cpu", torch.float32, seed=0, config=config)
-    tokenizer = byte_tokenizer if config is None else None  # bytes cover the demo's vocabulary
+    _, model, tokenizer = benchmark_model(args.model)
     hf = hf_model(model)
     check = Job([65, 66, 67, 68, 69], 12)
     probe = Engine(model, tokenizer, EngineConfig(pool_pages=64, segment_pages=64))

@@ -27,13 +27,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-from model_shapes import smollm_135m_shape
+from model_shapes import MODELS, benchmark_model
 from paired import MIN_ROUNDS, command_line, environment, load_average, spread
 
 from kvctl.agent.main import default_torch_threads
-from kvctl.agent.model import SamplingParams, build_demo_model
+from kvctl.agent.model import SamplingParams
+from kvctl.agent.pool.storage import KVStorage
 from kvctl.agent.runtime import Engine, EngineConfig
-from kvctl.settings import DefragSettings
 
 CONVERSATIONS, TURNS, WAVE, SYSTEM = 24, 6, 8, 256
 PAGE = 16
@@ -118,26 +118,26 @@ def run(engine: Engine, system: list[int], turns: list[Turn]) -> Run:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("demo", "135m"), default="demo")
+    parser.add_argument("--model", choices=MODELS, default="demo")
     parser.add_argument("--rounds", type=int, default=MIN_ROUNDS)
     args = parser.parse_args(argv)
     torch.set_num_threads(default_torch_threads())
-    config = smollm_135m_shape() if args.model == "135m" else None
-    model_config, model, _ = build_demo_model("cpu", torch.float32, seed=0, config=config)
+    model_config, model, _ = benchmark_model(args.model)
     system, turns = make_trace(model_config.vocab_size)
     working = working_set_pages(system, turns)
     device_pages = -(-working // 4 // 32) * 32
 
     def engine(tiered: bool) -> Engine:
-        probe = Engine(model, None, EngineConfig(pool_pages=32, segment_pages=32))
-        page_bytes = probe.storage.bytes_per_page
+        mc = model_config
+        page_bytes = KVStorage.page_bytes(
+            PAGE, mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.float32
+        )
         return Engine(
             model,
             None,
             EngineConfig(
                 pool_pages=device_pages,
                 segment_pages=32,
-                defrag=DefragSettings(enabled=False),
                 host_tier_bytes=working * page_bytes if tiered else 0,
             ),
         )

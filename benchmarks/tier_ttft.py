@@ -29,14 +29,12 @@ import statistics
 import tempfile
 
 import torch
-from model_shapes import smollm_135m_shape
+from model_shapes import MODELS, benchmark_model
 from paired import MIN_ROUNDS, command_line, environment, load_average, spread
 from prefix_ttft import ONE_TOKEN, time_to_first_token
 
 from kvctl.agent.main import default_torch_threads
-from kvctl.agent.model import build_demo_model
 from kvctl.agent.runtime import Engine, EngineConfig
-from kvctl.settings import DefragSettings
 
 MODES = ("recompute", "device", "host", "disk")
 QUESTION = 16
@@ -60,13 +58,12 @@ def place(engine: Engine, mode: str, prefix: list[int]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("demo", "135m"), default="demo")
+    parser.add_argument("--model", choices=MODELS, default="demo")
     parser.add_argument("--prefix-tokens", type=int, nargs="+", default=[1024, 4064])
     parser.add_argument("--rounds", type=int, default=MIN_ROUNDS)
     args = parser.parse_args(argv)
     torch.set_num_threads(default_torch_threads())
-    config = smollm_135m_shape() if args.model == "135m" else None
-    model_config, model, _ = build_demo_model("cpu", torch.float32, seed=0, config=config)
+    model_config, model, _ = benchmark_model(args.model)
     vocab = model_config.vocab_size
     rng = random.Random(0)
     longest = max(args.prefix_tokens) + QUESTION
@@ -77,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
             EngineConfig(
                 pool_pages=max(1024, 2 * longest // 16),
                 segment_pages=128,
-                defrag=DefragSettings(enabled=False),
                 host_tier_bytes=4 << 30,
                 disk_tier_path=disk,
                 disk_tier_bytes=16 << 30,

@@ -2,6 +2,7 @@
 removed while queued leaves no file, failed writes are reported, and the queue's memory is
 bounded (a store waits for room instead of growing it)."""
 
+import gc
 import shutil
 import threading
 
@@ -102,3 +103,13 @@ def test_a_directory_replaced_by_a_file_fails_pages_without_raising(tmp_path) ->
     slots.write([b"e" * 16], torch.ones(1, 1, 2, 4, 1, 8))
     slots.flush()
     assert slots.take_failures() == [b"e" * 16]
+
+
+def test_a_dropped_disk_tier_ends_its_writer_thread(tmp_path) -> None:
+    slots = DiskSlots(tmp_path, (1, 2, 4, 1, 8), torch.float32)
+    thread = slots._writer._thread
+    assert thread.is_alive()
+    del slots
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()

@@ -110,3 +110,15 @@ def test_tiers_never_serve_another_tenants_pages(make_engine, demo):
     evict_all(engine, vocab)
     assert run(engine, prompt, salt="b").cached_tokens == 0
     assert run(engine, prompt, salt="a").cached_tokens == 36
+
+
+def test_the_prefill_rate_is_measured_on_prompt_steps_only(make_engine, demo):
+    vocab = demo[0].vocab_size
+    engine = make_engine()
+    (short,) = prompts(vocab, 1, 20)
+    run(engine, short)
+    assert engine.stats.prefill_seconds_per_token is None  # a 20-token step says little
+    (long,) = prompts(vocab, 1, 100, seed=1)
+    run(engine, long)
+    measured = engine.stats.prefill_seconds_per_token
+    assert measured is not None and 0 < measured < 1

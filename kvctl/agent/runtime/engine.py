@@ -500,8 +500,6 @@ class Engine:
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device), positions, self.cache
         )
-        if not decode:
-            self.prefill_rate.observe(len(token_ids), time.perf_counter() - started)
         for request, count in zip(requests, new, strict=True):
             request.num_computed += count
         self.scheduler.prompts_computed(batch)
@@ -512,7 +510,10 @@ class Engine:
                 o + n - 1 for o, n, s in zip(layout.offsets, new, batch.sampled, strict=True) if s
             ]
             hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
-        return self._choose(self.model.logits(hidden), sampled)
+        chosen = self._choose(self.model.logits(hidden), sampled)
+        if not decode:  # timed once the tokens reached the host: a GPU's forward has finished
+            self.prefill_rate.observe(len(token_ids), time.perf_counter() - started)
+        return chosen
 
     def _postprocess(self, sampled: Sequence[Request], next_tokens: list[int]) -> list[TokenEvent]:
         events = []
@@ -632,8 +633,10 @@ class PrefillRate:
     """Seconds per token of the model's prompt steps, averaged over recent steps: what a
     prefix costs to recompute, to hold a tier's load time against.
 
-    Only steps with at least `MIN_TOKENS` new tokens count (shorter ones are mostly fixed
-    per-step cost), and a step's time is its forward alone, tokens in the whole step."""
+    Only steps with at least `MIN_TOKENS` new tokens that sample a token count (shorter ones
+    are mostly fixed per-step cost), timed from the forward's start until the sampled tokens
+    reach the host: on a GPU the forward runs asynchronously, and only that copy waits for it,
+    so timing the forward's call alone would measure its launch."""
 
     MIN_TOKENS = 64
     WEIGHT = 0.2  # of the newest step in the moving average

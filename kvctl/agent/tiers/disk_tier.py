@@ -15,6 +15,8 @@ import contextlib
 import hashlib
 import os
 import struct
+import weakref
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -65,10 +67,16 @@ class DiskSlots:
             probe.unlink()
         except OSError as error:
             raise ValueError(f"--disk-tier-path {self.path}: {error.strerror}") from None
-        self._writer = DiskWriter(self._write_file, self._remove_file) if background else None
+        self._writer = None
+        if background:  # the thread holds the directory, not this object, so it is collected
+            writer = DiskWriter(
+                partial(write_page_file, self.path), partial(remove_page_file, self.path)
+            )
+            weakref.finalize(self, writer.close)
+            self._writer = writer
 
     def file_of(self, digest: bytes) -> Path:
-        return self.path / f"{digest.hex()}{SUFFIX}"
+        return page_file(self.path, digest)
 
     def write(self, digests: list[bytes], data: Tensor) -> list[bool]:
         """Write each page's file; returns which were written. In the background (the default)
@@ -85,31 +93,11 @@ class DiskSlots:
                 written.append(True)
                 continue
             try:
-                self._write_file(digest, payload)
+                write_page_file(self.path, digest, payload)
                 written.append(True)
             except OSError:
                 written.append(False)
         return written
-
-    def _write_file(self, digest: bytes, payload: bytes) -> None:
-        """Checksum and write one page's file under a temporary name, then rename it."""
-        checksum = hashlib.blake2b(payload, digest_size=16).digest()
-        header = _HEADER.pack(MAGIC, digest, checksum, len(payload))
-        target = self.file_of(digest)
-        temporary = target.with_name(target.name + ".tmp")
-        try:
-            with open(temporary, "wb") as f:
-                f.write(header)
-                f.write(payload)
-            os.replace(temporary, target)
-        except OSError:
-            with contextlib.suppress(OSError):
-                temporary.unlink(missing_ok=True)
-            raise
-
-    def _remove_file(self, digest: bytes) -> None:
-        with contextlib.suppress(OSError):  # gone already, or the directory is
-            self.file_of(digest).unlink(missing_ok=True)
 
     def take_failures(self) -> list[bytes]:
         """Pages whose background write failed since the last call (to forget and count)."""
@@ -152,7 +140,7 @@ class DiskSlots:
         for digest in digests:
             if self._writer is not None:
                 self._writer.cancel(digest)
-            self._remove_file(digest)
+            remove_page_file(self.path, digest)
 
     def filesystem(self) -> tuple[int, int] | None:
         """(free bytes, size bytes) of the filesystem holding the directory; None when it
@@ -162,3 +150,30 @@ class DiskSlots:
         except OSError:
             return None
         return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def page_file(directory: Path, digest: bytes) -> Path:
+    return directory / f"{digest.hex()}{SUFFIX}"
+
+
+def write_page_file(directory: Path, digest: bytes, payload: bytes) -> None:
+    """Checksum and write one page's file under a temporary name, then rename it (an OSError
+    leaves no file behind)."""
+    checksum = hashlib.blake2b(payload, digest_size=16).digest()
+    header = _HEADER.pack(MAGIC, digest, checksum, len(payload))
+    target = page_file(directory, digest)
+    temporary = target.with_name(target.name + ".tmp")
+    try:
+        with open(temporary, "wb") as f:
+            f.write(header)
+            f.write(payload)
+        os.replace(temporary, target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise
+
+
+def remove_page_file(directory: Path, digest: bytes) -> None:
+    with contextlib.suppress(OSError):  # gone already, or the directory is
+        page_file(directory, digest).unlink(missing_ok=True)

@@ -83,8 +83,8 @@ class DiskWriter:
         self._queue.join()
 
     def close(self) -> None:
+        """Let the thread end once what is queued is written (when the tier is dropped)."""
         self._queue.put(None)
-        self._thread.join(timeout=10)
 
     def _run(self) -> None:
         while True:
