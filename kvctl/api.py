@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validat
 from kvctl.settings import AlertSettings as AlertSettings
 from kvctl.settings import DefragSettings as DefragSettings
 from kvctl.settings import PrefixSettings as PrefixSettings
+from kvctl.settings import RebalanceSettings as RebalanceSettings
 from kvctl.settings import ResizeSettings as ResizeSettings
 from kvctl.settings import RuntimeSettings as RuntimeSettings
 
@@ -267,6 +268,46 @@ class TierReading(Response):
         return self.load_seconds_total / self.hits_tokens_total if self.hits_tokens_total else None
 
 
+class PoolShare(Response):
+    """A pool's place in the memory budget it shares with the agent's other pools (several
+    models on one agent). Bytes of the whole budget, and this pool's floor, ceiling, pressure
+    and the memory it took from or gave to the others."""
+
+    budget_bytes: int
+    """The most bytes all pools together may hold (`--kv-budget`)."""
+    assigned_bytes: int
+    """Bytes all pools hold now; never above `budget_bytes`."""
+    floor_pages: int
+    """The smallest this pool may become."""
+    ceiling_pages: int
+    """The largest this pool may become."""
+    pinned: bool = False
+    """Sized by an operator: the agent neither takes memory from it nor gives it any, until
+    released (`POST /v1/pools/{name}/release`)."""
+    under_pressure: bool = False
+    """Requests wait for pages, or allocations failed or requests were preempted lately."""
+    short_pages: int = 0
+    """Pages the waiting requests need beyond what is free or evictable now."""
+    reclaimable_pages: int = 0
+    """Pages the pool could give without touching what it uses, has promised or keeps as
+    headroom (whole segments)."""
+    pools_total: int = 1
+    pools_under_pressure: int = 0
+    """Pools of this budget under pressure now (this one included)."""
+    donors: int = 0
+    """Pools that could give memory now (calm, unpinned, with reclaimable segments)."""
+    rebalances_total: dict[str, int] = {}
+    """Moves that changed this pool: `in` (it took memory), `out` (it gave memory)."""
+    rebalanced_bytes_total: dict[str, int] = {}
+    """Bytes this pool took (`in`) or gave (`out`) in those moves."""
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def unassigned_bytes(self) -> int:
+        """Budget no pool holds: what a pool under pressure takes first."""
+        return self.budget_bytes - self.assigned_bytes
+
+
 class PoolSnapshot(PoolOccupancy):
     """GET /v1/pool: one consistent reading of the pool, the scheduler and the counters.
 
@@ -341,6 +382,18 @@ class PoolSnapshot(PoolOccupancy):
     """Requests refused before they ran, by reason."""
     admin_actions_total: dict[str, int] = {}
     """Mutating API calls carried out, by action."""
+    share: PoolShare | None = None
+    """Where the pool stands in the budget it shares with the agent's other pools; null when
+    the agent serves one model without `--kv-budget`."""
+
+
+class PoolList(Response):
+    """GET /v1/pools: every pool of the agent, one per served model, in the order they were
+    configured; `budget_bytes` is the budget they share (null without one)."""
+
+    pools: list[PoolSnapshot]
+    budget_bytes: int | None = None
+    assigned_bytes: int | None = None
 
 
 PageStateName = Literal["free", "used", "cached"]
@@ -390,6 +443,16 @@ class ResizeResult(Response):
     pages_moved: int
     pages_evicted: int
     tier: Literal["device", "host", "disk"] = "device"
+    pinned: bool = False
+    """The pool shares a budget and this resize pinned it: the agent moves no memory in or out
+    of it until it is released (`POST /v1/pools/{name}/release`)."""
+
+
+class PoolRelease(Response):
+    """POST /v1/pools/{name}/release: the pool is the agent's to resize again."""
+
+    pool: str
+    was_pinned: bool
 
 
 # ---- alerts ---------------------------------------------------------------------------------
@@ -427,6 +490,7 @@ class RuntimeSettingsPatch(Strict):
     resize: dict[str, object] | None = None
     prefix_cache: dict[str, object] | None = None
     alerts: dict[str, object] | None = None
+    rebalance: dict[str, object] | None = None
 
 
 # ---- completions (OpenAI-compatible) --------------------------------------------------------
@@ -544,7 +608,7 @@ RejectReason = Literal["queue_full", "too_large", "invalid", "shutting_down"]
 or the model's context; `invalid`, a limit on the input (prompt bytes or tokens, `max_tokens`);
 `shutting_down`, 503 while the agent drains."""
 
-AdminAction = Literal["defrag", "resize", "config", "alert_test"]
+AdminAction = Literal["defrag", "resize", "release", "config", "alert_test"]
 """The audited mutations (`admin_actions_total`)."""
 
 FinishReasonName = Literal["stop", "length", "abort", "capacity"]

@@ -1,4 +1,4 @@
-"""The agent's alert loop: evaluate the latest snapshot every interval, keep the result for
+"""The agent's alert loop: evaluate the latest snapshots every interval, keep the result for
 `GET /v1/alerts`, and keep Alertmanager in step when one is configured.
 
 The evaluator gets the whole runtime settings in force at each evaluation, not only the alert
@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from kvctl.alerts import AlertEvaluator, AlertmanagerError, AlertmanagerNotifier
+from kvctl.alerts import AlertEvaluator, AlertmanagerError, AlertmanagerNotifier, PoolAlerts
 from kvctl.api import Alert, PoolSnapshot, RuntimeSettings
 
 log = logging.getLogger(__name__)
@@ -27,8 +27,8 @@ class AlertLoop:
 
     def __init__(
         self,
-        evaluator: AlertEvaluator,
-        snapshot: Callable[[], PoolSnapshot],
+        evaluator: AlertEvaluator | PoolAlerts,
+        snapshot: Callable[[], PoolSnapshot | Sequence[PoolSnapshot]],
         settings: Callable[[], RuntimeSettings],
         notifier: AlertmanagerNotifier | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -60,7 +60,7 @@ class AlertLoop:
     def evaluate_once(self) -> list[Alert]:
         """One evaluation (and delivery); the loop calls this every interval."""
         self.evaluator.settings = self.settings()
-        self.alerts = self.evaluator.evaluate(self.snapshot())
+        self.alerts = self.evaluator.evaluate(self.snapshot())  # type: ignore[arg-type]
         if self.notifier is not None:
             self.notifier.sync(self.alerts)
         return self.alerts

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from kvctl.agent.service import Tally
+from kvctl.agent.tally import Tally
 from kvctl.api import AdminAction
 
 log = logging.getLogger("kvctl.audit")
@@ -29,6 +29,16 @@ ACTION_ROUTES: dict[tuple[str, str], Action] = {
     ("POST", "/v1/alerts/test"): "alert_test",
 }
 """The mutating routes and the action each one is audited as."""
+POOL_ACTIONS: dict[str, Action] = {"defrag": "defrag", "resize": "resize", "release": "release"}
+"""The mutating routes of one named pool, `POST /v1/pools/{name}/<route>`."""
+
+
+def action_of(method: str, path: str) -> Action | None:
+    """The audited action of a request, None when it mutates nothing."""
+    action = ACTION_ROUTES.get((method, path))
+    if action is None and method == "POST" and path.startswith("/v1/pools/"):
+        action = POOL_ACTIONS.get(path.rsplit("/", 1)[-1])
+    return action
 
 
 class AuditLog:

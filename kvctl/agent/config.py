@@ -41,6 +41,60 @@ class ConfigError(ValueError):
     """A configuration the agent refuses to start with; the message is one line."""
 
 
+class ModelSpec(BaseModel):
+    """One model the agent serves: a `[[models]]` table of the TOML file, or one `--model`
+    flag (`PATH`, or `NAME=PATH`). The sizes bound this model's pool; unset ones come from the
+    top-level flags, then from the budget (an equal share of it by bytes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = None  # the pool's name and the model's first served name
+    path: str = "demo"  # demo[:LAYERSxKV_HEADS], a checkpoint directory or a .gguf file
+    served_model_name: list[str] = []  # more names clients may ask for
+    pool_pages: Annotated[int, Field(ge=1)] | None = None
+    pool_memory: int | None = None
+    segment_pages: Annotated[int, Field(ge=1)] | None = None
+    min_pool_pages: Annotated[int, Field(ge=1)] | None = None  # the pool's floor
+    max_pool_pages: Annotated[int, Field(ge=1)] | None = None  # the pool's ceiling
+
+    @field_validator("pool_memory", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return None if value is None else parse_size(value)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or len(value) > 256 or "/" in value):
+            raise ValueError("a model's name is 1 to 256 characters, not blank, without '/'")
+        return value
+
+    @model_validator(mode="after")
+    def _one_size(self) -> ModelSpec:
+        if self.pool_pages and self.pool_memory:
+            raise ValueError("give a model pool_pages or pool_memory, not both")
+        if (
+            self.min_pool_pages
+            and self.max_pool_pages
+            and self.min_pool_pages > self.max_pool_pages
+        ):
+            raise ValueError(
+                f"min_pool_pages {self.min_pool_pages} is above max_pool_pages "
+                f"{self.max_pool_pages}"
+            )
+        return self
+
+    @classmethod
+    def parse(cls, flag: str) -> ModelSpec:
+        """`--model PATH` or `--model NAME=PATH` (a NAME has no '/': a path may hold '=')."""
+        name, sep, path = flag.partition("=")
+        if sep and "/" not in name:
+            if not name or not path:
+                raise ValueError(f"--model {flag!r}: write NAME=PATH, e.g. small=demo")
+            return cls(name=name, path=path)
+        return cls(path=flag)
+
+
 class AgentConfig(BaseModel):
     """What `kvctl-agent` runs with (flags and TOML keys have the same names)."""
 
@@ -48,8 +102,10 @@ class AgentConfig(BaseModel):
 
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = DEFAULT_PORT
-    model: str = "demo"
+    model: list[str] = ["demo"]  # one or several: PATH or NAME=PATH each
+    models: list[ModelSpec] = []  # [[models]] tables of the TOML file
     served_model_name: list[str] = []  # names clients may ask for; the first is reported
+    kv_budget: int | None = None  # bytes all pools share; "12GiB" accepted
     device: str = "cpu"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     page_size: Annotated[int, Field(ge=1, le=4096)] = 16
@@ -110,7 +166,14 @@ class AgentConfig(BaseModel):
                 values["max_batched_tokens"] = old
         return values
 
-    @field_validator("pool_memory", "host_tier_memory", "disk_tier_size", mode="before")
+    @field_validator("model", mode="before")
+    @classmethod
+    def _models(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator(
+        "pool_memory", "host_tier_memory", "disk_tier_size", "kv_budget", mode="before"
+    )
     @classmethod
     def _size(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)
@@ -199,6 +262,49 @@ class AgentConfig(BaseModel):
         if value != "cpu" and not value.startswith("cuda"):
             raise ValueError("must be cpu, cuda or cuda:N")
         return value
+
+    def model_specs(self) -> list[ModelSpec]:
+        """The models to serve: the `[[models]]` tables, or the `--model` flags."""
+        if self.models:
+            return list(self.models)
+        specs = [ModelSpec.parse(flag) for flag in self.model]
+        if len(specs) == 1 and self.served_model_name:
+            spec = specs[0]
+            names = [spec.name] if spec.name else []
+            return [spec.model_copy(update={"served_model_name": names + self.served_model_name})]
+        return specs
+
+    @model_validator(mode="after")
+    def _several_models(self) -> AgentConfig:
+        if self.models and self.model != ["demo"]:
+            raise ValueError("give the models as --model flags or as [[models]] tables, not both")
+        try:
+            specs = self.model_specs()
+        except ValueError as error:
+            raise ValueError(str(error)) from None
+        if len(specs) > 1:
+            if self.served_model_name:
+                raise ValueError(
+                    "--served-model-name names one model; with several, name each one "
+                    "(--model NAME=PATH, or name and served_model_name in [[models]])"
+                )
+            named = [spec.name for spec in specs if spec.name]
+            if len(set(named)) != len(named):
+                raise ValueError(f"two models have the same name: {named}")
+            tiered = self.host_tier_memory or self.disk_tier_path is not None
+            if tiered:
+                raise ValueError(
+                    "--host-tier-memory and --disk-tier-path serve one model per agent; "
+                    "run one agent per model to give each tiers"
+                )
+        if self.kv_budget is not None and self.kv_budget < 1:
+            raise ValueError("--kv-budget must be more than 0 bytes")
+        if self.kv_budget and self.gpu_memory_fraction and len(specs) > 1:
+            raise ValueError(
+                "with several models, --gpu-memory-fraction sets the budget: give it or "
+                "--kv-budget, not both"
+            )
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> AgentConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -29,6 +31,7 @@ from kvctl.agent.config import (
     DEFAULT_MAX_WAITING,
     AgentConfig,
     ConfigError,
+    ModelSpec,
     load_config,
 )
 from kvctl.api import DEFAULT_PORT
@@ -39,6 +42,7 @@ from kvctl.units import format_bytes
 log = logging.getLogger("kvctl.agent")
 DEFAULT_POOL_PAGES = 1024
 DEFAULT_SEGMENTS = 8
+DEMO_SHAPE = (4, 4)  # layers, KV heads of `--model demo`
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -49,24 +53,26 @@ def _flag_help(flag: str) -> str:
     return f"{spec.help} Sets {spec.key} (default {spec.default})."
 
 
-def pool_pages(config: AgentConfig, bytes_per_page: int, free_device_bytes: int | None) -> int:
+def pool_pages(
+    size: PoolSize, bytes_per_page: int, free_device_bytes: int | None, flag: str = "--pool-memory"
+) -> int:
     """Initial pool size in pages from --pool-pages, --pool-memory or --gpu-memory-fraction."""
-    if config.pool_pages:
-        return config.pool_pages
-    if config.pool_memory:
-        pages = config.pool_memory // bytes_per_page
+    if size.pool_pages:
+        return size.pool_pages
+    if size.pool_memory:
+        pages = size.pool_memory // bytes_per_page
         if pages < 1:
             raise ConfigError(
-                f"--pool-memory {config.pool_memory} bytes is less than one page "
+                f"{flag} {size.pool_memory} bytes is less than one page "
                 f"({bytes_per_page} bytes); give a larger size"
             )
         return pages
-    if config.gpu_memory_fraction:
+    if size.gpu_memory_fraction:
         if free_device_bytes is None:
             raise ConfigError(
                 "--gpu-memory-fraction: no GPU memory reading (NVML); use --pool-memory"
             )
-        return max(1, int(free_device_bytes * config.gpu_memory_fraction) // bytes_per_page)
+        return max(1, int(free_device_bytes * size.gpu_memory_fraction) // bytes_per_page)
     return DEFAULT_POOL_PAGES
 
 
@@ -106,14 +112,182 @@ def default_torch_threads() -> int:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
-def build_service(config: AgentConfig) -> Any:
-    """Model, pool, engine and service, as the configuration says (imports torch)."""
+@dataclass(frozen=True)
+class PoolSize:
+    """How one pool is sized at start: its own keys, else the top-level flags."""
+
+    pool_pages: int | None = None
+    pool_memory: int | None = None
+    gpu_memory_fraction: float | None = None
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model loaded for serving, with what its pool needs to know about it."""
+
+    spec: ModelSpec
+    name: str
+    served_names: tuple[str, ...]
+    model_config: Any
+    model: Any
+    tokenizer: Any
+    template: Any
+    bytes_per_page: int
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """One pool's start-up size, segment, floor and ceiling, in pages."""
+
+    pages: int
+    segment: int
+    floor: int
+    ceiling: int
+
+
+def demo_shape(path: str) -> tuple[int, int] | None:
+    """(layers, KV heads) of `demo[:LAYERSxKV_HEADS]`, None for any other path. Several demo
+    models of different shapes on one agent have pages of different sizes, like real ones."""
+    if path == "demo":
+        return DEMO_SHAPE
+    if not path.startswith("demo:"):
+        return None
+    layers, sep, heads = path.removeprefix("demo:").partition("x")
+    if not (sep and layers.isdigit() and heads.isdigit()):
+        raise ConfigError(f"--model {path}: write demo:LAYERSxKV_HEADS, e.g. demo:8x2")
+    shape = int(layers), int(heads)
+    if not 1 <= shape[0] <= 64 or shape[1] not in (1, 2, 4, 8):
+        raise ConfigError(f"--model {path}: 1 to 64 layers and 1, 2, 4 or 8 KV heads")
+    return shape
+
+
+def _load_model(spec: ModelSpec, config: AgentConfig) -> LoadedModel:
     import torch
 
-    from kvctl.agent.gpu import GpuProbe
     from kvctl.agent.model import CheckpointError, build_demo_model, load_checkpoint
     from kvctl.agent.model.chat_template import demo_chat_template
+    from kvctl.agent.model.demo import demo_config
     from kvctl.agent.pool.storage import KVStorage
+
+    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    shape = demo_shape(spec.path)
+    try:
+        if shape is not None:
+            layers, heads = shape
+            base = demo_config()
+            shaped = dataclasses.replace(base, num_layers=layers, num_kv_heads=heads)
+            mc, model, tokenizer = build_demo_model(
+                config.device, dtype or torch.float32, config=shaped
+            )
+            template = demo_chat_template()
+        else:
+            mc, model, tokenizer = load_checkpoint(Path(spec.path), config.device, dtype)
+            template = mc.chat_template
+    except CheckpointError as error:
+        raise ConfigError(f"--model {spec.path}: {error}") from None
+    name = spec.name or mc.name or Path(spec.path).name
+    names = list(spec.served_model_name)
+    if spec.name and spec.name not in names:
+        names.insert(0, spec.name)
+    page_bytes = KVStorage.page_bytes(
+        config.page_size,
+        mc.num_layers,
+        mc.num_kv_heads,
+        mc.head_dim,
+        next(model.parameters()).dtype,
+    )
+    return LoadedModel(
+        spec, name, tuple(names) or (name,), mc, model, tokenizer, template, page_bytes
+    )
+
+
+def _size_of(spec: ModelSpec, config: AgentConfig) -> PoolSize:
+    if spec.pool_pages or spec.pool_memory:
+        return PoolSize(spec.pool_pages, spec.pool_memory)
+    return PoolSize(config.pool_pages, config.pool_memory, config.gpu_memory_fraction)
+
+
+def plan_pools(
+    config: AgentConfig, models: list[LoadedModel], free_device_bytes: int | None
+) -> tuple[list[PoolPlan], int | None]:
+    """Every pool's plan, and the budget they share (None for one model: `--kv-budget` is
+    then its ceiling, and its size unless one is given)."""
+    if len(models) == 1:
+        return [_plan_alone(config, models[0], free_device_bytes)], None
+    budget = config.kv_budget
+    if budget is None and config.gpu_memory_fraction:
+        if free_device_bytes is None:
+            raise ConfigError(
+                "--gpu-memory-fraction: no GPU memory reading (NVML); use --kv-budget"
+            )
+        budget = int(free_device_bytes * config.gpu_memory_fraction)
+    sized = []
+    for loaded in models:
+        spec, per_page = loaded.spec, loaded.bytes_per_page
+        size = _size_of(spec, config)
+        given = size.pool_pages or size.pool_memory
+        if given or budget is None:
+            pages = pool_pages(size, per_page, None, f"model {loaded.name}: pool_memory")
+        else:
+            pages = budget // len(models) // per_page
+            if pages < 1:
+                raise ConfigError(
+                    f"--kv-budget {format_bytes(budget)} shared by {len(models)} models is less "
+                    f"than one page of {loaded.name} ({format_bytes(per_page)})"
+                )
+        segment = (
+            spec.segment_pages or config.segment_pages or max(1, -(-pages // DEFAULT_SEGMENTS))
+        )
+        rounded = -(-pages // segment) * segment if given or budget is None else pages
+        sized.append((pages, segment, max(segment, rounded // segment * segment)))
+    total = sum(cap * m.bytes_per_page for (_, _, cap), m in zip(sized, models, strict=True))
+    budget = total if budget is None else budget
+    if total > budget:
+        raise ConfigError(
+            f"the pools' sizes add up to {format_bytes(total)}, over the KV budget of "
+            f"{format_bytes(budget)}; give smaller pools or a larger --kv-budget"
+        )
+    plans = []
+    for (_, segment, capacity), loaded in zip(sized, models, strict=True):
+        spec = loaded.spec
+        whole = budget // loaded.bytes_per_page // segment * segment
+        ceiling = spec.max_pool_pages or config.max_pool_pages or whole
+        floor = -(-(spec.min_pool_pages or segment) // segment) * segment
+        if not floor <= capacity <= ceiling:
+            raise ConfigError(
+                f"model {loaded.name}: its pool of {capacity} pages is outside its floor "
+                f"{floor} and ceiling {ceiling} (min_pool_pages, max_pool_pages)"
+            )
+        plans.append(PoolPlan(capacity, segment, floor, ceiling))
+    return plans, budget
+
+
+def _plan_alone(config: AgentConfig, loaded: LoadedModel, free: int | None) -> PoolPlan:
+    spec, per_page = loaded.spec, loaded.bytes_per_page
+    size = _size_of(spec, config)
+    if config.kv_budget and not (size.pool_pages or size.pool_memory):
+        size = PoolSize(pool_memory=config.kv_budget)
+    pages = pool_pages(size, per_page, free)
+    segment = spec.segment_pages or config.segment_pages or max(1, -(-pages // DEFAULT_SEGMENTS))
+    ceiling = spec.max_pool_pages or config.max_pool_pages
+    if ceiling is None and config.kv_budget:
+        ceiling = max(segment, config.kv_budget // per_page // segment * segment)
+    if ceiling and pages > ceiling:
+        raise ConfigError(
+            f"the pool's initial size of {pages} pages is above --max-pool-pages "
+            f"{ceiling}; give a smaller size or a larger limit"
+        )
+    return PoolPlan(
+        pages, segment, spec.min_pool_pages or segment, ceiling or max(4 * pages, segment)
+    )
+
+
+def build_service(config: AgentConfig) -> Any:
+    """Models, pools, engines and the service, as the configuration says (imports torch)."""
+    import torch
+
+    from kvctl.agent.budget import BudgetError, KvBudget
+    from kvctl.agent.gpu import GpuProbe
     from kvctl.agent.served import ServedModel
     from kvctl.agent.service import AgentService
 
@@ -123,63 +297,78 @@ def build_service(config: AgentConfig) -> Any:
         raise ConfigError(
             f"--device {config.device}: torch sees no CUDA device here; use --device cpu"
         )
-    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-    try:
-        if config.model == "demo":
-            model_config, model, tokenizer = build_demo_model(config.device, dtype or torch.float32)
-        else:
-            model_config, model, tokenizer = load_checkpoint(
-                Path(config.model), config.device, dtype
-            )
-    except CheckpointError as error:
-        raise ConfigError(f"--model {config.model}: {error}") from None
+    models = [_load_model(spec, config) for spec in config.model_specs()]
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        raise ConfigError(
+            f"two models are named the same ({', '.join(names)}); name each one: --model NAME=PATH"
+        )
     gpu = GpuProbe()
-    mc = model_config
-    bytes_per_page = KVStorage.page_bytes(
-        config.page_size,
-        mc.num_layers,
-        mc.num_kv_heads,
-        mc.head_dim,
-        next(model.parameters()).dtype,
-    )
     device_index = torch.device(config.device).index or 0
     free = gpu.free_bytes(device_index) if config.device.startswith("cuda") else None
-    pages = pool_pages(config, bytes_per_page, free)
-    segment = config.segment_pages or max(1, -(-pages // DEFAULT_SEGMENTS))
-    if config.max_pool_pages and pages > config.max_pool_pages:
-        raise ConfigError(
-            f"the pool's initial size of {pages} pages is above --max-pool-pages "
-            f"{config.max_pool_pages}; give a smaller size or a larger limit"
+    plans, budget_bytes = plan_pools(config, models, free)
+    service = None
+    settings = defaults = limits = None
+    for loaded, plan in zip(models, plans, strict=True):
+        mc = loaded.model_config
+        capacity = -(-plan.pages // plan.segment) * plan.segment
+        if len(models) > 1:
+            log.info("model %s:", loaded.name)
+        log_pool_size(
+            PoolFit(config.page_size, loaded.bytes_per_page, capacity, mc.max_context_len)
         )
-    capacity = -(-pages // segment) * segment  # the engine rounds up to whole segments
-    log_pool_size(PoolFit(config.page_size, bytes_per_page, capacity, mc.max_context_len))
-    limits = StartupLimits(segment, max(config.max_pool_pages or 4 * pages, segment))
-    defaults = limits.defaults()
-    try:
-        settings = apply_changes(defaults, config.settings, defaults, limits)
-    except SettingsError as error:
-        raise ConfigError(str(error)) from None
-    try:
-        engine = _engine(model, tokenizer, config, pages, segment, limits, settings)
-    except ValueError as error:  # a tier the host cannot give (memory, directory)
-        raise ConfigError(str(error)) from None
-    pool_name = mc.name or Path(config.model).name
-    try:
-        template = demo_chat_template() if config.model == "demo" else mc.chat_template
-    except CheckpointError as error:
-        raise ConfigError(f"--model {config.model}: {error}") from None
-    service = AgentService(
-        engine,
-        pool_name,
-        settings,
-        gpu=gpu,
-        window=config.stats_window,
-        defaults=defaults,
-        limits=limits,
-        max_waiting=config.max_waiting,
-    )
-    names = tuple(config.served_model_name) or (pool_name,)
-    service.served = ServedModel(names, template, mc.max_context_len)
+        pool_limits = StartupLimits(plan.segment, max(plan.ceiling, plan.segment))
+        if settings is None:  # the settings are checked against the first pool's limits
+            limits, defaults = pool_limits, pool_limits.defaults()
+            try:
+                settings = apply_changes(defaults, config.settings, defaults, limits)
+            except SettingsError as error:
+                raise ConfigError(str(error)) from None
+        try:
+            engine = _engine(
+                loaded.model,
+                loaded.tokenizer,
+                config,
+                plan.pages,
+                plan.segment,
+                pool_limits,
+                settings,
+            )
+        except ValueError as error:  # a tier the host cannot give (memory, directory)
+            raise ConfigError(str(error)) from None
+        served = ServedModel(loaded.served_names, loaded.template, mc.max_context_len)
+        if service is None:
+            service = AgentService(
+                engine,
+                loaded.name,
+                settings,
+                gpu=gpu,
+                window=config.stats_window,
+                defaults=defaults,
+                limits=limits,
+                max_waiting=config.max_waiting,
+            )
+            service.served = served
+        else:
+            service.add_pool(engine, loaded.name, pool_limits, served)
+    assert service is not None
+    if budget_bytes is not None:
+        budget = KvBudget(budget_bytes)
+        for pool, plan in zip(service.pools.values(), plans, strict=True):
+            resizer = pool.engine.resizer
+            resizer.min_pages, resizer.max_pages = plan.floor, plan.ceiling
+            try:
+                budget.add(pool.name, resizer)
+            except BudgetError as error:
+                raise ConfigError(str(error)) from None
+        service.share_budget(budget)
+        log.info(
+            "KV budget %s shared by %d pools: %s assigned, %s unassigned",
+            format_bytes(budget_bytes),
+            len(plans),
+            format_bytes(budget.assigned_bytes),
+            format_bytes(budget.unassigned_bytes),
+        )
     return service
 
 
@@ -239,16 +428,21 @@ def alert_loop(service: Any, config: AgentConfig, advertised: str) -> Any:
     agent's alerts carry the labels Prometheus would give them. Runbook links are absolute:
     `--runbook-url`, or the runbook this agent serves at `<advertised>/runbook`."""
     from kvctl.agent.alerting import AlertLoop
-    from kvctl.alerts import AlertEvaluator, AlertmanagerNotifier, post_test_alert
+    from kvctl.alerts import AlertEvaluator, AlertmanagerNotifier, PoolAlerts, post_test_alert
 
     runbook = config.runbook_url or f"{advertised}/runbook"
-    evaluator = AlertEvaluator(
-        service.settings,
-        service.pool_name,
-        urlsplit(advertised).netloc,
-        agent_url=advertised,
-        job=config.prometheus_job,
-        runbook_base=runbook,
+    evaluator = PoolAlerts(
+        [
+            AlertEvaluator(
+                service.settings,
+                name,
+                urlsplit(advertised).netloc,
+                agent_url=advertised,
+                job=config.prometheus_job,
+                runbook_base=runbook,
+            )
+            for name in service.pools
+        ]
     )
     notifier = send_test = None
     if config.alertmanager_url:
@@ -273,7 +467,11 @@ def alert_loop(service: Any, config: AgentConfig, advertised: str) -> Any:
             )
 
     return AlertLoop(
-        evaluator, lambda: service.snapshot, lambda: service.settings, notifier, send_test=send_test
+        evaluator,
+        lambda: service.snapshots,
+        lambda: service.settings,
+        notifier,
+        send_test=send_test,
     )
 
 
@@ -356,7 +554,12 @@ def main_command(
     host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help=f"Port (default {DEFAULT_PORT}).")] = None,
     model: Annotated[
-        str | None, typer.Option(help="`demo`, a checkpoint directory or a .gguf file.")
+        list[str] | None,
+        typer.Option(
+            help="`demo` (or demo:LAYERSxKV_HEADS), a checkpoint directory or a .gguf file; "
+            "NAME=PATH names it. Repeatable: several models, each with its own pool, share "
+            "one KV budget."
+        ),
     ] = None,
     served_model_name: Annotated[
         list[str] | None,
@@ -374,6 +577,14 @@ def main_command(
     pool_memory: Annotated[str | None, typer.Option(help="Pool size in bytes, e.g. 2GiB.")] = None,
     gpu_memory_fraction: Annotated[
         float | None, typer.Option(help="Pool size as a share of free GPU memory.")
+    ] = None,
+    kv_budget: Annotated[
+        str | None,
+        typer.Option(
+            help="Bytes all pools may hold together, e.g. 12GiB (several models: memory moves "
+            "between their pools within it; default: the sum of their sizes; one model: its "
+            "pool's ceiling)."
+        ),
     ] = None,
     segment_pages: Annotated[
         int | None, typer.Option(help="Pages per segment (default pool/8).")
@@ -516,6 +727,7 @@ def main_command(
         raise typer.Exit(0)
     flags = {k: v for k, v in locals().items() if k not in ("config", "version", "set_")}
     flags["served_model_name"] = served_model_name or None  # typer gives [] when not given
+    flags["model"] = model or None
     try:
         settings = load_config(flags, config, set_)
         logging.basicConfig(

@@ -38,7 +38,14 @@ from prometheus_client.utils import floatToGoString
 from kvctl import __version__
 from kvctl.agent.pool.defrag import DefragTrigger
 from kvctl.agent.tiers import LOAD_FAILURES, STORE_FAILURES, TIER_NAMES
-from kvctl.api import AdminAction, FinishReasonName, PoolSnapshot, RejectReason, TierReading
+from kvctl.api import (
+    AdminAction,
+    FinishReasonName,
+    PoolShare,
+    PoolSnapshot,
+    RejectReason,
+    TierReading,
+)
 
 MetricType = Literal["gauge", "counter", "histogram"]
 
@@ -51,6 +58,7 @@ DEFRAG_DURATION_BUCKETS: tuple[float, ...] = (
 # fmt: on
 
 RESIZE_DIRECTIONS: tuple[str, ...] = ("grow", "shrink")
+REBALANCE_DIRECTIONS: tuple[str, ...] = ("in", "out")
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReasonName)
 REJECT_REASONS: tuple[str, ...] = get_args(RejectReason)
 ADMIN_ACTIONS: tuple[str, ...] = get_args(AdminAction)
@@ -217,6 +225,30 @@ def _resizes(reading: Reading) -> LabelledValues:
     return {(direction,): n for direction, n in resizes.items()}
 
 
+def _share(value: Callable[[PoolShare], float]) -> Callable[[Reading], Value]:
+    """A value of the pool's share of the budget; no series when it shares none."""
+
+    def read(reading: Reading) -> Value:
+        share = reading.snapshot.share
+        return None if share is None else value(share)
+
+    return read
+
+
+def _rebalanced(name: str) -> Callable[[Reading], Value]:
+    """Moves (or bytes) in and out of the pool, both directions even at 0."""
+
+    def read(reading: Reading) -> Value:
+        share = reading.snapshot.share
+        if share is None:
+            return None
+        counts = dict.fromkeys(REBALANCE_DIRECTIONS, 0)
+        counts.update(getattr(share, name))
+        return {(direction,): n for direction, n in counts.items()}
+
+    return read
+
+
 def _by(name: str, keys: Sequence[str]) -> Callable[[Reading], LabelledValues]:
     """A counter by one label: every known key, even at 0, so `rate()` has a starting point."""
 
@@ -293,6 +325,7 @@ def _tier_failures(name: str, reasons: Sequence[str]) -> Callable[[Reading], Lab
     return values
 
 
+_SHARED = "when the agent serves several models (their pools share one budget)"
 _IN_WINDOW = "over the last `window_seconds` (default 300 s)"
 _TIER_NAMES = ", ".join(TIER_NAMES)
 _PER_TIER = f"per tier the agent has ({_TIER_NAMES})"
@@ -586,6 +619,77 @@ METRICS: tuple[MetricDef, ...] = (
         _resizes,
         labels=("direction",),
     ),
+    # ---- one budget, several pools
+    MetricDef(
+        "kvctl_pool_rebalances_total",
+        "counter",
+        "Moves of memory between the pools of one budget that changed this pool: `in` it took "
+        "memory, `out` it gave memory.",
+        _rebalanced("rebalances_total"),
+        labels=("direction",),
+        presence=_SHARED,
+    ),
+    MetricDef(
+        "kvctl_pool_rebalanced_bytes_total",
+        "counter",
+        "Bytes this pool took (`in`) or gave (`out`) in moves between the pools of one budget.",
+        _rebalanced("rebalanced_bytes_total"),
+        labels=("direction",),
+        presence=_SHARED,
+    ),
+    MetricDef(
+        "kvctl_kv_budget_bytes",
+        "gauge",
+        "The KV budget all the agent's pools share (the same on each pool's series).",
+        _share(lambda share: share.budget_bytes),
+        presence=_SHARED,
+    ),
+    MetricDef(
+        "kvctl_kv_budget_assigned_bytes",
+        "gauge",
+        "Bytes all the agent's pools hold together (the same on each pool's series); never "
+        "above kvctl_kv_budget_bytes.",
+        _share(lambda share: share.assigned_bytes),
+        presence=_SHARED,
+    ),
+    MetricDef(
+        "kvctl_pool_floor_pages",
+        "gauge",
+        "The smallest the pool may become in its budget.",
+        _share(lambda share: share.floor_pages),
+        presence=_SHARED,
+    ),
+    MetricDef(
+        "kvctl_pool_ceiling_pages",
+        "gauge",
+        "The largest the pool may become in its budget.",
+        _share(lambda share: share.ceiling_pages),
+        presence=_SHARED,
+    ),
+    MetricDef(
+        "kvctl_pool_pinned",
+        "gauge",
+        "1 while an operator's resize pins the pool's size (the agent moves no memory in or "
+        "out of it), else 0.",
+        _share(lambda share: float(share.pinned)),
+        presence=_SHARED,
+    ),
+    MetricDef(
+        "kvctl_pool_under_pressure",
+        "gauge",
+        "1 while requests wait for pages or allocations failed or requests were preempted "
+        "since the last check (every 0.5 s), else 0.",
+        _share(lambda share: float(share.under_pressure)),
+        presence=_SHARED,
+    ),
+    MetricDef(
+        "kvctl_pool_reclaimable_pages",
+        "gauge",
+        "Pages the pool could give another pool of its budget now (whole segments beyond "
+        "what it uses, has promised and keeps as headroom).",
+        _share(lambda share: share.reclaimable_pages),
+        presence=_SHARED,
+    ),
     # ---- serving (the latencies and token counts vLLM exports)
     MetricDef(
         "kvctl_time_to_first_token_seconds",
@@ -730,50 +834,51 @@ def _empty_family(metric: MetricDef) -> Metric:
     return _FAMILY_TYPES[metric.type](metric.name, metric.help, labels=("pool", *metric.labels))
 
 
-def _family(metric: MetricDef, reading: Reading) -> Metric | None:
-    """The family of `metric` for this reading, or None when it has no series to show."""
-    value = metric.value(reading)
-    if value is None:
-        return None
-    pool = reading.snapshot.pool
+def _family(metric: MetricDef, readings: Sequence[Reading]) -> Metric | None:
+    """The family of `metric` over every pool's reading, or None when it has no series."""
     family = _empty_family(metric)
-    if isinstance(value, HistogramReading):
-        buckets = [
-            (floatToGoString(bound), n)
-            for bound, n in zip((*value.bounds, math.inf), value.cumulative, strict=True)
-        ]
-        family.add_metric([pool], buckets, value.sum)
-    elif isinstance(value, Mapping):
-        for extra, number in value.items():
-            family.add_metric([pool, *extra], number)
-    else:
-        family.add_metric([pool], value)
+    for reading in readings:
+        value = metric.value(reading)
+        if value is None:
+            continue
+        pool = reading.snapshot.pool
+        if isinstance(value, HistogramReading):
+            buckets = [
+                (floatToGoString(bound), n)
+                for bound, n in zip((*value.bounds, math.inf), value.cumulative, strict=True)
+            ]
+            family.add_metric([pool], buckets, value.sum)
+        elif isinstance(value, Mapping):
+            for extra, number in value.items():
+                family.add_metric([pool, *extra], number)
+        else:
+            family.add_metric([pool], value)
     return family if family.samples else None
 
 
-def _with_pool(family: Metric, pool: str) -> Metric:
-    """A copy of a prometheus-client family whose samples also carry `pool`."""
+def _with_pools(family: Metric, pools: Sequence[str]) -> Metric:
+    """A copy of a prometheus-client family whose samples are repeated with each `pool`."""
     labelled = Metric(family.name, family.documentation, family.type, family.unit)
-    labelled.samples = [s._replace(labels={"pool": pool, **s.labels}) for s in family.samples]
+    labelled.samples = [
+        s._replace(labels={"pool": pool, **s.labels}) for pool in pools for s in family.samples
+    ]
     return labelled
 
 
+PoolReadings = Callable[[], Sequence[tuple[PoolSnapshot, Histograms]]]
+"""Every pool's latest snapshot and histograms (one pair per served model)."""
+
+
 class PoolCollector(Collector):
-    """Builds every family of `METRICS` from one snapshot per scrape.
+    """Builds every family of `METRICS` from each pool's snapshot, once per scrape.
 
     `runtime` collectors (prometheus-client's process and platform collectors) are read in
-    the same scrape and their series get the same `pool` label, so every series the agent serves
-    can be joined on `pool`.
+    the same scrape and their series are given each pool's `pool` label, so every series the
+    agent serves can be joined on `pool`.
     """
 
-    def __init__(
-        self,
-        snapshot_fn: Callable[[], PoolSnapshot],
-        histograms: Histograms,
-        runtime: Iterable[Collector] = (),
-    ) -> None:
-        self._snapshot_fn = snapshot_fn
-        self._histograms = histograms
+    def __init__(self, readings_fn: PoolReadings, runtime: Iterable[Collector] = ()) -> None:
+        self._readings_fn = readings_fn
         self._runtime = tuple(runtime)
 
     def describe(self) -> Iterator[Metric]:
@@ -784,27 +889,33 @@ class PoolCollector(Collector):
             yield from collector.collect()
 
     def collect(self) -> Iterator[Metric]:
-        reading = Reading(self._snapshot_fn(), self._histograms.read())
+        readings = [Reading(snapshot, h.read()) for snapshot, h in self._readings_fn()]
         for metric in METRICS:
-            family = _family(metric, reading)
+            family = _family(metric, readings)
             if family is not None:
                 yield family
         for collector in self._runtime:
             for family in collector.collect():
-                yield _with_pool(family, reading.snapshot.pool)
+                yield _with_pools(family, [reading.snapshot.pool for reading in readings])
 
 
 def build_registry(
     snapshot_fn: Callable[[], PoolSnapshot], histograms: Histograms
 ) -> CollectorRegistry:
-    """A fresh registry (never the process-global one, so two agents in one test process and
-    repeated builds do not clash) serving the kvctl families and the process metrics."""
+    """A fresh registry of one pool (never the process-global one, so two agents in one test
+    process and repeated builds do not clash) serving the kvctl families and the process
+    metrics."""
+    return pools_registry(lambda: [(snapshot_fn(), histograms)])
+
+
+def pools_registry(readings_fn: PoolReadings) -> CollectorRegistry:
+    """A fresh registry serving every pool of an agent (`build_registry` for one)."""
     registry = CollectorRegistry()
     runtime = (
         ProcessCollector(registry=None),
         PlatformCollector(registry=None),
     )
-    registry.register(PoolCollector(snapshot_fn, histograms, runtime))
+    registry.register(PoolCollector(readings_fn, runtime))
     return registry
 
 

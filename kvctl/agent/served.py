@@ -3,8 +3,9 @@ the chat template (chat exists only with one) and the context length.
 
 Clients and routers pick a model by name, and a deployment often knows the model by another
 name than its directory's (`--served-model-name`, repeatable: the first is the name reported in
-every answer, the others are aliases). A request naming none of them is a 404 listing them, so a
-client sent to the wrong agent finds out at once instead of getting another model's output.
+every answer, the others are aliases). A request naming none of the agent's models is a 404
+listing them, so a client sent to the wrong agent finds out at once instead of getting another
+model's output.
 """
 
 from __future__ import annotations
@@ -28,11 +29,3 @@ class ServedModel:
     @property
     def capabilities(self) -> list[str]:
         return ["completions", "chat"] if self.chat_template is not None else ["completions"]
-
-    def unknown(self, requested: str | None) -> str | None:
-        """The 404 message when `requested` names none of the served names (None: it is fine;
-        a request may leave `model` out)."""
-        if requested is None or requested in self.names:
-            return None
-        served = ", ".join(repr(n) for n in self.names)
-        return f"model {requested!r} is not served here; this agent serves {served}"

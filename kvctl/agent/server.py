@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvctl import __version__
-from kvctl.agent.audit import ACTION_ROUTES, Action, AuditLog, Outcome
+from kvctl.agent.audit import Action, AuditLog, Outcome, action_of
 from kvctl.agent.config import AgentConfig
 from kvctl.agent.service import AgentService
 from kvctl.api import ErrorBody
@@ -124,7 +124,7 @@ class TokenGate:
         if authenticated(scope, self.token):
             await self.app(scope, receive, send)
             return
-        action = ACTION_ROUTES.get((scope["method"], scope["path"]))
+        action = action_of(scope["method"], scope["path"])
         if action is not None:
             self.audit.record(action, "unauthorized", caller_of(scope), False)
         message = "missing or wrong bearer token; pass --token or set KVCTL_TOKEN"

@@ -8,7 +8,7 @@ from kvctl.alerts.alertmanager import (
     post_test_alert,
 )
 from kvctl.alerts.catalog import ALL_ALERT_NAMES, DEFINITIONS, RULE_ONLY, RULES_RUNBOOK_BASE
-from kvctl.alerts.evaluator import AlertEvaluator
+from kvctl.alerts.evaluator import AlertEvaluator, PoolAlerts
 from kvctl.alerts.rules import render_rule_file
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "AlertEvaluator",
     "AlertmanagerError",
     "AlertmanagerNotifier",
+    "PoolAlerts",
     "fetch_alerts",
     "post_test_alert",
     "render_rule_file",

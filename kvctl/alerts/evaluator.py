@@ -310,3 +310,38 @@ class AlertEvaluator:
             active_since=state.active_since,
             labels=labels,
         )
+
+
+class PoolAlerts:
+    """The alerts of an agent's pools (one per served model): one `AlertEvaluator` per pool,
+    each with its own history, evaluated together over the pools' snapshots."""
+
+    def __init__(self, evaluators: Sequence[AlertEvaluator]) -> None:
+        if not evaluators:
+            raise ValueError("an agent has at least one pool")
+        self.evaluators = {evaluator.pool: evaluator for evaluator in evaluators}
+        first = evaluators[0]
+        self.instance, self.job = first.instance, first.job
+        self.alerts: list[api.Alert] = []
+
+    @property
+    def settings(self) -> api.RuntimeSettings:
+        return next(iter(self.evaluators.values())).settings
+
+    @settings.setter
+    def settings(self, settings: api.RuntimeSettings | api.AlertSettings) -> None:
+        for evaluator in self.evaluators.values():
+            evaluator.settings = settings
+
+    def evaluate(self, snapshots: Sequence[api.PoolSnapshot]) -> list[api.Alert]:
+        """Every pool's active alerts, most severe first (a pool without a snapshot, or gone
+        from the list, keeps its history for when it is back)."""
+        alerts = [
+            alert
+            for snapshot in snapshots
+            if (evaluator := self.evaluators.get(snapshot.pool)) is not None
+            for alert in evaluator.evaluate(snapshot)
+        ]
+        alerts.sort(key=lambda a: (SEVERITY_RANK[a.severity], a.name, sorted(a.labels.items())))
+        self.alerts = alerts
+        return alerts

@@ -312,6 +312,44 @@ class AlertSettings(Section):
     )
 
 
+class RebalanceSettings(Section):
+    """Moving memory between the pools of one budget (several models on one agent): a pool
+    under pressure for `pressure_s` takes segments from the unassigned budget, then from pools
+    that have been calm for `calm_s`; after a move neither side moves the other way for
+    `cooldown_s`, so pools do not trade memory back and forth."""
+
+    enabled: bool = setting(True, "Move memory between the pools of one budget.")
+    pressure_s: float = setting(
+        1.0,
+        "How long a pool must stay under pressure (requests waiting for pages, failed "
+        "allocations, preemptions) before it takes memory.",
+        ge=0.0,
+        le=3600.0,
+        unit="seconds",
+    )
+    calm_s: float = setting(
+        10.0,
+        "How long a pool must stay free of pressure before it gives memory.",
+        ge=0.0,
+        le=86400.0,
+        unit="seconds",
+    )
+    cooldown_s: float = setting(
+        30.0,
+        "After a move, how long the taker may not give and the donor may not take.",
+        ge=0.0,
+        le=86400.0,
+        unit="seconds",
+    )
+    headroom_ratio: float = setting(
+        0.1,
+        "Share of its used pages a donor keeps free beyond what it uses and has promised.",
+        ge=0.0,
+        le=10.0,
+        unit="ratio",
+    )
+
+
 class RuntimeSettings(Section):
     """GET/PATCH /v1/config: what can change while the agent runs."""
 
@@ -319,6 +357,7 @@ class RuntimeSettings(Section):
     resize: ResizeSettings = ResizeSettings()
     prefix_cache: PrefixSettings = PrefixSettings()
     alerts: AlertSettings = AlertSettings()
+    rebalance: RebalanceSettings = RebalanceSettings()
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -32,7 +32,7 @@ from kvctl.agent.metrics import (
     render,
 )
 from kvctl.agent.metrics_docs import metrics_markdown
-from kvctl.api import GpuMemory, PoolSnapshot, TierReading
+from kvctl.api import GpuMemory, PoolShare, PoolSnapshot, TierReading
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,6 +133,20 @@ def make_snapshot(**overrides: Any) -> PoolSnapshot:
         requests_finished_total={"stop": 40, "length": 60, "abort": 2},
         requests_rejected_total={"queue_full": 7, "too_large": 1},
         admin_actions_total={"resize": 1, "config": 2},
+        share=PoolShare(
+            budget_bytes=8 * 2**20,
+            assigned_bytes=6 * 2**20,
+            floor_pages=256,
+            ceiling_pages=2048,
+            pinned=True,
+            under_pressure=True,
+            short_pages=40,
+            reclaimable_pages=0,
+            pools_total=2,
+            pools_under_pressure=1,
+            rebalances_total={"in": 3},
+            rebalanced_bytes_total={"in": 3 * 2**20},
+        ),
     )
     fields.update(overrides)
     return pool_snapshot(**fields)
@@ -249,8 +263,20 @@ def expected_for_full_snapshot() -> Samples:
         series("kvctl_requests_rejected_total", reason="shutting_down"): 0,
         series("kvctl_admin_actions_total", action="defrag"): 0,
         series("kvctl_admin_actions_total", action="resize"): 1,
+        series("kvctl_admin_actions_total", action="release"): 0,
         series("kvctl_admin_actions_total", action="config"): 2,
         series("kvctl_admin_actions_total", action="alert_test"): 0,
+        series("kvctl_pool_rebalances_total", direction="in"): 3,
+        series("kvctl_pool_rebalances_total", direction="out"): 0,
+        series("kvctl_pool_rebalanced_bytes_total", direction="in"): 3 * 2**20,
+        series("kvctl_pool_rebalanced_bytes_total", direction="out"): 0,
+        series("kvctl_kv_budget_bytes"): 8 * 2**20,
+        series("kvctl_kv_budget_assigned_bytes"): 6 * 2**20,
+        series("kvctl_pool_floor_pages"): 256,
+        series("kvctl_pool_ceiling_pages"): 2048,
+        series("kvctl_pool_pinned"): 1,
+        series("kvctl_pool_under_pressure"): 1,
+        series("kvctl_pool_reclaimable_pages"): 0,
         series("kvctl_alertmanager_notifications_dropped_total"): 2,
         series("kvctl_gpu_memory_used_bytes", gpu="0"): 70 * GIB,
         series("kvctl_gpu_memory_used_bytes", gpu="1"): 5 * GIB,

@@ -314,7 +314,7 @@ def test_every_mutation_is_audited_with_its_caller(start_agent) -> None:
         bad = {"defrag": {"fragmentation_threshold": 7}}
         assert http.patch("/v1/config", json=bad, headers=headers).status_code == 422
         authorized = httpx.Client(base_url=agent.url, headers=headers)
-        expected = {"resize": 1, "defrag": 1, "config": 1, "alert_test": 0}
+        expected = {"resize": 1, "defrag": 1, "release": 0, "config": 1, "alert_test": 0}
         wait_for(lambda: counters(authorized, "kvctl_admin_actions_total") == expected)
     lines = wait_for(
         lambda: (

@@ -22,6 +22,7 @@ from kvctl.agent.pool.defrag import Defragmenter, DefragTrigger
 from kvctl.agent.pool.errors import ResizeRefused
 from kvctl.agent.pool.page_pool import PagePool
 from kvctl.api import DefragResult
+from kvctl.units import format_bytes
 
 
 class SegmentStore(Protocol):
@@ -59,8 +60,10 @@ class PoolResizer:
         min_pages: int | None = None,
         max_pages: int | None = None,
         promised: Callable[[], int] | None = None,
+        room: Callable[[], int] | None = None,
     ) -> None:
         self.pool = pool
+        self.room = room  # bytes a shared budget lets the pool grow by (None: no budget)
         self.promised = promised
         self.defragmenter = defragmenter
         self.storage = storage
@@ -85,6 +88,14 @@ class PoolResizer:
                 f"{target} pages is above the maximum of {self.max_pages}; "
                 "raise --max-pool-pages to allow it"
             )
+        if target > pool.capacity and self.room is not None:
+            extra, room = (target - pool.capacity) * pool.bytes_per_page, self.room()
+            if extra > room:
+                raise ResizeRefused(
+                    f"{target} pages need {format_bytes(extra)} more and the KV budget the pools "
+                    f"share has {format_bytes(room)} unassigned; shrink another pool first or "
+                    "restart with a larger --kv-budget"
+                )
         promised = self.promised() if self.promised is not None else 0
         if target < promised:
             raise ResizeRefused(

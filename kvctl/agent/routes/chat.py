@@ -35,9 +35,9 @@ from kvctl.api import (
 
 def router(ctx: ServerContext) -> APIRouter:
     api = APIRouter()
-    gen = Generation(ctx, "chatcmpl")
+    base = Generation(ctx, "chatcmpl")
 
-    async def prompt_ids(body: ChatCompletionRequest) -> list[int]:
+    async def prompt_ids(gen: Generation, body: ChatCompletionRequest) -> list[int]:
         template = gen.served.chat_template
         if template is None:
             raise ApiError(
@@ -64,10 +64,10 @@ def router(ctx: ServerContext) -> APIRouter:
         """OpenAI chat completions, streamed as `chat.completion.chunk` events with
         `stream: true`."""
         asked = body.max_completion_tokens or body.max_tokens
-        gen.check_request(body, asked)
+        gen = base.check_request(body, asked)
         _refuse_unsupported(body)
         gen.check_choices(1, body.n)
-        ids = await prompt_ids(body)
+        ids = await prompt_ids(gen, body)
         max_tokens = asked or min(ctx.config.max_tokens_limit, gen.served.context_length - len(ids))
         if max_tokens < 1:
             raise gen.refuse(

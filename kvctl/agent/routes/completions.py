@@ -32,9 +32,9 @@ MAX_COMPLETION_LOGPROBS = 5
 
 def router(ctx: ServerContext) -> APIRouter:
     api = APIRouter()
-    gen = Generation(ctx, "cmpl")
+    base = Generation(ctx, "cmpl")
 
-    async def prompt_list(body: CompletionRequest) -> list[list[int]]:
+    async def prompt_list(gen: Generation, body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
         if isinstance(prompt, str):
             prompts: list[str | list[int]] = [prompt]
@@ -50,7 +50,7 @@ def router(ctx: ServerContext) -> APIRouter:
             result.append(ids)
         return result
 
-    def echoes(body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    def echoes(gen: Generation, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """The text `echo` puts before each prompt's choices: the prompt as sent, or decoded."""
         if not body.echo:
             return [""] * len(prompts)
@@ -70,10 +70,10 @@ def router(ctx: ServerContext) -> APIRouter:
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI completions, streamed as server-sent events with `stream: true`."""
-        gen.check_request(body, body.max_tokens)
+        gen = base.check_request(body, body.max_tokens)
         _refuse_unsupported(body)
-        prompts = await prompt_list(body)
-        echo = echoes(body, prompts)
+        prompts = await prompt_list(gen, body)
+        echo = echoes(gen, body, prompts)
         params = gen.sampling(body, body.max_tokens, body.logprobs)
         opened = await gen.open(prompts, params, body.n, body.cache_salt)
         shaper = _Shaper(gen, body, prompts, echo)

@@ -17,6 +17,7 @@ every choice still running is aborted, so its pages are released instead of comp
 from __future__ import annotations
 
 import asyncio
+import copy
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from pydantic import BaseModel
 from kvctl.agent.model.processing import TokenLogprobs
 from kvctl.agent.model.sampling import SamplingParams
 from kvctl.agent.model.tokenizer import Tokenizer
+from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.routes.ops import ERRORS
 from kvctl.agent.runtime import (
     Engine,
@@ -40,7 +42,7 @@ from kvctl.agent.runtime import (
 from kvctl.agent.runtime import Request as EngineRequest
 from kvctl.agent.served import ServedModel
 from kvctl.agent.server import ApiError, ServerContext
-from kvctl.agent.service import QueueFull, RequestStream, ShuttingDown
+from kvctl.agent.service import QueueFull, RequestStream, ShuttingDown, UnknownPool
 from kvctl.api import GenerationFields, PromptTokensDetails, Usage
 
 GENERATION_ERRORS = {code: ERRORS[409] for code in (400, 404, 429, 503)} | ERRORS
@@ -106,38 +108,49 @@ class Shaper(Protocol):
 
 
 class Generation:
-    """The shared steps of an OpenAI generation route, bound to one agent."""
+    """The shared steps of an OpenAI generation route, bound to one agent, and by
+    `check_request` to the model a request names (its pool)."""
 
-    def __init__(self, ctx: ServerContext, prefix: str) -> None:
+    def __init__(self, ctx: ServerContext, prefix: str, pool: ModelPool | None = None) -> None:
         self.ctx = ctx
         self.service = ctx.service
         self.config = ctx.config
         self.prefix = prefix
+        self.pool = pool or self.service.first
         self._tokenizing = asyncio.Semaphore(1)
 
     @property
     def served(self) -> ServedModel:
-        return self.service.served
+        return self.pool.served
 
     @property
     def tokenizer(self) -> Tokenizer | None:
-        return self.service.engine.tokenizer
+        return self.pool.engine.tokenizer
 
     @property
     def prompt_limit(self) -> int:
         return min(self.config.max_prompt_tokens, self.served.context_length)
 
     def refuse(self, status: int, reason: str, message: str) -> ApiError:
-        self.service.rejected.add(reason)
+        self.pool.rejected.add(reason)
         return ApiError(status, message)
 
-    def check_request(self, body: GenerationFields, max_tokens: int | None) -> None:
-        """503 while draining, 404 for a model not served here, 400 over the token limit."""
+    def check_request(self, body: GenerationFields, max_tokens: int | None) -> Generation:
+        """These steps bound to the model `body` names; 503 while draining, 404 for a model not
+        served here (400 for none when several are), 400 over the token limit."""
         if not self.service.accepting:
             raise self.refuse(503, "shutting_down", "the agent is shutting down")
-        unknown = self.served.unknown(body.model)
-        if unknown is not None:
-            raise ApiError(404, unknown)
+        try:
+            pool = self.service.pool(body.model)
+        except UnknownPool as unknown:
+            message = str(unknown) if body.model else f"{unknown}; give `model`"
+            raise ApiError(404 if body.model else 400, message) from None
+        bound = copy.copy(self)
+        bound.pool = pool
+        bound.check_limits(max_tokens)
+        return bound
+
+    def check_limits(self, max_tokens: int | None) -> None:
         if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
             raise self.refuse(
                 400,
@@ -252,7 +265,7 @@ class Generation:
 
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wrap_future(self.service.open_stream(add, loop))
+            return await asyncio.wrap_future(self.service.open_stream(add, loop, self.pool))
         except QueueFull as full:
             raise ApiError(429, str(full), {"Retry-After": str(RETRY_AFTER_S)}) from None
         except ShuttingDown as draining:
@@ -262,7 +275,7 @@ class Generation:
         except RequestRefused as refused:
             raise ApiError(400, str(refused)) from None
         except ValueError as invalid:
-            self.service.rejected.add("invalid")
+            self.pool.rejected.add("invalid")
             raise ApiError(400, str(invalid)) from None
 
     async def events(self, opened: Opened) -> AsyncIterator[tuple[int, TokenEvent]]:

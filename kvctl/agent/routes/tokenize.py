@@ -13,6 +13,7 @@ import asyncio
 from fastapi import APIRouter
 
 from kvctl.agent.server import ApiError, ServerContext
+from kvctl.agent.service import UnknownPool
 from kvctl.api import TokenizedText, TokenizeRequest, TokenizeResponse
 
 
@@ -24,11 +25,12 @@ def router(ctx: ServerContext) -> APIRouter:
     @api.post("/v1/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """Token ids and counts of one text or a batch, in the order given."""
-        served = service.served
-        unknown = served.unknown(body.model)
-        if unknown is not None:
-            raise ApiError(404, unknown)
-        tokenizer = service.engine.tokenizer
+        try:
+            pool = service.pool(body.model)
+        except UnknownPool as unknown:
+            message = str(unknown) if body.model else f"{unknown}; give `model`"
+            raise ApiError(404 if body.model else 400, message) from None
+        served, tokenizer = pool.served, pool.engine.tokenizer
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer (no tokenizer.json): nothing to count")
         texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt

@@ -1,0 +1,97 @@
+"""One memory budget for the KV pools of several models on one agent.
+
+Every byte a pool holds counts against the budget (`--kv-budget`). A pool grows only into bytes
+no pool holds: each pool's resizer asks the budget for room before it adds a segment, so the sum
+of the pools never exceeds the budget at any step, whoever resizes (an operator, automatic
+resize, the rebalancer). A shrink gives its bytes back. Each pool has a floor and a ceiling,
+which are its resizer's `min_pages` and `max_pages`.
+
+Pools of different models have pages of different sizes, so the budget counts bytes, and every
+pool moves in whole segments of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvctl.agent.pool import PagePool, PoolResizer
+from kvctl.units import format_bytes
+
+
+class BudgetError(ValueError):
+    """Pools that cannot share the budget as configured (their sizes exceed it)."""
+
+
+@dataclass
+class BudgetedPool:
+    """One pool under the budget: its resizer (and through it the pool), and whether an
+    operator pinned its size."""
+
+    name: str
+    resizer: PoolResizer
+    pinned: bool = False
+
+    @property
+    def pool(self) -> PagePool:
+        return self.resizer.pool
+
+    @property
+    def bytes(self) -> int:
+        return self.pool.capacity * self.pool.bytes_per_page
+
+    @property
+    def segment_bytes(self) -> int:
+        return self.pool.segment_pages * self.pool.bytes_per_page
+
+    @property
+    def floor_pages(self) -> int:
+        return self.resizer.min_pages
+
+    @property
+    def ceiling_pages(self) -> int:
+        return self.resizer.max_pages or self.pool.capacity
+
+
+class KvBudget:
+    """The budget shared by the pools added to it; `unassigned_bytes` is what a pool may grow
+    by."""
+
+    def __init__(self, total_bytes: int) -> None:
+        if total_bytes < 1:
+            raise BudgetError(f"the KV budget must be more than 0 bytes, got {total_bytes}")
+        self.total_bytes = total_bytes
+        self.pools: dict[str, BudgetedPool] = {}
+
+    def add(self, name: str, resizer: PoolResizer) -> BudgetedPool:
+        """Put a pool under the budget; BudgetError if the budget cannot hold it as it is."""
+        if name in self.pools:
+            raise BudgetError(f"two pools are named {name!r}")
+        member = BudgetedPool(name, resizer)
+        if self.assigned_bytes + member.bytes > self.total_bytes:
+            raise BudgetError(
+                f"pool {name!r} of {format_bytes(member.bytes)} does not fit the KV budget of "
+                f"{format_bytes(self.total_bytes)} next to the other pools "
+                f"({format_bytes(self.assigned_bytes)}); give smaller pools or a larger budget"
+            )
+        self.pools[name] = member
+        resizer.room = lambda: self.unassigned_bytes
+        return member
+
+    @property
+    def assigned_bytes(self) -> int:
+        """Bytes the pools hold now."""
+        return sum(member.bytes for member in self.pools.values())
+
+    @property
+    def unassigned_bytes(self) -> int:
+        return self.total_bytes - self.assigned_bytes
+
+    def check(self) -> None:
+        """AssertionError unless every pool is within its bounds and all fit the budget."""
+        assert self.assigned_bytes <= self.total_bytes, (
+            f"pools hold {self.assigned_bytes} bytes, over the budget of {self.total_bytes}"
+        )
+        for member in self.pools.values():
+            capacity = member.pool.capacity
+            assert capacity >= member.floor_pages, f"{member.name}: {capacity} below its floor"
+            assert capacity <= member.ceiling_pages, f"{member.name}: {capacity} over its ceiling"

@@ -1,0 +1,232 @@
+"""Moving memory between the pools of one budget, to the pool whose load needs it now.
+
+At every check the agent tells the rebalancer, per pool, what pressure it is under since the
+previous check (`Pressure`: pages its waiting requests need beyond what is free or evictable,
+failed allocations, preemptions) and how many pages its admitted requests may still need. A pool
+that has been under pressure for `pressure_s` takes memory: first budget no pool holds, then
+whole segments from donors, the pools with the most reclaimable memory first. A donor has been
+free of pressure for `calm_s`; it gives only pages beyond its floor, what it uses, what its
+admitted requests may still need and a headroom of `headroom_ratio` × used, so giving never
+touches a live page (its shrink evacuates the tail by defragmentation first) and does not put it
+under pressure at once. Cached prefix pages count as reclaimable: the shrink evicts them.
+
+Hysteresis: pressure and calm must hold for a while, and after a move the taker may not give and
+the donor may not take for `cooldown_s`, so two pools whose load alternates do not pass the same
+segments back and forth. A pinned pool (sized by an operator) neither gives nor takes until it is
+released. Idle pools keep their memory until someone needs it: moving costs a defragmentation,
+and memory that sits in an idle pool costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from kvctl.agent.budget.kv_budget import BudgetedPool, KvBudget
+from kvctl.agent.pool import ResizeRefused
+from kvctl.settings import RebalanceSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """A pool's signs of pressure since the previous check."""
+
+    short_pages: int = 0
+    """Pages its waiting requests need beyond what is free or evictable."""
+    failures: int = 0
+    """Allocations that failed."""
+    preemptions: int = 0
+
+    @property
+    def any(self) -> bool:
+        return self.short_pages > 0 or self.failures > 0 or self.preemptions > 0
+
+
+@dataclass(frozen=True)
+class Move:
+    """Memory moved to one pool at one check: `taker` grew by `taken_bytes`, after each donor in
+    `given` gave that many bytes (none: the budget had them unassigned)."""
+
+    taker: str
+    taken_bytes: int
+    given: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class PoolHistory:
+    """What the rebalancer remembers about one pool between checks."""
+
+    pressure: Pressure = Pressure()
+    promised_pages: int = 0
+    pressured_since: float | None = None
+    calm_since: float | None = None
+    took_at: float = float("-inf")
+    gave_at: float = float("-inf")
+    moves: Counter[str] = field(default_factory=Counter)  # "in", "out"
+    moved_bytes: Counter[str] = field(default_factory=Counter)
+
+
+class Rebalancer:
+    """Decides and carries out moves between the pools of `budget` (on the engine thread)."""
+
+    def __init__(
+        self, budget: KvBudget, settings: RebalanceSettings, clock: Callable[[], float]
+    ) -> None:
+        self.budget = budget
+        self.settings = settings
+        self.clock = clock
+        now = clock()
+        self.history = {name: PoolHistory(calm_since=now) for name in budget.pools}
+
+    # ---- what the agent reports -------------------------------------------------------------
+
+    def observe(self, readings: Mapping[str, tuple[Pressure, int]]) -> None:
+        """Record each pool's pressure since the last check and its promised pages."""
+        now = self.clock()
+        for name, (pressure, promised) in readings.items():
+            seen = self.history[name]
+            seen.pressure, seen.promised_pages = pressure, promised
+            if pressure.any:
+                seen.calm_since = None
+                seen.pressured_since = now if seen.pressured_since is None else seen.pressured_since
+            else:
+                seen.pressured_since = None
+                seen.calm_since = now if seen.calm_since is None else seen.calm_since
+
+    def reclaimable_pages(self, name: str) -> int:
+        """Whole segments the pool could give now without touching what it must keep; none if
+        its resizer would refuse that shrink, so that no donor is counted on (and shrunk) for
+        a move its fellow donors cannot complete."""
+        member, seen = self.budget.pools[name], self.history[name]
+        pool = member.pool
+        used = pool.used_pages
+        keep = max(
+            member.floor_pages,
+            seen.promised_pages,
+            used + pool.reserved_pages,
+            1,
+        )
+        if not pool.can_evict:  # nothing can evict its cached pages: a shrink must keep them
+            keep = max(keep, used + pool.cached_pages)
+        segment = pool.segment_pages
+        keep = -(-keep // segment) * segment
+        if keep >= pool.capacity:
+            return 0
+        try:
+            member.resizer.check(keep)  # e.g. a request admitted since the last reading
+        except ResizeRefused:
+            return 0
+        return pool.capacity - keep
+
+    def is_donor(self, name: str) -> bool:
+        """Whether the pool could give memory now."""
+        member, seen = self.budget.pools[name], self.history[name]
+        now = self.clock()
+        return (
+            not member.pinned
+            and seen.calm_since is not None
+            and now - seen.calm_since >= self.settings.calm_s
+            and now - seen.took_at >= self.settings.cooldown_s
+            and self.reclaimable_pages(name) > 0
+        )
+
+    def _is_taker(self, name: str) -> bool:
+        member, seen = self.budget.pools[name], self.history[name]
+        now = self.clock()
+        return (
+            not member.pinned
+            and seen.pressured_since is not None
+            and now - seen.pressured_since >= self.settings.pressure_s
+            and now - seen.gave_at >= self.settings.cooldown_s
+            and member.pool.capacity < member.ceiling_pages
+        )
+
+    # ---- moving -----------------------------------------------------------------------------
+
+    def rebalance(self) -> list[Move]:
+        """Give memory to every pool that has been under pressure long enough, most short of
+        pages first; the moves carried out."""
+        if not self.settings.enabled:
+            return []
+        takers = [name for name in self.budget.pools if self._is_taker(name)]
+        takers.sort(key=lambda name: -self.history[name].pressure.short_pages)
+        moves = (self._feed(self.budget.pools[name]) for name in takers)
+        return [move for move in moves if move is not None]
+
+    def _wanted_pages(self, taker: BudgetedPool) -> int:
+        """Pages the taker should grow by: what its queue is short of, at least one segment,
+        whole segments, up to its ceiling."""
+        pool = taker.pool
+        segment = pool.segment_pages
+        short = max(self.history[taker.name].pressure.short_pages, segment)
+        wanted = -(-short // segment) * segment
+        return min(wanted, taker.ceiling_pages - pool.capacity)
+
+    def _feed(self, taker: BudgetedPool) -> Move | None:
+        budget = self.budget
+        segment_bytes = taker.segment_bytes
+        wanted_bytes = self._wanted_pages(taker) * taker.pool.bytes_per_page
+        donors = [name for name in budget.pools if name != taker.name and self.is_donor(name)]
+        donors.sort(key=self._reclaimable_bytes, reverse=True)
+        reachable = budget.unassigned_bytes + sum(map(self._reclaimable_bytes, donors))
+        wanted_bytes = min(wanted_bytes, reachable // segment_bytes * segment_bytes)
+        if wanted_bytes < segment_bytes:
+            return None  # not even one of the taker's segments can be had: move nothing
+        given: dict[str, int] = {}
+        for name in donors:
+            missing = wanted_bytes - budget.unassigned_bytes
+            if missing <= 0:
+                break
+            if gave := self._shrink(budget.pools[name], missing):
+                given[name] = gave
+        taken = self._grow(taker, wanted_bytes)
+        return Move(taker.name, taken, given) if taken or given else None
+
+    def _reclaimable_bytes(self, name: str) -> int:
+        return self.reclaimable_pages(name) * self.budget.pools[name].pool.bytes_per_page
+
+    def _shrink(self, donor: BudgetedPool, missing_bytes: int) -> int:
+        """Shrink the donor by whole segments covering `missing_bytes` (as far as it can give);
+        the bytes given, 0 when its shrink was refused."""
+        pool = donor.pool
+        segments = min(
+            -(-missing_bytes // donor.segment_bytes),
+            self.reclaimable_pages(donor.name) // pool.segment_pages,
+        )
+        if segments < 1:
+            return 0
+        before = pool.capacity
+        try:
+            donor.resizer.resize(before - segments * pool.segment_pages)
+        except ResizeRefused as refused:
+            log.info("rebalance: pool %s could not give memory: %s", donor.name, refused)
+            return 0
+        given = (before - pool.capacity) * pool.bytes_per_page
+        seen = self.history[donor.name]
+        seen.gave_at = self.clock()
+        seen.moves["out"] += 1
+        seen.moved_bytes["out"] += given
+        return given
+
+    def _grow(self, taker: BudgetedPool, wanted_bytes: int) -> int:
+        """Grow the taker by the whole segments of `wanted_bytes` the budget has room for."""
+        pool = taker.pool
+        segments = min(wanted_bytes, self.budget.unassigned_bytes) // taker.segment_bytes
+        if segments < 1:
+            return 0
+        before = pool.capacity
+        try:
+            taker.resizer.resize(before + segments * pool.segment_pages)
+        except ResizeRefused as refused:  # e.g. the device has no memory for the segments
+            log.warning("rebalance: pool %s could not grow: %s", taker.name, refused)
+            return 0
+        grown = (pool.capacity - before) * pool.bytes_per_page
+        seen = self.history[taker.name]
+        seen.took_at = self.clock()
+        seen.moves["in"] += 1
+        seen.moved_bytes["in"] += grown
+        return grown

@@ -1,0 +1,322 @@
+"""One served model on the agent: its engine (pool, scheduler, prefix cache, tiers), the names
+clients reach it by, and the readings and commands that concern its pool alone.
+
+An agent serves one model or several; each has one of these, named by the model (the `pool`
+label of its metrics). Everything here runs on the agent's one engine thread, except reading
+`snapshot`, which is replaced whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvctl.agent.autoresize import AutoResize
+from kvctl.agent.budget import BudgetedPool, Pressure
+from kvctl.agent.metrics import Histograms
+from kvctl.agent.pool import DefragTrigger, ResizeRefused
+from kvctl.agent.pool.stats import PageStates
+from kvctl.agent.runtime import Engine
+from kvctl.agent.served import ServedModel
+from kvctl.agent.tally import Tally
+from kvctl.agent.tiers import TierStats
+from kvctl.agent.window import CounterRatioWindow
+from kvctl.api import (
+    DefragResult,
+    PoolShare,
+    PoolSnapshot,
+    ResizeResult,
+    RuntimeSettings,
+    TierReading,
+)
+from kvctl.settings import StartupLimits
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentReadings:
+    """What every pool's snapshot carries about the agent as a whole."""
+
+    alert_notifications_dropped_total: int
+    admin_actions_total: dict[str, int]
+    gpus: list
+    share: PoolShare | None = None
+
+
+class ModelPool:
+    """One model's engine and what the agent keeps about its pool."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        name: str,
+        limits: StartupLimits,
+        served: ServedModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        window: float = 300.0,
+        max_waiting: int = 256,
+    ) -> None:
+        self.engine = engine
+        self.name = name
+        self.limits = limits
+        self.served = served or ServedModel((name,), None, engine.model_config.max_context_len)
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.window = window
+        self.max_waiting = max_waiting
+        self.member: BudgetedPool | None = None  # set when the pool shares a budget
+        self.histograms = Histograms()
+        self.rejected = Tally()
+        self.resizes_total: Counter[str] = Counter({"grow": 0, "shrink": 0})
+        self.auto_resize = AutoResize(RuntimeSettings().resize, self.clock)
+        self._alloc_window = CounterRatioWindow(window, self.clock)
+        self._prefix_window = CounterRatioWindow(window, self.clock)
+        self._last_defrag: DefragResult | None = None
+        self._last_defrag_at: float | None = None
+        self._seen_failures = engine.pool.alloc_failures
+        self._seen_preemptions = engine.stats.preemptions
+        engine.auto_defrag.add_listener(self._note_defrag)
+        self.snapshot: PoolSnapshot | None = None
+
+    # ---- settings -----------------------------------------------------------------------
+
+    def apply_settings(self, settings: RuntimeSettings) -> None:
+        """The runtime settings in force, applied to this pool (engine thread). A pool sharing
+        a budget keeps its own floor and ceiling; `resize.min_pages`/`max_pages` bound a pool
+        that has the agent to itself."""
+        engine = self.engine
+        engine.auto_defrag.policy = settings.defrag
+        self.auto_resize.update_settings(settings.resize)
+        resizer = engine.resizer
+        if self.member is None:
+            resizer.max_pages = settings.resize.max_pages or self.limits.max_pool_pages
+            resizer.min_pages = settings.resize.min_pages or self.limits.segment_pages
+        if engine.config.prefix_cache:
+            engine.set_eviction_policy(settings.prefix_cache.eviction_policy)
+        engine.scheduler.tier_min_load_tokens = settings.prefix_cache.tier_min_load_tokens
+        tiers = engine.tiers
+        if tiers is not None:
+            for tier in tiers.tiers:
+                tiers.set_policy(
+                    tier.name, getattr(settings.prefix_cache, f"{tier.name}_tier_policy")
+                )
+
+    # ---- commands (engine thread) -------------------------------------------------------
+
+    def page_states(self) -> PageStates:
+        self.engine.owner.check("ModelPool.page_states")
+        return self.engine.pool.page_states()
+
+    def defrag_now(self, max_pages: int | None) -> DefragResult:
+        """A manual defragmentation, to completion or `max_pages`."""
+        self.engine.owner.check("ModelPool.defrag_now")
+        return self.engine.auto_defrag.run_now(DefragTrigger.MANUAL, max_pages)
+
+    def resize(self, pages: int) -> ResizeResult:
+        """Resize to `pages`; `ResizeRefused` changes nothing."""
+        self.engine.owner.check("ModelPool.resize")
+        old = self.engine.pool.capacity
+        result = self.engine.resizer.resize(pages)
+        return self.record_resize(old, result.pages_evicted)
+
+    def record_resize(self, old_pages: int, evicted: int = 0) -> ResizeResult:
+        """Count, log and account for a resize from `old_pages` to the pool's size now (also
+        one the rebalancer carried out)."""
+        engine = self.engine
+        new_pages = engine.pool.capacity
+        bytes_per_page = engine.pool.bytes_per_page
+        direction = (
+            "grow" if new_pages > old_pages else "shrink" if new_pages < old_pages else "none"
+        )
+        moved = 0
+        if direction != "none":
+            self.resizes_total[direction] += 1
+            log.info(
+                "pool %s resized %s: %d -> %d pages", self.name, direction, old_pages, new_pages
+            )
+        evacuation = engine.resizer.last_evacuation
+        if direction == "shrink" and evacuation is not None:
+            moved = evacuation.pages_moved
+            if moved:
+                engine.auto_defrag.record(evacuation)
+            engine.resizer.last_evacuation = None
+        return ResizeResult(
+            old_pages=old_pages,
+            new_pages=new_pages,
+            old_bytes=old_pages * bytes_per_page,
+            new_bytes=new_pages * bytes_per_page,
+            direction=direction,
+            pages_moved=moved,
+            pages_evicted=evicted,
+        )
+
+    def resize_tier(self, tier: str, pages: int) -> ResizeResult:
+        """Give a host or disk tier room for `pages` pages (0 turns it off); pages evicted to
+        fit go down a tier. ValueError when there is no such tier."""
+        self.engine.owner.check("ModelPool.resize_tier")
+        tiers = self.engine.tiers
+        if tiers is None:
+            raise ValueError(
+                "this agent has no tiers below the device pool (start it with "
+                "--host-tier-memory or --disk-tier-path)"
+            )
+        held = tiers.tier(tier)
+        page_bytes = held.page_bytes
+        old_pages, before = held.index.capacity, held.counters.evicted_pages
+        tiers.resize(tier, pages * page_bytes)
+        new_pages = held.index.capacity
+        direction = (
+            "grow" if new_pages > old_pages else "shrink" if new_pages < old_pages else "none"
+        )
+        if direction != "none":
+            log.info("%s tier resized %s: %d -> %d pages", tier, direction, old_pages, new_pages)
+        return ResizeResult(
+            old_pages=old_pages,
+            new_pages=new_pages,
+            old_bytes=old_pages * page_bytes,
+            new_bytes=new_pages * page_bytes,
+            direction=direction,
+            pages_moved=0,
+            pages_evicted=held.counters.evicted_pages - before,
+            tier=tier,
+        )
+
+    def maybe_auto_resize(self, spare_bytes: int | None) -> None:
+        """Grow or shrink on utilisation when `resize.enabled` (within the budget, if any)."""
+        if self.member is not None and self.member.pinned:
+            return
+        engine = self.engine
+        stats = engine.pool.stats()
+        target = self.auto_resize.decide(stats, spare_bytes, engine.pages_promised())
+        if target is None or target == stats.capacity_pages:
+            return
+        try:
+            self.resize(target)
+        except ResizeRefused as refused:  # logged, never fatal (a full budget says so each time)
+            level = logging.DEBUG if self.member is not None else logging.WARNING
+            log.log(
+                level, "automatic resize of %s to %d pages refused: %s", self.name, target, refused
+            )
+
+    def pressure(self) -> Pressure:
+        """The pool's pressure since the previous call: pages its waiting requests are short of
+        beyond free and evictable pages, failed allocations and preemptions."""
+        engine = self.engine
+        pool = engine.pool
+        failures, preemptions = pool.alloc_failures, engine.stats.preemptions
+        pressure = Pressure(
+            short_pages=self.short_pages(),
+            failures=failures - self._seen_failures,
+            preemptions=preemptions - self._seen_preemptions,
+        )
+        self._seen_failures, self._seen_preemptions = failures, preemptions
+        return pressure
+
+    def short_pages(self) -> int:
+        """Pages the requests that could be admitted next need beyond free and evictable ones
+        (0 when the queue waits for something else, such as a full batch)."""
+        scheduler = self.engine.scheduler
+        room = scheduler.max_batch_seqs - len(scheduler.running)
+        if not scheduler.waiting or room <= 0:
+            return 0
+        pool = self.engine.pool
+        need = 0
+        for request, _ in zip(scheduler.waiting, range(room), strict=False):
+            need += pool.pages_for(request.num_tokens + 1)
+        return max(0, need - pool.free_pages - pool.cached_pages)
+
+    def _note_defrag(self, report: DefragResult) -> None:
+        self.histograms.defrag.observe(report.seconds)
+        self._last_defrag, self._last_defrag_at = report, self.clock()
+
+    # ---- the snapshot -------------------------------------------------------------------
+
+    def build_snapshot(self, agent: AgentReadings) -> PoolSnapshot:
+        """A fresh reading of the pool, the queue and the counters (engine thread)."""
+        engine = self.engine
+        stats = engine.stats
+        pool = engine.pool.stats()
+        self._alloc_window.record(
+            pool.alloc_attempts_total - pool.alloc_failures_total, pool.alloc_attempts_total
+        )
+        successes, attempts = self._alloc_window.increases()
+        now = self.clock()
+        oldest = stats.oldest_queued_at
+        waited = 0.0 if oldest is None else max(0.0, now - oldest)
+        stalled = 0.0 if oldest is None else max(0.0, now - max(oldest, stats.last_progress_at))
+        self._prefix_window.record(stats.prefix_hits_tokens, stats.prefix_queries_tokens)
+        auto = engine.auto_defrag
+        last_age = None if self._last_defrag_at is None else now - self._last_defrag_at
+        runs = {trigger.value: auto.runs_total[trigger] for trigger in DefragTrigger}
+        self.snapshot = PoolSnapshot(
+            **dict(pool),  # the pool's own reading: pages, runs, allocation counters
+            pool=self.name,
+            timestamp=self.wall_clock(),
+            device=str(engine.device),
+            prompt_tokens_total=stats.prompt_tokens,
+            generation_tokens_total=stats.generated_tokens,
+            max_pool_pages=engine.resizer.max_pages,
+            alloc_success_ratio=self._alloc_window.ratio(),
+            window_seconds=self.window,
+            prefix_cache_enabled=engine.config.prefix_cache,
+            prefix_queries_tokens_total=stats.prefix_queries_tokens,
+            prefix_hits_tokens_total=stats.prefix_hits_tokens,
+            prefix_hit_ratio=self._prefix_window.ratio(),
+            prefix_evictions_total=sum(stats.prefix_evictions.values()),
+            prefix_hits_tokens_by_tier=stats.prefix_hits_by_tier,
+            tiers=[tier_reading(t) for t in stats.tiers],
+            prefill_seconds_per_token=stats.prefill_seconds_per_token,
+            defrag_runs_total=runs,
+            defrag_pages_moved_total=auto.pages_moved_total,
+            defrag_active=auto.active is not None,
+            last_defrag=self._last_defrag,
+            last_defrag_age_seconds=last_age,
+            auto_defrag_enabled=auto.policy.enabled,
+            resizes_total=dict(self.resizes_total),
+            requests_running=stats.requests_running,
+            requests_waiting=stats.requests_waiting,
+            preemptions_total=stats.preemptions,
+            alert_notifications_dropped_total=agent.alert_notifications_dropped_total,
+            gpus=agent.gpus,
+            max_waiting=self.max_waiting,
+            oldest_waiting_seconds=waited,
+            queue_stalled_seconds=stalled,
+            window_alloc_attempts=attempts,
+            window_alloc_failures=attempts - successes,
+            requests_finished_total=dict(stats.finished),
+            requests_rejected_total=self.rejected.read(),
+            admin_actions_total=agent.admin_actions_total,
+            share=agent.share,
+        )
+        return self.snapshot
+
+
+def tier_reading(stats: TierStats) -> TierReading:
+    """The API's reading of one tier."""
+    counters = stats.counters
+    free, size = stats.filesystem if stats.filesystem is not None else (None, None)
+    return TierReading(
+        tier=stats.name,
+        policy=stats.policy,
+        capacity_pages=stats.capacity_pages,
+        used_pages=stats.used_pages,
+        page_bytes=stats.page_bytes,
+        hits_tokens_total=counters.hits_tokens,
+        stored_pages_total=counters.stored_pages,
+        stored_bytes_total=counters.stored_bytes,
+        loaded_pages_total=counters.loaded_pages,
+        loaded_bytes_total=counters.loaded_bytes,
+        store_seconds_total=counters.store_seconds,
+        load_seconds_total=counters.load_seconds,
+        evicted_pages_total=counters.evicted_pages,
+        store_failures_total=dict(counters.store_failures),
+        load_failures_total=dict(counters.load_failures),
+        path=stats.path,
+        filesystem_free_bytes=free,
+        filesystem_size_bytes=size,
+    )
