@@ -73,8 +73,11 @@ class ErrorBody(Response):
 class Health(Response):
     status: Literal["ok"]
     pool: str
+    """The first pool's name (the only one when one model is served)."""
     version: str
     uptime_seconds: float
+    pools: list[str] = []
+    """Every pool, one per served model, in the order they were configured."""
 
 
 class ModelCard(Response):
@@ -384,7 +387,7 @@ class PoolSnapshot(PoolOccupancy):
     """Mutating API calls carried out, by action."""
     share: PoolShare | None = None
     """Where the pool stands in the budget it shares with the agent's other pools; null when
-    the agent serves one model without `--kv-budget`."""
+    the agent serves one model (its `--kv-budget` is then its ceiling, `max_pool_pages`)."""
 
 
 class PoolList(Response):
@@ -443,6 +446,8 @@ class ResizeResult(Response):
     pages_moved: int
     pages_evicted: int
     tier: Literal["device", "host", "disk"] = "device"
+    pool: str | None = None
+    """The pool resized (the model's name)."""
     pinned: bool = False
     """The pool shares a budget and this resize pinned it: the agent moves no memory in or out
     of it until it is released (`POST /v1/pools/{name}/release`)."""

@@ -6,15 +6,19 @@ whose message is one line that names the agent and says what to do, so callers p
 `AgentClient` is synchronous for the CLI; `AsyncAgentClient` has the same methods as coroutines
 for the TUI and the load generator, which must not block while waiting on an agent. Both take an
 optional httpx transport, so tests can answer without a socket.
+
+An agent has one pool per served model. The pool methods take `pool` (a model's name) and then
+use `/v1/pools/NAME/...`; without it they use the single-pool routes, which an agent serving
+several models answers with `AgentNeedsPool`, its message naming them.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, Self, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -31,7 +35,9 @@ from kvctl.api import (
     ErrorBody,
     Health,
     ModelList,
+    PoolList,
     PoolMap,
+    PoolRelease,
     PoolSnapshot,
     ResizeRequest,
     ResizeResult,
@@ -81,8 +87,18 @@ class AgentRefused(AgentError):
     """409: the agent understood and refused (a shrink below what is in use); nothing changed."""
 
 
+class AgentNeedsPool(AgentRefused):
+    """409 from a single-pool route of an agent that serves several models: its message names
+    them and says to pick one (`--pool NAME`)."""
+
+
 class AgentRequestError(AgentError):
     """Another 4xx: the request was wrong (a bad value); nothing changed."""
+
+
+class AgentNoSuchPool(AgentRequestError):
+    """404 from a named pool's route: the agent serves no such model; its message names those
+    it serves."""
 
 
 class AgentServerError(AgentError):
@@ -91,6 +107,10 @@ class AgentServerError(AgentError):
 
 class AgentProtocolError(AgentError):
     """The answer is not what a kvctl agent of this version sends."""
+
+
+class AgentRouteMissing(AgentProtocolError):
+    """404 from a kvctl agent for a route it does not have: an agent older than this kvctl."""
 
 
 # ---- URLs and endpoints ---------------------------------------------------------------------
@@ -128,6 +148,12 @@ class Endpoint(Generic[M]):
     path: str
     model: type[M]
     action: str
+    pool: str | None = None
+    """The pool a `/v1/pools/{name}/...` route was given (see `named`)."""
+
+    def named(self, pool: str) -> Endpoint[M]:
+        """This route of the pool `pool` (the model it serves)."""
+        return replace(self, path=self.path.format(name=quote(pool, safe="")), pool=pool)
 
 
 HEALTH = Endpoint("GET", "/healthz", Health, "health check")
@@ -135,6 +161,12 @@ POOL = Endpoint("GET", "/v1/pool", PoolSnapshot, "pool read")
 POOL_MAP = Endpoint("GET", "/v1/pool/map", PoolMap, "pool map read")
 DEFRAG = Endpoint("POST", "/v1/defrag", DefragResult, "defrag")
 RESIZE = Endpoint("POST", "/v1/pool/resize", ResizeResult, "resize")
+POOLS = Endpoint("GET", "/v1/pools", PoolList, "pools read")
+NAMED_POOL = Endpoint("GET", "/v1/pools/{name}", PoolSnapshot, "pool read")
+NAMED_POOL_MAP = Endpoint("GET", "/v1/pools/{name}/map", PoolMap, "pool map read")
+NAMED_DEFRAG = Endpoint("POST", "/v1/pools/{name}/defrag", DefragResult, "defrag")
+NAMED_RESIZE = Endpoint("POST", "/v1/pools/{name}/resize", ResizeResult, "resize")
+RELEASE = Endpoint("POST", "/v1/pools/{name}/release", PoolRelease, "release")
 ALERTS = Endpoint("GET", "/v1/alerts", AlertList, "alerts read")
 CONFIG = Endpoint("GET", "/v1/config", RuntimeSettings, "config read")
 CONFIG_PATCH = Endpoint("PATCH", "/v1/config", RuntimeSettings, "config change")
@@ -142,6 +174,18 @@ MODELS = Endpoint("GET", "/v1/models", ModelList, "models read")
 COMPLETION = Endpoint("POST", "/v1/completions", CompletionResponse, "completion")
 CHAT = Endpoint("POST", "/v1/chat/completions", BaseModel, "chat completion")
 TOKENIZE = Endpoint("POST", "/v1/tokenize", TokenizeResponse, "tokenize")
+
+
+def pool_route(single: Endpoint[M], named: Endpoint[M], pool: str | None) -> Endpoint[M]:
+    """The route of the pool `pool`, or the agent's only pool when None (an agent with several
+    answers that one with 409 naming them, which is how a command without `--pool` learns)."""
+    return single if pool is None else named.named(pool)
+
+
+SEVERAL_MODELS = "this agent serves several models"
+"""How the agent's 409 from a single-pool route begins (its message then names the pools)."""
+NOT_FOUND = "Not Found"
+"""The message of a kvctl agent's 404 for a route it does not have (FastAPI's default)."""
 
 
 def _headers(token: str | None) -> dict[str, str]:
@@ -221,6 +265,8 @@ def status_error(
         return AgentUnauthorized(
             agent, f"agent {agent}: {code} unauthorized; {fix}", reason=f"{code} unauthorized"
         )
+    if code == 409 and message.startswith(SEVERAL_MODELS):
+        return AgentNeedsPool(agent, f"agent {agent}: {message}")
     if code == 409:
         said = message if message.startswith(f"{endpoint.action} refused") else None
         return AgentRefused(
@@ -228,8 +274,10 @@ def status_error(
         )
     if code in (404, 405) and _error_body(response) is None:
         return not_an_agent(agent, f"{code} {response.reason_phrase or ''}".strip())
+    if code == 404 and endpoint.pool is not None and message != NOT_FOUND:
+        return AgentNoSuchPool(agent, f"agent {agent}: {message}")
     if code == 404:
-        return AgentProtocolError(
+        return AgentRouteMissing(
             agent,
             f"agent {agent}: {endpoint.method} {endpoint.path} not found ({message}); "
             "is this a kvctl agent as new as this kvctl? upgrade the agent",
@@ -341,17 +389,32 @@ class AgentClient:
     def health(self) -> Health:
         return self._call(HEALTH)
 
-    def pool(self) -> PoolSnapshot:
-        return self._call(POOL)
+    def pools(self) -> PoolList:
+        """Every pool of the agent with the budget they share; from an agent older than
+        several models, its one pool."""
+        try:
+            return self._call(POOLS)
+        except AgentRouteMissing:
+            return PoolList(pools=[self.pool()])
 
-    def pool_map(self) -> PoolMap:
-        return self._call(POOL_MAP)
+    def pool(self, pool: str | None = None) -> PoolSnapshot:
+        """The pool of model `pool`, or the only one (AgentNeedsPool when there are several)."""
+        return self._call(pool_route(POOL, NAMED_POOL, pool))
 
-    def defrag(self, max_pages: int | None = None) -> DefragResult:
-        return self._call(DEFRAG, DefragRequest(max_pages=max_pages))
+    def pool_map(self, pool: str | None = None) -> PoolMap:
+        return self._call(pool_route(POOL_MAP, NAMED_POOL_MAP, pool))
 
-    def resize(self, request: ResizeRequest) -> ResizeResult:
-        return self._call(RESIZE, request)
+    def defrag(self, max_pages: int | None = None, pool: str | None = None) -> DefragResult:
+        return self._call(
+            pool_route(DEFRAG, NAMED_DEFRAG, pool), DefragRequest(max_pages=max_pages)
+        )
+
+    def resize(self, request: ResizeRequest, pool: str | None = None) -> ResizeResult:
+        return self._call(pool_route(RESIZE, NAMED_RESIZE, pool), request)
+
+    def release(self, pool: str) -> PoolRelease:
+        """Hand a pool pinned by a resize back to the agent's rebalancing."""
+        return self._call(RELEASE.named(pool))
 
     def alerts(self) -> AlertList:
         return self._call(ALERTS)
@@ -442,17 +505,31 @@ class AsyncAgentClient:
     async def health(self) -> Health:
         return await self._call(HEALTH)
 
-    async def pool(self) -> PoolSnapshot:
-        return await self._call(POOL)
+    async def pools(self) -> PoolList:
+        """Every pool of the agent with the budget they share; from an agent older than
+        several models, its one pool."""
+        try:
+            return await self._call(POOLS)
+        except AgentRouteMissing:
+            return PoolList(pools=[await self.pool()])
 
-    async def pool_map(self) -> PoolMap:
-        return await self._call(POOL_MAP)
+    async def pool(self, pool: str | None = None) -> PoolSnapshot:
+        """The pool of model `pool`, or the only one (AgentNeedsPool when there are several)."""
+        return await self._call(pool_route(POOL, NAMED_POOL, pool))
 
-    async def defrag(self, max_pages: int | None = None) -> DefragResult:
-        return await self._call(DEFRAG, DefragRequest(max_pages=max_pages))
+    async def pool_map(self, pool: str | None = None) -> PoolMap:
+        return await self._call(pool_route(POOL_MAP, NAMED_POOL_MAP, pool))
 
-    async def resize(self, request: ResizeRequest) -> ResizeResult:
-        return await self._call(RESIZE, request)
+    async def defrag(self, max_pages: int | None = None, pool: str | None = None) -> DefragResult:
+        request = DefragRequest(max_pages=max_pages)
+        return await self._call(pool_route(DEFRAG, NAMED_DEFRAG, pool), request)
+
+    async def resize(self, request: ResizeRequest, pool: str | None = None) -> ResizeResult:
+        return await self._call(pool_route(RESIZE, NAMED_RESIZE, pool), request)
+
+    async def release(self, pool: str) -> PoolRelease:
+        """Hand a pool pinned by a resize back to the agent's rebalancing."""
+        return await self._call(RELEASE.named(pool))
 
     async def alerts(self) -> AlertList:
         return await self._call(ALERTS)

@@ -247,12 +247,17 @@ def plan_pools(
             f"the pools' sizes add up to {format_bytes(total)}, over the KV budget of "
             f"{format_bytes(budget)}; give smaller pools or a larger --kv-budget"
         )
+    floors = [
+        -(-(m.spec.min_pool_pages or segment) // segment) * segment
+        for (_, segment, _), m in zip(sized, models, strict=True)
+    ]
+    kept = sum(f * m.bytes_per_page for f, m in zip(floors, models, strict=True))
     plans = []
-    for (_, segment, capacity), loaded in zip(sized, models, strict=True):
+    for (_, segment, capacity), loaded, floor in zip(sized, models, floors, strict=True):
         spec = loaded.spec
-        whole = budget // loaded.bytes_per_page // segment * segment
+        room = budget - kept + floor * loaded.bytes_per_page  # the others at their floors
+        whole = room // loaded.bytes_per_page // segment * segment
         ceiling = spec.max_pool_pages or config.max_pool_pages or whole
-        floor = -(-(spec.min_pool_pages or segment) // segment) * segment
         if not floor <= capacity <= ceiling:
             raise ConfigError(
                 f"model {loaded.name}: its pool of {capacity} pages is outside its floor "

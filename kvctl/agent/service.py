@@ -186,6 +186,7 @@ class AgentService:
         start moving memory between them."""
         for name, pool in self.pools.items():
             pool.member = budget.pools[name]
+            pool.engine.scheduler.reachable_pages = lambda n=name: budget.reachable_pages(n)
         self.budget = budget
         self.rebalancer = Rebalancer(budget, self.settings.rebalance, self.clock)
         for pool in self.pools.values():
@@ -502,7 +503,7 @@ class AgentService:
         A pool sharing a budget is pinned at its new size until `release`d."""
         pool = self.pool(name)
         pool.engine.owner.check("AgentService.resize")
-        result = pool.resize(pages)
+        result = pool.resize(pages).model_copy(update={"pool": pool.name})
         if pool.member is None:
             return result
         pool.member.pinned = True
@@ -525,7 +526,7 @@ class AgentService:
         """Run on the engine thread: resize a host or disk tier (`ModelPool.resize_tier`)."""
         pool = self.pool(name)
         pool.engine.owner.check("AgentService.resize_tier")
-        return pool.resize_tier(tier, pages)
+        return pool.resize_tier(tier, pages).model_copy(update={"pool": pool.name})
 
     def change_settings(self, changes: object) -> tuple[RuntimeSettings, RuntimeSettings]:
         """Run on the engine thread: merge a PATCH body into the settings in force and apply

@@ -51,6 +51,7 @@ FORMATS = {
     "count": (text.count, 'printf "%.0f"'),
     "rate": (text.rate, 'printf "%.1f"'),
     "seconds": (text.span, "humanizeDuration"),
+    "size": (text.size, "humanize1024"),
 }
 
 
@@ -72,6 +73,10 @@ FACTS: dict[str, Fact] = {
     "window_alloc_attempts": Fact(lambda s: s.window_alloc_attempts, "count"),
     "window_alloc_failures": Fact(lambda s: s.window_alloc_failures, "count"),
     "window": Fact(lambda s: s.window_seconds, "seconds"),
+    "segment_bytes": Fact(lambda s: s.segment_pages * s.bytes_per_page, "size"),
+    "budget": Fact(lambda s: s.share.budget_bytes if s.share else 0, "size"),
+    "budget_unassigned": Fact(lambda s: s.share.unassigned_bytes if s.share else 0, "size"),
+    "budget_pools": Fact(lambda s: s.share.pools_total if s.share else 0, "count"),
 }
 
 
@@ -188,6 +193,16 @@ def _tier_store_failures(o: Observation) -> list[Reading]:
     ]
 
 
+def _budget_room(o: Observation) -> list[Reading]:
+    """The budget's unassigned bytes in this pool's segments, while the pool is under pressure
+    and no pool of the budget can give memory: then only room lets it grow. None for a pool
+    that shares no budget (one model)."""
+    s, share = o.snapshot, o.snapshot.share
+    if share is None or not share.under_pressure or share.donors > 0:
+        return []
+    return [Reading(max(0, share.unassigned_bytes) / (s.segment_pages * s.bytes_per_page))]
+
+
 def _disk_tier_headroom(o: Observation) -> list[Reading]:
     """Free bytes of the disk tier's filesystem over the bytes the tier may still fill; none
     while the tier is full or off (it expects nothing more) or the filesystem is unreadable."""
@@ -295,6 +310,21 @@ DEFINITIONS: tuple[AlertDefinition, ...] = (
         headline="only {value} of the pool's {capacity_pages} pages hold K/V, cached included",
         causes=causes.POOL_OVER_PROVISIONED,
         for_scale=30.0,
+    ),
+    AlertDefinition(
+        name="KvctlKvBudgetExhausted",
+        severity="warning",
+        summary="The KV budget at {instance} has no memory left for pool {pool}",
+        threshold=Threshold("budget_room_segments_min", above=False, margin=0.0, bounded=False),
+        measure=_budget_room,
+        value_format="ratio",
+        headline=(
+            "the KV budget of {budget} has {budget_unassigned} unassigned ({value} of this "
+            "pool's {segment_bytes} segments) and none of its {budget_pools} pools can give "
+            "memory"
+        ),
+        causes=causes.BUDGET_EXHAUSTED,
+        for_scale=5.0,  # only a restart adds memory: a burst the next minutes absorb is no page
     ),
     AlertDefinition(
         name="KvctlPrefixHitRateLow",

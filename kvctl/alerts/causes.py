@@ -19,8 +19,11 @@ from kvctl.alerts.remedies import (
     grow,
     keep_evidence,
     keep_reused,
+    larger_budget,
     longer_steps,
+    move_model,
     raise_limit,
+    release_pool,
     resize_tier,
     shrink_pool,
     skip_short_hits,
@@ -29,7 +32,7 @@ from kvctl.alerts.remedies import (
     trim_pool,
     unblock,
 )
-from kvctl.api import GpuMemory, TierReading
+from kvctl.api import GpuMemory, PoolShare, TierReading
 
 # ---- shared pieces --------------------------------------------------------------------------
 
@@ -210,7 +213,8 @@ FRAGMENTATION_HIGH = (
         lambda sit: f"a defrag is running now; {_last(sit)}",
         lambda sit: (
             "Let the running defrag finish and check with "
-            f"{text.command(sit.agent_url, 'pool show')}; if it recurs, {longer_steps(sit)}"
+            f"{text.pool_command(sit.agent_url, sit.snapshot, 'pool show')}; if it recurs, "
+            f"{longer_steps(sit)}"
         ),
     ),
     Cause(
@@ -283,7 +287,8 @@ DEFRAG_INEFFECTIVE = (
         ),
         lambda sit: (
             f"Run {defrag_now(sit)} and read `pages_moved` in its output; if it is 0 again, "
-            f"save {text.command(sit.agent_url, 'pool map --json')} for a bug report"
+            f"save {text.pool_command(sit.agent_url, sit.snapshot, 'pool map --json')} for a "
+            "bug report"
         ),
     ),
     Cause(
@@ -349,6 +354,98 @@ POOL_OVER_PROVISIONED = (
             f"{sit.snapshot.requests_running} requests running"
         ),
         lambda sit: f"Run {shrink_pool(sit)}; {auto_shrink(sit, text.shrink_target(sit.snapshot))}",
+    ),
+)
+
+# ---- the KV budget several models share -----------------------------------------------------
+
+
+def _share(sit: Situation) -> PoolShare:
+    share = sit.snapshot.share
+    assert share is not None  # the budget alert reads only pools that share a budget
+    return share
+
+
+def _at_ceiling(sit: Situation) -> bool:
+    return sit.snapshot.capacity_pages >= _share(sit).ceiling_pages
+
+
+def _all_pressured(sit: Situation) -> bool:
+    share = _share(sit)
+    return share.pools_under_pressure >= share.pools_total
+
+
+def _every(pools: int) -> str:
+    return "both pools" if pools == 2 else f"all {pools} pools"
+
+
+def _needs(sit: Situation) -> str:
+    """What the pool asks for: "its waiting requests are short of 40 pages"."""
+    short = _share(sit).short_pages
+    if short <= 0:
+        return "its requests are preempted or fail to allocate"
+    return f"its waiting requests are short of {short} pages"
+
+
+def _budget_now(sit: Situation) -> str:
+    return larger_budget(sit, text.wanted_pages(sit.snapshot))
+
+
+def _raised_ceiling(sit: Situation) -> str:
+    """A higher ceiling for this model and the budget that lets the pool reach it."""
+    snapshot = sit.snapshot
+    pool, segment = snapshot.pool, snapshot.segment_pages
+    ceiling = text.round_up(_share(sit).ceiling_pages * text.GROW_FACTOR, segment)
+    more = ceiling - snapshot.capacity_pages
+    return (
+        f"Raise the ceiling of `{pool}` and the budget with it: restart the agent with "
+        f"`max_pool_pages = {ceiling}` in its `[[models]]` entry (`--max-pool-pages` bounds every "
+        f"model) and {larger_budget(sit, more)}"
+    )
+
+
+BUDGET_EXHAUSTED = (
+    Cause(
+        _at_ceiling,
+        lambda sit: (
+            f"{_needs(sit)}, but the pool is at its ceiling of {_share(sit).ceiling_pages} pages: "
+            "it may not grow even when memory frees up"
+        ),
+        _raised_ceiling,
+    ),
+    Cause(
+        lambda sit: _share(sit).pinned,
+        lambda sit: (
+            f"{_needs(sit)}, but an operator's resize pinned the pool at "
+            f"{sit.snapshot.capacity_pages} pages: the agent moves no memory into it"
+        ),
+        lambda sit: (
+            f"Release it with {release_pool(sit, sit.snapshot.pool)} so the agent sizes it "
+            f"again; for memory now, restart the agent with {_budget_now(sit)}"
+        ),
+    ),
+    Cause(
+        _all_pressured,
+        lambda sit: (
+            f"{_needs(sit)}, and {_every(_share(sit).pools_total)} of the budget are under "
+            "pressure: the models' load needs more KV memory than the budget holds"
+        ),
+        lambda sit: f"Restart the agent with {_budget_now(sit)}, or {move_model(sit)}",
+    ),
+    Cause(
+        always,
+        lambda sit: (
+            f"{_needs(sit)}, while {_share(sit).pools_total - _share(sit).pools_under_pressure} "
+            f"of the budget's {_share(sit).pools_total} pools are calm but give none: an "
+            "operator's resize pinned them, they hold no whole segment beyond what they use and "
+            "keep as headroom, or they have been calm for less than "
+            f"`rebalance.calm_s={sit.runtime.rebalance.calm_s:g}`"
+        ),
+        lambda sit: (
+            f"Release the pools an operator pinned with {release_pool(sit, 'NAME')} "
+            f"({text.command(sit.agent_url, 'pool show')} shows which are), or restart the agent "
+            f"with {_budget_now(sit)}"
+        ),
     ),
 )
 

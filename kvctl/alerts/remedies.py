@@ -58,7 +58,7 @@ def grow(sit: Situation) -> str:
     target = text.grow_target(sit.snapshot)
     if target is None:
         return raise_limit(sit)
-    resize = text.command(sit.agent_url, f"pool resize --pages {target}")
+    resize = text.pool_command(sit.agent_url, sit.snapshot, f"pool resize --pages {target}")
     return f"Run {resize}; {auto_grow(sit, target)}"
 
 
@@ -81,18 +81,18 @@ def auto_shrink(sit: Situation, target: int) -> str:
 def shrink_pool(sit: Situation) -> str:
     """The resize that leaves what is in use half the pool, room for a burst."""
     pages = text.shrink_target(sit.snapshot)
-    return text.command(sit.agent_url, f"pool resize --pages {pages}")
+    return text.pool_command(sit.agent_url, sit.snapshot, f"pool resize --pages {pages}")
 
 
 def trim_pool(sit: Situation) -> str:
     """The resize that frees device memory but keeps a tenth spare."""
     pages = text.trim_target(sit.snapshot)
-    return text.command(sit.agent_url, f"pool resize --pages {pages}")
+    return text.pool_command(sit.agent_url, sit.snapshot, f"pool resize --pages {pages}")
 
 
 def defrag_now(sit: Situation) -> str:
     """A full defragmentation pass now, whatever the automatic thresholds say."""
-    return text.command(sit.agent_url, "defrag --now")
+    return text.pool_command(sit.agent_url, sit.snapshot, "defrag --now")
 
 
 def lower_fragmentation_threshold(fragmentation_max: float) -> float:
@@ -147,8 +147,8 @@ def keep_reused(sit: Situation) -> str:
 def keep_evidence(sit: Situation) -> str:
     """For states only a bug explains: what to save before the restart that clears them."""
     return (
-        f"save {text.command(sit.agent_url, 'pool show --json')} and the agent's log for a bug "
-        f"report, then restart it: {RESTART}"
+        f"save {text.pool_command(sit.agent_url, sit.snapshot, 'pool show --json')} and the "
+        f"agent's log for a bug report, then restart it: {RESTART}"
     )
 
 
@@ -157,14 +157,14 @@ def unblock(sit: Situation) -> str:
     target = text.grow_target(sit.snapshot)
     if target is None:
         return f"The pool may not grow: {keep_evidence(sit)}"
-    resize = text.command(sit.agent_url, f"pool resize --pages {target}")
+    resize = text.pool_command(sit.agent_url, sit.snapshot, f"pool resize --pages {target}")
     return f"Admit the waiting requests with {resize}; {keep_evidence(sit)}"
 
 
 def resize_tier(sit: Situation, tier: str, size_bytes: float) -> str:
     """The command that gives tier `tier` room for `size_bytes` (0 turns it off)."""
-    return text.command(
-        sit.agent_url, f"pool resize --tier {tier} --size {text.size_arg(size_bytes)}"
+    return text.pool_command(
+        sit.agent_url, sit.snapshot, f"pool resize --tier {tier} --size {text.size_arg(size_bytes)}"
     )
 
 
@@ -186,3 +186,34 @@ def skip_short_hits(sit: Situation) -> str:
     current = sit.runtime.prefix_cache.tier_min_load_tokens
     tokens = max(TIER_MIN_LOAD_TOKENS, 2 * current)
     return text.command(sit.agent_url, f"config set prefix_cache.tier_min_load_tokens={tokens}")
+
+
+def larger_budget(sit: Situation, pages: int) -> str:
+    """The `--kv-budget` flag that gives this pool `pages` more, rounded up to a size to paste:
+    a budget changes only at a restart."""
+    snapshot, share = sit.snapshot, sit.snapshot.share
+    assert share is not None  # only pools that share a budget have one
+    more = pages * snapshot.bytes_per_page
+    return (
+        f"`--kv-budget {text.size_arg_up(share.budget_bytes + more)}` ({text.size(more)} more: "
+        f"{pages} pages of `{snapshot.pool}`)"
+    )
+
+
+def move_model(sit: Situation) -> str:
+    """Serving a model elsewhere frees its whole pool for the others; this pool's share of the
+    budget says how much moving this one would free."""
+    snapshot, share = sit.snapshot, sit.snapshot.share
+    assert share is not None
+    held = snapshot.capacity_bytes / share.budget_bytes
+    most = ", the most of any pool" if held > 0.5 else ""
+    return (
+        "move a model to another agent (restart this one without its `--model`): "
+        f"`{snapshot.pool}` holds {text.size(snapshot.capacity_bytes)} ({text.percent(held)}) of "
+        f"the budget{most}"
+    )
+
+
+def release_pool(sit: Situation, name: str) -> str:
+    """The command that hands a pinned pool back to the rebalancer."""
+    return text.command(sit.agent_url, f"pool release --pool {name}")

@@ -74,6 +74,16 @@ def size_arg(num_bytes: float) -> str:
     return str(value)
 
 
+def size_arg_up(num_bytes: float) -> str:
+    """Bytes as a size argument, rounded up so it asks for at least that much: the largest
+    binary unit that keeps at least 10 of it, "14MiB", "41GiB"."""
+    value = max(0, math.ceil(num_bytes))
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= 10 * scale:
+            return f"{-(-value // scale)}{unit}"
+    return str(value)
+
+
 def seconds_per_token(seconds: float) -> str:
     """A time per token an engineer compares at a glance: "0.42 ms", "833 µs", "1.2 s"."""
     if seconds >= 1.0:
@@ -103,6 +113,12 @@ def command(agent_url: str, args: str) -> str:
     return f"`kvctl --agent {agent_url} {args}`"
 
 
+def pool_command(agent_url: str, snapshot: PoolSnapshot, args: str) -> str:
+    """A kvctl command on the alert's own pool: with `--pool NAME` when the agent serves
+    several models (their pools share a budget), where a command without it is refused."""
+    return command(agent_url, f"{args} --pool {snapshot.pool}" if snapshot.share else args)
+
+
 def round_up(pages: float, segment_pages: int) -> int:
     """Pages rounded up to whole segments, as the agent resizes."""
     segment = max(1, segment_pages)
@@ -128,6 +144,13 @@ def shrink_target(snapshot: PoolSnapshot, utilization: float = SHRINK_TARGET_UTI
 def trim_target(snapshot: PoolSnapshot) -> int:
     """The pool size that frees device memory: what is in use plus a tenth spare."""
     return shrink_target(snapshot, TRIM_TARGET_UTILIZATION)
+
+
+def wanted_pages(snapshot: PoolSnapshot) -> int:
+    """The pages a pool under pressure asks its budget for, as the rebalancer does: what its
+    waiting requests are short of, at least one segment, in whole segments."""
+    short = snapshot.share.short_pages if snapshot.share else 0
+    return round_up(short, snapshot.segment_pages)
 
 
 def raised_limit(snapshot: PoolSnapshot) -> int:

@@ -1,14 +1,21 @@
-"""`kvctl defrag`: compact the pool now (`--now`), or show what the defragmenter has done."""
+"""`kvctl defrag`: compact the pool now (`--now`), or show what the defragmenter has done.
+
+On an agent serving several models, `--now` needs `--pool NAME` (the agent's refusal names the
+pools); without `--now` it shows every pool, or the one `--pool` names.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.console import Group, RenderableType
+from rich.rule import Rule
 
 from kvctl.cli.options import (
     AgentOption,
     JsonOption,
+    PoolOption,
     TimeoutOption,
     TokenOption,
     YesOption,
@@ -20,6 +27,7 @@ from kvctl.view import render
 
 if TYPE_CHECKING:
     from kvctl.api import PoolSnapshot
+    from kvctl.client import AgentClient
 
 STATE_KEYS = (
     "fragmentation_ratio",
@@ -32,7 +40,8 @@ STATE_KEYS = (
     "last_defrag",
     "last_defrag_age_seconds",
 )
-"""The PoolSnapshot fields `kvctl defrag --json` prints without `--now`."""
+"""The PoolSnapshot fields `kvctl defrag --json` prints without `--now` (with `pool` added for
+each pool of an agent that serves several models)."""
 
 
 def defrag(
@@ -42,6 +51,7 @@ def defrag(
         int | None,
         typer.Option("--max-pages", min=1, help="Move at most this many pages (with --now)."),
     ] = None,
+    pool: PoolOption = None,
     yes: YesOption = False,
     agent: AgentOption = None,
     token: TokenOption = None,
@@ -52,19 +62,45 @@ def defrag(
 
     Live pages move through the page tables, so running requests give the same tokens.
 
+    An agent serving several models: --now needs --pool NAME; without --now every pool is
+    shown unless --pool names one.
+
     With several agents it asks first (skip with --yes).
     """
     if max_pages is not None and not now:
         fail("--max-pages limits a defragmentation: add --now to run one", ExitCode.USAGE)
     target = resolve(ctx, agent, token, json_out, timeout)
     if not now:
-        outcomes = on_each(target, lambda client: client.pool())
-        finish(target, outcomes, render.defrag_state, as_json=_state_json)
+        outcomes = on_each(target, lambda client: _pools(client, pool))
+        finish(target, outcomes, _render_states, as_json=_states_json)
         return
     if target.fleet:
-        confirm(f"Defragment the pools of {len(target.agents)} agents now?", yes)
-    outcomes = on_each(target, lambda client: client.defrag(max_pages))
-    finish(target, outcomes, render.defrag_result)
+        which = "pools" if pool is None else f"pool {pool}"
+        confirm(f"Defragment the {which} of {len(target.agents)} agents now?", yes)
+    outcomes = on_each(target, lambda client: client.defrag(max_pages, pool))
+    finish(target, outcomes, lambda result: render.defrag_result(result, pool))
+
+
+def _pools(client: AgentClient, pool: str | None) -> list[PoolSnapshot]:
+    return client.pools().pools if pool is None else [client.pool(pool)]
+
+
+def _render_states(pools: list[PoolSnapshot]) -> RenderableType:
+    if len(pools) == 1:
+        return render.defrag_state(pools[0])
+    parts: list[RenderableType] = []
+    for pool in pools:
+        parts += [
+            Rule(f"pool {pool.pool}", align="left", style="dim"),
+            render.defrag_state(pool, named=True),
+        ]
+    return Group(*parts)
+
+
+def _states_json(pools: list[PoolSnapshot]) -> Any:
+    if len(pools) == 1:
+        return _state_json(pools[0])
+    return [{"pool": pool.pool, **_state_json(pool)} for pool in pools]
 
 
 def _state_json(pool: PoolSnapshot) -> dict[str, Any]:

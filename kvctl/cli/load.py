@@ -80,6 +80,16 @@ def load(
         int, typer.Option("--max-tokens", min=1, max=4096, help="Tokens per completion.")
     ] = 32,
     seed: Annotated[int, typer.Option("--seed", help="Seed of prompts and sampling.")] = 0,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="The model requests name, when the agent serves several (run one kvctl load "
+            "per model to load several).",
+            show_default=False,
+        ),
+    ] = None,
     list_profiles: Annotated[
         bool,
         typer.Option(
@@ -105,6 +115,7 @@ def load(
     """
     from kvctl.client import AgentError
     from kvctl.load.runner import LoadSettings
+    from kvctl.load.setup import ModelRequired
 
     if list_profiles:
         _print_profiles(json_out or resolve(ctx, json_out=json_out).json)
@@ -119,12 +130,15 @@ def load(
         concurrency=concurrency,
         duration=duration,
         requests=requests,
+        model=model,
     )
     try:
         report = asyncio.run(_drive(target, settings))
     except AgentError as error:
         report_error(error)
         raise typer.Exit(int(exit_code_of(error))) from None
+    except ModelRequired as missing:
+        fail(str(missing), ExitCode.USAGE)
     if target.json:
         print_json(report.to_json())
     else:
@@ -150,7 +164,7 @@ async def _drive(target: Target, settings: LoadSettings) -> LoadReport:
     timeout = max(target.timeout, 120.0)
     async with AsyncAgentClient(target.agents[0], target.token, timeout) as client:
         await client.health()
-        plan = await prepare(client)
+        plan = await prepare(client, settings.model)
         for notice in plan.notices:
             typer.echo(f"kvctl load: {notice}", err=True)
         run = LoadRun(client, settings, plan=plan)

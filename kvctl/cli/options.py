@@ -79,6 +79,25 @@ YesOption = Annotated[
     bool,
     typer.Option("--yes", "-y", help="Do not ask for confirmation."),
 ]
+PoolOption = Annotated[
+    str | None,
+    typer.Option(
+        "--pool",
+        metavar="NAME",
+        help="The pool of model NAME, on an agent that serves several models "
+        "\\[default: its only pool].",
+        show_default=False,
+    ),
+]
+EveryPoolOption = Annotated[
+    str | None,
+    typer.Option(
+        "--pool",
+        metavar="NAME",
+        help="Only the pool of model NAME \\[default: every pool of the agent].",
+        show_default=False,
+    ),
+]
 
 
 @dataclass(frozen=True)

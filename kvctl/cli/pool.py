@@ -1,4 +1,10 @@
-"""`kvctl pool show|map|resize`: the pool's numbers, its page map, and changing its size."""
+"""`kvctl pool show|map|resize|release`: the pool's numbers, its page map, changing its size, and
+handing a pool pinned by a resize back to the agent.
+
+An agent serving several models has one pool per model, all in one memory budget. `--pool NAME`
+picks one; without it `show` shows every pool and the budget they share, while the commands that
+need one pool pass the agent's refusal on (its message names the pools).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +15,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Group, RenderableType
+from rich.rule import Rule
 
 from kvctl.cli.options import (
     AgentOption,
+    EveryPoolOption,
     ExitCode,
     JsonOption,
+    PoolOption,
     Target,
     TimeoutOption,
     TokenOption,
@@ -21,16 +30,16 @@ from kvctl.cli.options import (
     fail,
     resolve,
 )
-from kvctl.cli.output import Outcome, confirm, console, finish, on_agent, on_each
+from kvctl.cli.output import Outcome, confirm, console, finish, on_agent, on_each, to_jsonable
 from kvctl.view import poolmap, render
 
 if TYPE_CHECKING:
-    from kvctl.api import PoolSnapshot, ResizeResult, TierReading
+    from kvctl.api import PoolList, PoolRelease, PoolSnapshot, ResizeResult, TierReading
     from kvctl.client import AgentClient
     from kvctl.sizing import ResizePlan
 
 pool_app = typer.Typer(
-    help="Show the pool, its page map, or resize it.",
+    help="Show the pool, its page map, resize it, or release a pinned pool.",
     no_args_is_help=True,
     rich_markup_mode="rich",
 )
@@ -45,6 +54,7 @@ def show(
             "--requests", "-n", min=1, max=100_000, help="Full contexts at once to size for."
         ),
     ] = 8,
+    pool: EveryPoolOption = None,
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
@@ -53,25 +63,67 @@ def show(
     """Show the pool: the four headline numbers, geometry, requests, defrag, GPU memory, and
     what it holds (requests of the model's context; the size for --requests of them).
 
-    With --json: the pool snapshot alone.
+    An agent serving several models: the budget their pools share (a bar split by pool), then
+    every pool with its share: floor and ceiling, pinned, pressure, rebalances.
+
+    With --json: the pool snapshot alone (a list of them for several pools).
     """
     target = resolve(ctx, agent, token, json_out, timeout)
-    if target.json:
-        finish(target, on_each(target, lambda client: client.pool()), render.pool_table)
-        return
-    outcomes = on_each(target, lambda client: (client.pool(), _context(client)))
-    finish(target, outcomes, lambda reading: _render_pool(*reading, requests))
+    outcomes = on_each(target, lambda client: _read(client, pool, contexts=not target.json))
+    finish(target, outcomes, lambda shown: _render_pools(shown, requests), as_json=_pools_json)
 
 
-def _context(client: AgentClient) -> int | None:
-    """The served model's context from /v1/models; None from an agent that does not say."""
+@dataclass(frozen=True)
+class Shown:
+    """What `pool show` prints of one agent: its pools (or the one named) and their contexts."""
+
+    listing: PoolList
+    contexts: dict[str, int | None]
+    named: bool = False
+    """`--pool` named the one pool in `listing`, so the budget it shares is not all shown."""
+
+    @property
+    def budget(self) -> bool:
+        """Whether to show the budget: every pool is shown, and they share one."""
+        pools = self.listing.pools
+        return not self.named and (len(pools) > 1 or pools[0].share is not None)
+
+
+def _read(client: AgentClient, pool: str | None, contexts: bool) -> Shown:
+    from kvctl.api import PoolList
+
+    listing = client.pools() if pool is None else PoolList(pools=[client.pool(pool)])
+    return Shown(listing, _contexts(client, listing.pools) if contexts else {}, pool is not None)
+
+
+def _contexts(client: AgentClient, pools: list[PoolSnapshot]) -> dict[str, int | None]:
+    """Each pool's model context from /v1/models; None from an agent that does not say."""
     from kvctl.client import AgentError
 
     try:
         cards = client.models().data
     except AgentError:
-        return None
-    return cards[0].max_model_len if cards else None
+        return {}
+    by_name = {card.id: card.max_model_len for card in cards}
+    only = cards[0].max_model_len if len(cards) == 1 else None
+    return {p.pool: by_name.get(p.pool, only) for p in pools}
+
+
+def _render_pools(shown: Shown, requests: int) -> RenderableType:
+    """One pool as before several models; every pool of a budget after the budget, each under
+    a rule with its name."""
+    listing = shown.listing
+    pools = listing.pools
+    if not shown.budget:
+        return _render_pool(pools[0], shown.contexts.get(pools[0].pool), requests)
+    parts: list[RenderableType] = [
+        render.budget_table(pools, listing.budget_bytes, listing.assigned_bytes)
+    ]
+    for pool in pools:
+        if len(pools) > 1:
+            parts.append(Rule(f"pool {pool.pool}", align="left", style="dim"))
+        parts.append(_render_pool(pool, shown.contexts.get(pool.pool), requests))
+    return Group(*parts)
 
 
 def _render_pool(pool: PoolSnapshot, context: int | None, requests: int) -> RenderableType:
@@ -82,6 +134,11 @@ def _render_pool(pool: PoolSnapshot, context: int | None, requests: int) -> Rend
     )
 
 
+def _pools_json(shown: Shown) -> object:
+    pools = shown.listing.pools
+    return to_jsonable(pools[0] if len(pools) == 1 else pools)
+
+
 @pool_app.command("map")
 def show_map(
     ctx: typer.Context,
@@ -90,6 +147,7 @@ def show_map(
         typer.Option("--width", min=16, help="Columns per row \\[default: the terminal's]."),
     ] = None,
     rows: Annotated[int, typer.Option("--rows", min=1, max=200, help="Rows of cells.")] = 4,
+    pool: PoolOption = None,
     agent: AgentOption = None,
     token: TokenOption = None,
     json_out: JsonOption = False,
@@ -101,7 +159,7 @@ def show_map(
     """
     target = resolve(ctx, agent, token, json_out, timeout)
     cells = width or max(16, shutil.get_terminal_size((100, 24)).columns)
-    outcomes = on_each(target, lambda client: client.pool_map())
+    outcomes = on_each(target, lambda client: client.pool_map(pool))
     finish(target, outcomes, lambda page_map: poolmap.grid(page_map, cells, rows))
 
 
@@ -137,6 +195,7 @@ def resize(
             help="The device pool, or the host or disk tier below it (0 turns a tier off).",
         ),
     ] = Tier.DEVICE,
+    pool: PoolOption = None,
     yes: YesOption = False,
     agent: AgentOption = None,
     token: TokenOption = None,
@@ -151,12 +210,15 @@ def resize(
 
     With --tier host or --tier disk: the tier below the device, in whole pages of that tier;
     pages that no longer fit go down to the next tier (or are dropped from the last one).
+
+    A pool that shares a budget with other models' pools is pinned at its new size: the agent
+    moves no memory in or out of it until `kvctl pool release --pool NAME`.
     """
     target = resolve(ctx, agent, token, json_out, timeout)
     spec = {"pages": pages, "size": size, "grow": grow, "shrink": shrink}
     if sum(value is not None for value in spec.values()) != 1:
         fail("pool resize: give exactly one of --pages, --size, --grow or --shrink", ExitCode.USAGE)
-    plans = _plans(target, spec, tier)
+    plans = _plans(target, spec, tier, pool)
     if not json_out:
         for o in plans:
             if o.result is not None and not o.result.changes:
@@ -166,8 +228,13 @@ def resize(
         lines = "\n".join("  " + o.result.line for o in ready if o.result is not None)
         what = "pool(s)" if tier is Tier.DEVICE else f"{tier.value} tier(s)"
         confirm(f"Resize {len(ready)} {what}:\n{lines}\nProceed?", yes)
-    outcomes = [_apply(target, o) for o in plans]
-    finish(target, outcomes, render.resize_result)
+    outcomes = [_apply(target, o, pool) for o in plans]
+    finish(
+        target,
+        outcomes,
+        lambda done: render.resize_result(done.result, done.pool),
+        as_json=lambda done: to_jsonable(done.result),
+    )
 
 
 @dataclass(frozen=True)
@@ -176,19 +243,26 @@ class Planned:
 
     plan: ResizePlan
     line: str
+    pool: str | None = None
+    """The pool `--pool` named (None: the agent's only pool)."""
 
     @property
     def changes(self) -> bool:
         return self.plan.new_pages != self.plan.old_pages
 
 
-def _plans(target: Target, spec: dict[str, str | int | None], tier: Tier) -> list[Outcome[Planned]]:
+def _plans(
+    target: Target, spec: dict[str, str | int | None], tier: Tier, name: str | None
+) -> list[Outcome[Planned]]:
     """Each agent's plan from its current size; a bad spec stops here as a usage error, and an
-    agent without the tier as an error, before anything is changed."""
+    agent without the tier (or serving several models when no --pool names one) as an error,
+    before anything is changed."""
     from kvctl.sizing import plan_resize
 
     def plan(client: AgentClient) -> Planned:
-        pool = client.pool()
+        pool = client.pool(name)
+        where = client.url if name is None else f"{client.url} pool {name}"
+        pins = tier is Tier.DEVICE and pool.share is not None and not pool.share.pinned
         if tier is not Tier.DEVICE:
             reading = next((t for t in pool.tiers if t.tier == tier.value), None)
             if reading is None:
@@ -202,12 +276,16 @@ def _plans(target: Target, spec: dict[str, str | int | None], tier: Tier) -> lis
                 planned = plan_tier_resize(reading, **spec)
             except ValueError as error:
                 fail(str(error), ExitCode.USAGE)
-            return Planned(planned, render.tier_resize_plan(client.url, pool, reading, planned))
+            line = render.tier_resize_plan(where, pool, reading, planned)
+            return Planned(planned, line, name)
         try:
             planned = plan_resize(pool, **spec)
         except ValueError as error:
             fail(str(error), ExitCode.USAGE)
-        return Planned(planned, render.resize_plan(client.url, planned))
+        line = render.resize_plan(where, planned)
+        if pins and planned.new_pages != planned.old_pages:
+            line += "; pins the pool (the agent stops moving memory in or out of it until released)"
+        return Planned(planned, line, name)
 
     return on_each(target, plan)
 
@@ -257,8 +335,48 @@ def plan_tier_resize(
     )
 
 
-def _apply(target: Target, planned: Outcome[Planned]) -> Outcome[ResizeResult]:
+@dataclass(frozen=True)
+class Resized:
+    """What a resize did, and the pool to name when showing it."""
+
+    result: ResizeResult
+    pool: str | None
+
+
+def _apply(target: Target, planned: Outcome[Planned], name: str | None) -> Outcome[Resized]:
+    """Carry out one agent's plan on the pool `name` (None: its only pool)."""
     if planned.result is None:
         return Outcome(planned.agent, error=planned.error)
     request = planned.result.plan.request
-    return on_agent(target, planned.agent, lambda client: client.resize(request))
+    return on_agent(
+        target, planned.agent, lambda client: Resized(client.resize(request, name), name)
+    )
+
+
+@pool_app.command("release")
+def release(
+    ctx: typer.Context,
+    pool: PoolOption = None,
+    yes: YesOption = False,
+    agent: AgentOption = None,
+    token: TokenOption = None,
+    json_out: JsonOption = False,
+    timeout: TimeoutOption = None,
+) -> None:
+    """Hand a pool pinned by `pool resize` back to the agent, which may again move memory in
+    and out of it as its models need.
+
+    Only a pool that shares a memory budget (several models, or --kv-budget) can be pinned.
+
+    With several agents it asks first (skip with --yes).
+    """
+    target = resolve(ctx, agent, token, json_out, timeout)
+    if target.fleet:
+        which = "the pool" if pool is None else f"pool {pool}"
+        confirm(f"Release {which} of {len(target.agents)} agents?", yes)
+
+    def hand_back(client: AgentClient) -> PoolRelease:
+        # Without --pool: the only pool's name, or the agent's refusal naming its pools.
+        return client.release(pool if pool is not None else client.pool().pool)
+
+    finish(target, on_each(target, hand_back), render.release_result)

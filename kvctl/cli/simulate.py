@@ -1,5 +1,6 @@
-"""`kvctl simulate`: replay a synthetic workload against contiguous and paged KV allocation, or
-multi-turn chat against a device pool without and with a host tier (`tiered-prefix`).
+"""`kvctl simulate`: replay a synthetic workload against contiguous and paged KV allocation,
+multi-turn chat against a device pool without and with a host tier (`tiered-prefix`), or three
+models' pools sharing one budget, split statically and rebalanced (`budget`).
 
 The simulator is imported inside the command, never at module level, so `kvctl --help` stays
 fast and loads none of the pool code.
@@ -20,12 +21,22 @@ if TYPE_CHECKING:
 
 
 class Scenario(StrEnum):
-    """The three benchmark scenarios of the vLLM fragmentation write-up, and the tiered one."""
+    """The three benchmark scenarios of the vLLM fragmentation write-up, the tiered one and the
+    shared budget."""
 
     HIGH_CONCURRENCY = "high-concurrency"
     RANDOM_LENGTHS = "random-lengths"
     MULTI_MODEL = "multi-model"
     TIERED_PREFIX = "tiered-prefix"
+    BUDGET = "budget"
+
+
+class Mix(StrEnum):
+    """The load mixes of the budget scenario."""
+
+    ONE_HOT = "one-hot"
+    MOVING = "moving"
+    ALL_BUSY = "all-busy"
 
 
 def _percent(value: float) -> str:
@@ -75,11 +86,16 @@ def render_table(result: dict[str, Any]) -> Table:
     from rich.table import Table
 
     sides = result["results"]
-    table = Table(title=f"kvctl simulate: {result['scenario']}, seed {result['seed']}")
+    scenario = result["scenario"]
+    if "mix" in result:
+        scenario += f" ({result['mix']})"
+    table = Table(title=f"kvctl simulate: {scenario}, seed {result['seed']}")
     table.add_column("metric")
     for name in sides:
         table.add_column(name, justify="right")
-    rows = TIERED_ROWS if result["scenario"] == Scenario.TIERED_PREFIX else ROWS
+    rows = {Scenario.TIERED_PREFIX: TIERED_ROWS, Scenario.BUDGET: BUDGET_ROWS}.get(
+        result["scenario"], ROWS
+    )
     for label, read in rows:
         table.add_row(label, *(read(side) for side in sides.values()))
     return table
@@ -116,6 +132,45 @@ TIERED_ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
 """Rows of the tiered scenario: one column without a host tier, one with it."""
 
 
+def _per_model(key: str, fmt: Callable[[float], str]) -> Callable[[dict[str, Any]], str]:
+    """One figure of every model, in the order of the models, separated by slashes."""
+    return lambda side: " / ".join(fmt(model[key]) for model in side["models"].values())
+
+
+BUDGET_ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
+    ("requests", _field("requests", _count)),
+    ("finished by the last arrival", _field("finished_in_load", _count)),
+    (
+        "allocation failure rate (failed ÷ attempted)",
+        lambda s: f"{100 * s['alloc_failure_rate']:.2f} %",
+    ),
+    (
+        "allocation attempts / failures",
+        lambda s: f"{s['alloc_attempts']:,} / {s['alloc_failures']:,}",
+    ),
+    ("preemptions (recomputed later)", _field("preemptions", _count)),
+    ("KV the preempted requests dropped", _field("recomputed_bytes", _gib)),
+    ("utilisation: budget holding real tokens", _field("utilization_mean", _percent)),
+    (
+        "queue time p99 / mean, steps",
+        lambda s: f"{s['queue_p99_steps']:,} / {s['queue_mean_steps']:,.1f}",
+    ),
+    (
+        "per model (70B / 7B / 2B): share of the budget",
+        _per_model("share_mean", lambda v: f"{100 * v:.0f} %"),
+    ),
+    ("  preemptions", _per_model("preemptions", _count)),
+    ("  queue time p99, steps", _per_model("queue_p99_steps", _count)),
+    ("rebalances (moves)", _field("rebalances", _count)),
+    ("memory moved", _field("moved_bytes", _gib)),
+    ("pool grows / shrinks", lambda s: f"{s['pool_grows']:,} / {s['pool_shrinks']:,}"),
+    ("pages evacuated by shrinks", _field("pages_evacuated", _count)),
+    ("steps (measured)", lambda s: f"{s['steps']:,} ({s['measured_steps']:,})"),
+    ("KV budget", _field("budget_bytes", _gib)),
+)
+"""Rows of the budget scenario: one column for the static split, one with rebalancing."""
+
+
 @contextmanager
 def _progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
     """A progress bar on stderr while requests settle; nothing when disabled or not a terminal."""
@@ -140,8 +195,9 @@ def simulate(
     scenario: Annotated[
         Scenario,
         typer.Option(
-            help="Workload to replay: the write-up's three scenarios, or tiered-prefix "
-            "(multi-turn chat on a pool holding a quarter of it, without and with a host tier)."
+            help="Workload to replay: the write-up's three scenarios, tiered-prefix "
+            "(multi-turn chat on a pool holding a quarter of it, without and with a host tier), "
+            "or budget (three models sharing one KV budget, static split against rebalancing)."
         ),
     ] = Scenario.RANDOM_LENGTHS,
     seed: Annotated[int, typer.Option(help="Seed of the workload; a seed names one run.")] = 0,
@@ -150,7 +206,7 @@ def simulate(
         typer.Option(
             min=1,
             help="Number of requests (default: the scenario's; tiered-prefix: turns, 6 a "
-            "conversation).",
+            "conversation; budget: about this many over the same 600 steps).",
         ),
     ] = None,
     budget_fraction: Annotated[
@@ -159,7 +215,15 @@ def simulate(
             min=0.01,
             max=1.0,
             help="KV budget as a share of peak demand (default: the scenario's; tiered-prefix: "
-            "the device pool as a share of the working set, 0.25).",
+            "the device pool as a share of the working set, 0.25; budget: a share of the "
+            "stream's peak of live tokens, 0.8).",
+        ),
+    ] = None,
+    mix: Annotated[
+        Mix | None,
+        typer.Option(
+            help="budget only: the load mix (one model hot all along, the hot model moving "
+            "every third of the run, all three busy). Default: moving.",
         ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
@@ -167,18 +231,19 @@ def simulate(
     """Replay a workload against contiguous and paged KV allocation under one memory budget.
 
     tiered-prefix: multi-turn chat on the agent's scheduler, without and with a host tier.
+    budget: three models' pools sharing one budget, a static split against the rebalancer.
     """
     from kvctl.simulate import run_scenario
 
+    overrides: dict[str, Any] = {"requests": requests, "budget_fraction": budget_fraction}
+    if mix is not None:
+        if scenario != Scenario.BUDGET:
+            typer.echo("kvctl: error: --mix applies to --scenario budget only", err=True)
+            raise typer.Exit(2)
+        overrides["mix"] = mix.value
     with _progress_bar(not json_output) as progress:
         try:
-            result = run_scenario(
-                scenario.value,
-                seed,
-                progress,
-                requests=requests,
-                budget_fraction=budget_fraction,
-            )
+            result = run_scenario(scenario.value, seed, progress, **overrides)
         except ValueError as error:
             typer.echo(f"kvctl: error: {error}", err=True)
             raise typer.Exit(2) from None

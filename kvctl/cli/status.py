@@ -1,5 +1,6 @@
-"""`kvctl status`: one agent in detail, or a fleet as one row per agent.
+"""`kvctl status`: one agent in detail, or a fleet as one row per agent and pool.
 
+An agent serving several models shows the budget its pools share and one row per pool.
 Exits non-zero when any agent is down, so `kvctl status -a node1 -a node2 || page-someone` works;
 the reason for each down agent is also one line on stderr.
 """
@@ -34,7 +35,8 @@ def status(
     json_out: JsonOption = False,
     timeout: TimeoutOption = None,
 ) -> None:
-    """Show the pool, the four headline numbers and the alerts of each agent."""
+    """Show the pool, the four headline numbers and the alerts of each agent (every pool of
+    an agent that serves several models, with the budget they share)."""
     from kvctl.fleet import read_fleet_once
 
     target = resolve(ctx, agent, token, json_out, timeout)
@@ -44,9 +46,12 @@ def status(
 
 
 def print_status(target: Target, readings: Sequence[Reading]) -> None:
-    """The readings as JSON (`{"agents": [...]}`) or rich, and each down agent's reason."""
+    """The readings as JSON (`{"agents": [...]}`, one entry per agent and pool) or rich, and
+    each down agent's reason."""
+    from kvctl.fleet import json_entries
+
     if target.json:
-        print_json({"agents": [reading.to_json() for reading in readings]})
+        print_json({"agents": json_entries(readings)})
     else:
         console().print(render.status(readings))
     for reading in readings:

@@ -62,7 +62,9 @@ def top(
 
     Several agents: the fleet table first (s sort, S reverse, / filter, enter opens one).
 
-    One agent: d defrag, r resize, a alerts, w sparkline span, tab next, esc the fleet.
+    One agent: d defrag, r resize, a alerts, w sparkline span, tab next, esc the fleet; on an
+    agent serving several models, p shows its next pool (the budget bar splits its memory by
+    pool).
 
     Anywhere: ? help, q quit.
     """
@@ -94,7 +96,7 @@ def run_headless(
     sleep: Callable[[float], object] = time.sleep,
 ) -> ExitCode:
     """The fleet table at 0, every, 2·every, … ≤ duration s after the start (no drift)."""
-    from kvctl.fleet import read_fleet_once
+    from kvctl.fleet import json_entries, read_fleet_once
 
     start = clock()
     code = ExitCode.OK
@@ -104,7 +106,7 @@ def run_headless(
         readings = read_fleet_once(target.agents, target.token, target.timeout)
         code = status_code(readings)
         if target.json:
-            entries = [reading.to_json() for reading in readings]
+            entries = json_entries(readings)
             print_json({"time": time.time(), "agents": entries}, lines=True)
         else:
             out = console()

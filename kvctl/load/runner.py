@@ -51,6 +51,7 @@ class LoadSettings:
     requests: int | None = None
     drain: float = 10.0
     temperature: float = 1.0
+    model: str | None = None  # the model requests name (None: the agent's only one)
 
     @property
     def effective_rate(self) -> float | None:
@@ -114,6 +115,7 @@ def _generation(request: LoadRequest, settings: LoadSettings) -> dict[str, Any]:
     """What every load request asks, chat or not: its length, temperature and own seed, no
     early EOS, and token ids and usage in the stream, so tokens are counted, not guessed."""
     return dict(
+        model=settings.model,
         max_tokens=request.max_tokens,
         temperature=settings.temperature,
         seed=settings.seed * 1_000_003 + request.index,

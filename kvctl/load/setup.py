@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvctl.api import ChatCompletionRequest, ChatMessage
+from kvctl.api import ChatCompletionRequest, ChatMessage, ModelCard
 from kvctl.client import (
     AgentError,
     AgentProtocolError,
@@ -38,9 +38,15 @@ class LoadPlan:
         return CHAT_PATH if self.chat else COMPLETIONS_PATH
 
 
-async def probe_chat(client: AsyncAgentClient) -> bool:
+class ModelRequired(ValueError):
+    """The agent serves several models and the run named none (or one it does not serve)."""
+
+
+async def probe_chat(client: AsyncAgentClient, model: str | None = None) -> bool:
     """Whether a one-token chat request is served (a 4xx, or no such route, means no)."""
-    request = ChatCompletionRequest(messages=[ChatMessage(role="user", content="hi")], max_tokens=1)
+    request = ChatCompletionRequest(
+        model=model, messages=[ChatMessage(role="user", content="hi")], max_tokens=1
+    )
     try:
         async for _chunk in client.stream_chat(request):
             pass
@@ -49,28 +55,48 @@ async def probe_chat(client: AsyncAgentClient) -> bool:
     return True
 
 
-async def supports_chat(client: AsyncAgentClient) -> bool:
-    """`chat` in the served model's capabilities; a probe when the agent lists none."""
+async def model_card(client: AsyncAgentClient, model: str | None) -> ModelCard | None:
+    """The card of `model`, or of the agent's only model; ModelRequired when the agent serves
+    several and none (or an unknown one) is named."""
     cards = (await client.models()).data
-    capabilities = cards[0].capabilities if cards else []
+    models = list(dict.fromkeys(card.root or card.id for card in cards))
+    if model is not None:
+        card = next((c for c in cards if c.id == model), None)
+        if card is None and cards:
+            raise ModelRequired(f"the agent does not serve {model!r}; it serves {_names(models)}")
+        return card
+    if len(models) > 1:
+        raise ModelRequired(f"the agent serves several models ({_names(models)}); give --model")
+    return cards[0] if cards else None
+
+
+def _names(models: list[str]) -> str:
+    return ", ".join(repr(m) for m in models)
+
+
+async def supports_chat(client: AsyncAgentClient, model: str | None = None) -> bool:
+    """`chat` in the served model's capabilities; a probe when the agent lists none."""
+    card = await model_card(client, model)
+    capabilities = card.capabilities if card else []
     if capabilities:
         return "chat" in capabilities
-    return await probe_chat(client)
+    return await probe_chat(client, model)
 
 
-async def prepare(client: AsyncAgentClient) -> LoadPlan:
-    """The plan for `client`'s agent: its chat support and its tokens, in two or three calls."""
+async def prepare(client: AsyncAgentClient, model: str | None = None) -> LoadPlan:
+    """The plan for `client`'s agent (its model `model` when it serves several): its chat
+    support and its tokens, in two or three calls."""
     notices: list[str] = []
-    chat = await supports_chat(client)
+    chat = await supports_chat(client, model)
     if not chat:
         notices.append(
             f"the model has no chat template: sending text prompts to {COMPLETIONS_PATH}"
         )
     try:
-        lexicon = await Lexicon.counted(TokenCounter(client))
+        lexicon = await Lexicon.counted(TokenCounter(client, model=model))
     except (AgentRequestError, AgentProtocolError, NotAnAgent) as error:
-        cards = (await client.models()).data
-        context = cards[0].max_model_len if cards and cards[0].max_model_len else None
+        card = await model_card(client, model)
+        context = card.max_model_len if card and card.max_model_len else None
         lexicon = Lexicon.bytes(context) if context else Lexicon.bytes()
         notices.append(f"prompt lengths estimated as one token per byte ({_reason(error)})")
     return LoadPlan(chat, lexicon, tuple(notices))

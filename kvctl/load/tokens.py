@@ -35,9 +35,12 @@ class Tokenizes(Protocol):
 class TokenCounter:
     """Token counts of texts (no BOS), asked of the agent in batches and cached by text."""
 
-    def __init__(self, client: Tokenizes, batch: int = MAX_TOKENIZE_TEXTS) -> None:
+    def __init__(
+        self, client: Tokenizes, batch: int = MAX_TOKENIZE_TEXTS, model: str | None = None
+    ) -> None:
         self.client = client
         self.batch = batch
+        self.model = model  # the model whose tokens count (None: the agent's only one)
         self.context: int | None = None
         self.calls = 0
         self._cache: dict[str, int] = {}
@@ -46,7 +49,9 @@ class TokenCounter:
         missing = list(dict.fromkeys(t for t in texts if t not in self._cache))
         for start in range(0, len(missing), self.batch):
             part = missing[start : start + self.batch]
-            request = TokenizeRequest(prompt=part, return_token_ids=False, add_special_tokens=False)
+            request = TokenizeRequest(
+                model=self.model, prompt=part, return_token_ids=False, add_special_tokens=False
+            )
             answer = await self.client.tokenize(request)
             self.calls += 1
             self.context = answer.max_model_len

@@ -310,6 +310,14 @@ class AlertSettings(Section):
         ge=0.0,
         le=100.0,
     )
+    budget_room_segments_min: int = setting(
+        1,
+        "Alert when a pool sharing a KV budget is under pressure, no pool can give it memory "
+        "and the budget has less unassigned room than this many of the pool's segments: only "
+        "a restart with a larger --kv-budget or fewer models adds memory (0 turns it off).",
+        ge=0,
+        le=1_000_000,
+    )
 
 
 class RebalanceSettings(Section):

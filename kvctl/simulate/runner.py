@@ -8,7 +8,9 @@ One step reads as the story of a serving engine:
    memory ≥ what the request needs right now (its prompt, plus already generated tokens for a
    preempted request that must recompute them). The check is deliberately naive and identical on
    both sides; it is how "allocations fail while memory looks free" happens. Admission stops at the
-   first request that does not look like it fits (FIFO, no overtaking);
+   first request that does not look like it fits (FIFO, no overtaking). With *lanes* (one per
+   model in `kvctl.simulate.budget`, where each model has its own pool and engine) the queue is
+   FIFO per lane: a lane stops at its first request that does not fit, the others go on;
 3. **allocate** — an admitted request allocates. Contiguous: prompt + max output as one range; if
    no single free range holds it, that is an out-of-memory error: the request is dropped (its client
    gets the error, as a server without paging returns it) and admission goes on with the next one.
@@ -19,8 +21,8 @@ One step reads as the story of a serving engine:
    queue (`deferred`), which is not a failure;
 4. **decode** — every running request admitted before this step generates `decode_chunk` tokens
    (fewer at the end), oldest first. Contiguous: already reserved. Paged: `append`; when pages run
-   out, the youngest running request is preempted (its pages freed, put back at the head of the
-   queue to recompute later) until the append fits;
+   out, the youngest running request (of the same lane) is preempted (its pages freed, put back at
+   the head of the queue to recompute later) until the append fits;
 5. **finish** — requests that produced all their output free their memory;
 6. **housekeeping** — paged: an `AutoDefrag` tick per pool and, with several models, giving back
    segments of pools that stay underused;
@@ -45,7 +47,7 @@ pages a shrink had to evacuate.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -65,9 +67,16 @@ from kvctl.simulate.workloads import DECODE_CHUNK, Workload, build_workload
 Progress = Callable[[int, int], None]
 """Told (requests settled so far, total) across both sides, at most once per step."""
 
+Lane = Callable[[RequestState], str]
+"""Which queue a request waits in and which running requests it may preempt."""
+
 TIERED = "tiered-prefix"
 """The scenario of `kvctl.simulate.tiered` (multi-turn chat without and with a host tier); it
 drives the agent's scheduler and tiers, which need torch, so it is imported only when run."""
+
+BUDGET = "budget"
+"""The scenario of `kvctl.simulate.budget` (three models' pools sharing one budget, a static
+split against the agent's rebalancer), imported only when run; its own sides and fields."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,11 @@ class StepClock:
         return float(self.now)
 
 
+def one_lane(state: RequestState) -> str:
+    """Every request in one queue: the scenarios of the write-up."""
+    return ""
+
+
 class Simulation:
     """Replays one workload against one side, one step at a time."""
 
@@ -138,16 +152,20 @@ class Simulation:
         budget_bytes: int,
         clock: StepClock,
         config: SimulationConfig,
+        lane: Lane = one_lane,
     ) -> None:
         self.side = side
+        self.lane = lane
         self.budget = budget_bytes
         self.clock = clock
         self.config = config
         per_token = {m.name: m.kv_bytes_per_token for m in workload.models}
         self.pending = deque(RequestState(r, per_token[r.model]) for r in workload.requests)
         self.total = len(self.pending)
+        self.lanes = len({lane(state) for state in self.pending})
         self.waiting: deque[RequestState] = deque()
         self.running: dict[int, RequestState] = {}
+        self.running_in: Counter[str] = Counter()  # running requests per lane
         self.stored_bytes = 0
         self.completed = self.failed = self.preemptions = self.deferred = 0
         self._samples: list[tuple[float, MemorySample]] = []
@@ -190,11 +208,18 @@ class Simulation:
 
     def _admit(self) -> None:
         waiting, side = self.waiting, self.side
-        while waiting:
+        blocked: set[str] = set()  # lanes whose head does not fit: the rest of them waits
+        passed: list[RequestState] = []  # their requests, in queue order
+        while waiting and len(blocked) < self.lanes:
             state = waiting[0]
+            lane = self.lane(state)
+            if lane in blocked:
+                passed.append(waiting.popleft())
+                continue
             if not side.looks_free(state):
-                if self.running:
-                    return
+                if self.running_in[lane]:
+                    blocked.add(lane)
+                    continue
                 waiting.popleft()  # larger than the whole device: it can never run
                 self._fail(state)
                 continue
@@ -205,15 +230,18 @@ class Simulation:
                 self._fail(state)
                 continue
             if not started:
-                if not self.running:
+                if not self.running_in[lane]:
                     self._fail(state)
                     continue
                 waiting.appendleft(state)
                 self.deferred += 1
-                return
+                blocked.add(lane)
+                continue
             state.admitted_at = self._last_admission = self.step
             self.running[state.id] = state
+            self.running_in[lane] += 1
             self.stored_bytes += state.stored_tokens * state.kv_bytes_per_token
+        waiting.extendleft(reversed(passed))
 
     def _decode(self) -> None:
         chunk = self.config.decode_chunk
@@ -223,11 +251,14 @@ class Simulation:
                 continue
             tokens = min(chunk, state.remaining)
             while not self.side.extend(state, tokens):
-                if len(self.running) == 1:
+                lane = self.lane(state)
+                if self.running_in[lane] == 1:
                     self._drop_running(state)
                     self._fail(state)
                     break
-                victim = self.running[max(self.running)]
+                victim = self.running[
+                    max(rid for rid, other in self.running.items() if self.lane(other) == lane)
+                ]
                 self._preempt(victim)
                 if victim is state:
                     break
@@ -248,6 +279,7 @@ class Simulation:
     def _drop_running(self, state: RequestState) -> None:
         self.side.release(state)
         del self.running[state.id]
+        self.running_in[self.lane(state)] -= 1
         self.stored_bytes -= state.stored_tokens * state.kv_bytes_per_token
 
     def _preempt(self, state: RequestState) -> None:
@@ -292,12 +324,17 @@ def run_scenario(
     `overrides` are `SimulationConfig` fields (`requests`, `budget_fraction`, `page_size`,
     `decode_chunk`, `max_steps`). Returns exactly
     `{"scenario": name, "seed": seed, "results": {"contiguous": {...}, "paged": {...}}}`.
-    `TIERED` runs `kvctl.simulate.tiered.run_tiered` instead (its own sides and fields).
+    `TIERED` runs `kvctl.simulate.tiered.run_tiered` instead, `BUDGET`
+    `kvctl.simulate.budget.run_budget` (each with its own sides and fields).
     """
     if name == TIERED:
         from kvctl.simulate.tiered import run_tiered
 
         return run_tiered(seed, progress, **overrides)
+    if name == BUDGET:
+        from kvctl.simulate.budget import run_budget
+
+        return run_budget(seed, progress, **overrides)
     unknown = set(overrides) - {f.name for f in fields(SimulationConfig)}
     if unknown:
         raise TypeError(f"unknown simulation settings: {', '.join(sorted(unknown))}")
@@ -326,13 +363,17 @@ def contiguous_side(
 
 
 def paged_side(workload: Workload, budget: int, config: SimulationConfig, clock: StepClock) -> Side:
-    """Paged pools under the pool's default defrag policy, scaled to the simulated step.
+    """Paged pools under the pool's default defrag policy, scaled to the simulated step."""
+    return PagedSide(workload, budget, config.page_size, step_defrag_policy(config), clock)
+
+
+def step_defrag_policy(config: SimulationConfig) -> DefragSettings:
+    """The pool's default defrag policy, scaled to the simulated step.
 
     The clock counts steps, so thresholds are checked every step; one step stands for
     `decode_chunk` engine steps, so it gets that many ticks' worth of page budget.
     """
     base = DefragSettings()
-    policy = DefragSettings(
+    return DefragSettings(
         check_interval_s=1.0, step_max_pages=base.step_max_pages * config.decode_chunk
     )
-    return PagedSide(workload, budget, config.page_size, policy, clock)

@@ -2,7 +2,9 @@
 detail, acts on keys.
 
 The app owns the readings, the histories and the actions; the screens (`fleet_screen.py`,
-`detail.py`, `screens.py`) only show them and offer keys, so both views always agree.
+`detail.py`, `screens.py`) only show them and offer keys, so both views always agree. On an
+agent that serves several models it also owns which pool is shown (`p` moves on): the detail,
+the sparklines (one history per agent and pool) and the actions are that pool's.
 
 Polling is a timer that starts a worker coroutine; a poll still waiting on a slow agent is
 not started again, and Textual's timer schedules against its start, so the period does not
@@ -26,6 +28,7 @@ from kvctl.client import AgentError
 from kvctl.fleet import Reading
 from kvctl.sizing import ResizePlan
 from kvctl.tui.detail import DetailScreen
+from kvctl.tui.fleet_rows import row_key
 from kvctl.tui.fleet_screen import FleetScreen
 from kvctl.tui.history import WINDOWS, History, RateWindow
 from kvctl.tui.screens import AlertsScreen, ConfirmScreen, HelpScreen, ResizeScreen
@@ -62,9 +65,12 @@ class TopApp(App[None]):
         self.window = WINDOWS[0]
         self.readings: dict[str, Reading] = {}
         self.last_good: dict[str, tuple[float, Reading]] = {}
-        hold = 2.5 * interval  # a poll a little late is not a gap in the sparklines
-        self.histories: dict[str, History] = {agent: History(hold) for agent in source.agents}
-        self.rates: dict[str, RateWindow] = {agent: RateWindow() for agent in source.agents}
+        self.hold = 2.5 * interval  # a poll a little late is not a gap in the sparklines
+        self.histories: dict[tuple[str, str | None], History] = {}
+        """By agent and pool: every pool's numbers are kept, shown or not."""
+        self.rates: dict[tuple[str, str | None], RateWindow] = {}
+        self.pools: dict[str, str] = {}
+        """The pool shown of each agent that serves several models (absent: its first)."""
         self.message = ""
         self.detail = DetailScreen(id="detail")
         self.fleet = FleetScreen()
@@ -95,7 +101,7 @@ class TopApp(App[None]):
             self._poll_worker = self.run_worker(self._poll(), group="poll")
 
     async def _poll(self) -> None:
-        readings = await self.source.read()
+        readings = await self.source.read(dict(self.pools))
         if not self.screen_stack:  # the app closed while the agents answered
             return
         now = self.clock()
@@ -109,27 +115,67 @@ class TopApp(App[None]):
         self.readings[reading.agent] = reading
         if reading.up and reading.pool is not None:
             self.last_good[reading.agent] = (now, reading)
-            self.histories[reading.agent].add(reading.pool, now)
-            self.rates[reading.agent].add(reading.pool)
+            for pool in reading.every_pool:
+                self.history(reading.agent, pool.pool).add(pool, now)
+                self.rate(reading.agent, pool.pool).add(pool)
             if previous is not None and not previous.up:
                 self.say(f"{reading.agent} answers again")
         elif previous is None or previous.up:
             self.say(str(reading.error), severity="error")
 
-    def show_current(self) -> None:
-        """Fill the detail screen from the shown agent's latest (or last good) reading."""
-        agent = self.agent
+    def history(self, agent: str, pool: str | None) -> History:
+        """The sparklines' history of one pool of `agent` (None: before it ever answered)."""
+        return self.histories.setdefault((agent, pool), History(self.hold))
+
+    def rate(self, agent: str, pool: str | None) -> RateWindow:
+        return self.rates.setdefault((agent, pool), RateWindow())
+
+    def latest(self, agent: str) -> Reading | None:
+        """The agent's latest reading that answered, else its latest one."""
         reading = self.readings.get(agent)
-        if reading is None:
+        if reading is not None and reading.up:
+            return reading
+        seen = self.last_good.get(agent)
+        return seen[1] if seen is not None else reading
+
+    def shown_pool(self, agent: str) -> str | None:
+        """The name of the pool shown of `agent`; None while it has one (or never answered)."""
+        reading = self.latest(agent)
+        if reading is None or not reading.several:
+            return None
+        pool = reading.for_pool(self.pools.get(agent)).pool
+        return None if pool is None else pool.pool
+
+    def shown_key(self) -> str:
+        """The fleet table's key of the agent and pool on the detail screen."""
+        return row_key(self.agent, self.shown_pool(self.agent))
+
+    def show_current(self) -> None:
+        """Fill the detail screen from the shown agent's latest (or last good) reading, as its
+        shown pool reads."""
+        agent = self.agent
+        whole = self.readings.get(agent)
+        if whole is None:
             return
         now = self.clock()
         seen, good = self.last_good.get(agent, (None, None))
         age = None if seen is None else now - seen
+        name = self.shown_pool(agent)
+        reading = whole.for_pool(name)
+        good = None if good is None else good.for_pool(name)
+        pool = reading.pool or (good.pool if good else None)
+        key = None if pool is None else pool.pool
+        latest = self.latest(agent)
         position = (self.current, len(self.source.agents))
-        self.detail.bar.show(position, reading, age, self.interval, self.readonly)
+        pools = None
+        if latest is not None and latest.several and pool is not None:
+            names = [p.pool for p in latest.pools]
+            pools = (names.index(pool.pool), len(names)) if pool.pool in names else None
+        self.detail.bar.show(position, reading, age, self.interval, self.readonly, pools)
+        self.detail.show_budget(latest, name)
         self.detail.refresh_bindings()  # the acting keys follow whether this agent answers
         self.detail.show(
-            reading, good, self.histories[agent], self.window, now, self.rates[agent].rates()
+            reading, good, self.history(agent, key), self.window, now, self.rate(agent, key).rates()
         )
         if isinstance(self.screen, AlertsScreen):
             shown = reading if reading.up else good
@@ -148,11 +194,27 @@ class TopApp(App[None]):
         self.current = index % len(self.source.agents)
         self.show_current()
 
-    def open_agent(self, agent: str) -> None:
-        """From the fleet table into `agent`'s detail."""
+    def open_agent(self, agent: str, pool: str | None = None) -> None:
+        """From the fleet table into `agent`'s detail (showing `pool`, one of several)."""
+        if pool is not None:
+            self.pools[agent] = pool
         self.select(list(self.source.agents).index(agent))
         if self.screen is self.fleet:
             self.pop_screen()
+        if pool is not None:
+            self.poll()  # the map of that pool
+
+    def next_pool(self, step: int) -> None:
+        """Show the agent's next pool (`step` -1: the previous), where it serves several."""
+        agent = self.agent
+        reading = self.latest(agent)
+        shown = self.shown_pool(agent)
+        if reading is None or shown is None:
+            return
+        names = [pool.pool for pool in reading.pools]
+        self.pools[agent] = names[(names.index(shown) + step) % len(names)]
+        self.show_current()
+        self.poll()  # the map of the pool now shown
 
     def show_fleet(self) -> None:
         if self.screen is not self.fleet:
@@ -174,53 +236,63 @@ class TopApp(App[None]):
         self.push_screen(AlertsScreen(self.agent, reading.alerts if reading else (), self.clock))
 
     def ask_defrag(self) -> None:
-        agent = self.agent
+        agent, pool = self.agent, self.shown_pool(self.agent)
 
         def answered(yes: bool | None) -> None:
             if yes:
-                self.run_worker(self._defrag(agent), group="act")
+                self.run_worker(self._defrag(agent, pool), group="act")
 
-        self.push_screen(ConfirmScreen(f"Defragment the pool of {agent} now?"), answered)
+        which = "the pool" if pool is None else f"pool {pool}"
+        self.push_screen(ConfirmScreen(f"Defragment {which} of {agent} now?"), answered)
 
     def ask_resize(self) -> None:
-        agent = self.agent
+        agent, name = self.agent, self.shown_pool(self.agent)
         seen = self.last_good.get(agent)
-        if seen is None or seen[1].pool is None:
+        pool = None if seen is None else seen[1].for_pool(name).pool
+        if pool is None:
             self.say(f"{agent} has not answered yet; cannot size a resize", "warning")
             return
 
         def chosen(plan: ResizePlan | None) -> None:
             if plan is not None:
-                self.run_worker(self._resize(agent, plan.request), group="act")
+                self.run_worker(self._resize(agent, plan.request, name), group="act")
 
-        self.push_screen(ResizeScreen(agent, seen[1].pool), chosen)
+        self.push_screen(ResizeScreen(agent, pool, named=name is not None), chosen)
 
-    async def _defrag(self, agent: str) -> None:
+    async def _defrag(self, agent: str, pool: str | None = None) -> None:
         try:
-            result = await self.source.defrag(agent)
+            result = await self.source.defrag(agent, pool)
         except AgentError as error:
             self.say(str(error), "error")
             return
-        self.say(defrag_message(result))
+        self.say(defrag_message(result, pool))
         self.poll()
 
-    async def _resize(self, agent: str, request: ResizeRequest) -> None:
+    async def _resize(self, agent: str, request: ResizeRequest, pool: str | None = None) -> None:
         try:
-            result = await self.source.resize(agent, request)
+            result = await self.source.resize(agent, request, pool)
         except AgentError as error:
             self.say(str(error), "error")
             return
-        self.say(resize_message(result))
+        self.say(resize_message(result, pool))
         self.poll()
 
 
-def defrag_message(result: DefragResult) -> str:
+def defrag_message(result: DefragResult, pool: str | None = None) -> str:
+    which = "" if pool is None else f" of {pool}"
     return (
-        f"defrag: fragmentation {result.fragmentation_before:.2f} → "
+        f"defrag{which}: fragmentation {result.fragmentation_before:.2f} → "
         f"{result.fragmentation_after:.2f}, {result.pages_moved:,} pages moved "
         f"in {result.seconds * 1000:.0f} ms"
     )
 
 
-def resize_message(result: ResizeResult) -> str:
-    return f"resize ({result.direction}): {result.old_pages:,} → {result.new_pages:,} pages"
+def resize_message(result: ResizeResult, pool: str | None = None) -> str:
+    """What a resize did; for a pool of a shared budget, that it is now pinned and how to
+    hand it back."""
+    which = "" if pool is None else f" of {pool}"
+    text = f"resize{which} ({result.direction}): {result.old_pages:,} → {result.new_pages:,} pages"
+    if result.pinned:
+        release = "kvctl pool release" + ("" if pool is None else f" --pool {pool}")
+        text += f"; pinned until `{release}`"
+    return text

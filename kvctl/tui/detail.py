@@ -1,6 +1,9 @@
 """One agent in detail: the four numbers with their history, requests, alerts, the page map,
 and the tiers below the device when the agent has any.
 
+An agent that serves several models shows one pool at a time (`p` the next, `P` the previous),
+under a bar of the memory budget its pools share, split by pool.
+
 The screen only lays the panels out and offers the keys that act on the agent shown; the app
 owns the readings and does the acting, so the fleet screen and this one show the same data.
 """
@@ -20,6 +23,7 @@ from kvctl.fleet import Reading
 from kvctl.tui.history import History, Window
 from kvctl.tui.widgets.agent_bar import AgentBar
 from kvctl.tui.widgets.alerts import AlertsPanel
+from kvctl.tui.widgets.budget_bar import BudgetBar
 from kvctl.tui.widgets.headlines import Headlines
 from kvctl.tui.widgets.pool_map import PoolMapView
 from kvctl.tui.widgets.requests import RequestsPanel
@@ -52,6 +56,9 @@ class DetailScreen(Screen[None]):
         Binding("escape,f", "fleet", "fleet", key_display="esc"),
         Binding("tab", "next_agent(1)", "next", priority=True),
         Binding("shift+tab", "next_agent(-1)", "previous", show=False, priority=True),
+        # Not in the footer, which a fleet fills at 80 columns: the agent bar says "p next".
+        Binding("p", "next_pool(1)", "pool", show=False),
+        Binding("P", "next_pool(-1)", "previous pool", show=False),
         Binding("d", "defrag", "defrag"),
         Binding("r", "resize", "resize"),
         Binding("a", "alerts", "alerts"),
@@ -63,6 +70,8 @@ class DetailScreen(Screen[None]):
         # Held, not queried: the app fills them from its first poll, which may come before
         # the screen has mounted them.
         self.bar = AgentBar(id="agent")
+        self.budget = BudgetBar(id="budget")
+        self.budget.display = False  # until a reading says the agent's pools share a budget
         self.headlines = Headlines(id="headlines")
         self.requests = RequestsPanel(id="requests")
         self.alerts = AlertsPanel(id="alerts")
@@ -79,6 +88,7 @@ class DetailScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         yield self.bar
+        yield self.budget
         yield self.headlines_panel
         with Horizontal(id="panels"):
             yield self._panel(self.requests, "requests and memory")
@@ -118,13 +128,20 @@ class DetailScreen(Screen[None]):
         self.tiers.show(pool, rates if reading.up else None, stale=not reading.up)
         self.tiers_panel.display = pool is not None and bool(pool.tiers)
 
+    def show_budget(self, reading: Reading | None, shown: str | None) -> None:
+        """The budget bar of `reading` (the whole agent) with pool `shown` on screen; only for
+        an agent whose pools share a budget."""
+        pools = () if reading is None else reading.every_pool
+        self.budget.display = len(pools) > 1 or any(pool.share for pool in pools)
+        self.budget.show(reading, shown)
+
     def say(self, message: str) -> None:
         self.message.update(message)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Acting keys are not offered at all with --readonly, and shown disabled while the
         agent on screen does not answer (they could not reach it); the fleet key only where
-        there is a fleet."""
+        there is a fleet, the pool key only where the agent serves several models."""
         if action in ACTING:
             if self.top.readonly:
                 return False
@@ -133,6 +150,8 @@ class DetailScreen(Screen[None]):
                 return None
         if action in ("fleet", "next_agent"):
             return len(self.top.source.agents) > 1
+        if action == "next_pool":
+            return self.top.shown_pool(self.top.agent) is not None
         return True
 
     def action_fleet(self) -> None:
@@ -140,6 +159,9 @@ class DetailScreen(Screen[None]):
 
     def action_next_agent(self, step: int) -> None:
         self.top.select(self.top.current + step)
+
+    def action_next_pool(self, step: int) -> None:
+        self.top.next_pool(step)
 
     def action_defrag(self) -> None:
         self.top.ask_defrag()

@@ -1,8 +1,9 @@
 """The fleet table's rows: which columns, how each is sorted, filtered and fitted to a width.
 
 Pure functions of `kvctl.fleet.Reading`, so sorting and filtering are tested without a
-terminal. A row is one agent today; its key is the agent URL, and a pool column (several pools
-per agent) would add the pool name to the key and one `Column` here.
+terminal. A row is one agent and pool (`Reading.per_pool`): an agent with one pool is one row
+keyed by its URL, as before several models; where some agent serves several, a pool column
+appears and those rows are keyed by URL and pool.
 
 Sorting puts the worst rows first on the first press (lowest allocation success, highest
 fragmentation, …): that is what an operator sorts a fleet for. Rows that have no value in the
@@ -43,6 +44,10 @@ def _pool(attribute: str) -> Callable[[Reading], SortValue]:
     return value
 
 
+def _pool_name(reading: Reading) -> SortValue:
+    return None if reading.pool is None else reading.pool.pool
+
+
 def _alerts(reading: Reading) -> SortValue:
     if not reading.up:
         return None
@@ -62,7 +67,30 @@ COLUMNS: tuple[Column, ...] = (
     Column("wait", "wait", 4, _pool("requests_waiting")),
     Column("alerts", "firing alerts", None, _alerts, right=False),
 )
-BY_KEY = {column.key: column for column in COLUMNS}
+POOL = Column("pool", "pool", None, _pool_name, right=False, worst_high=False)
+"""Shown after the agent where some agent serves several models."""
+BY_KEY = {column.key: column for column in (*COLUMNS, POOL)}
+
+
+def columns(pools: bool) -> tuple[Column, ...]:
+    """The columns of a fleet, with the pool's after the agent's where `pools`."""
+    return (COLUMNS[0], POOL, *COLUMNS[1:]) if pools else COLUMNS
+
+
+def several_pools(readings: Sequence[Reading]) -> bool:
+    """Whether some agent serves several models (so rows need the pool column)."""
+    return any(reading.several for reading in readings)
+
+
+def row_key(agent: str, pool: str | None) -> str:
+    """The key of a row: the agent's URL, and the pool's name where the agent has several."""
+    return agent if pool is None else f"{agent}#{pool}"
+
+
+def key_of(reading: Reading) -> str:
+    """The key of a row (one of `Reading.per_pool()`)."""
+    pool = reading.pool.pool if reading.several and reading.pool is not None else None
+    return row_key(reading.agent, pool)
 
 
 @dataclass(frozen=True)
@@ -72,9 +100,12 @@ class Sort:
     key: str | None = None
     descending: bool = False
 
-    def next_column(self) -> Sort:
-        """The next column, worst first; after the last, back to the order given."""
-        keys = [None, *BY_KEY]
+    def next_column(self, shown: Sequence[Column] = COLUMNS) -> Sort:
+        """The next of the `shown` columns, worst first; after the last, back to the order
+        given."""
+        keys = [None, *(column.key for column in shown)]
+        if self.key not in keys:
+            return Sort()
         key = keys[(keys.index(self.key) + 1) % len(keys)]
         return Sort(key, key is not None and BY_KEY[key].worst_high)
 
@@ -93,7 +124,7 @@ class Sort:
         column = BY_KEY[self.key]
         worst = self.descending == column.worst_high
         order = "worst first" if worst else "best first"
-        if self.key == "agent":
+        if self.key in ("agent", "pool"):
             order = "Z to A" if self.descending else "A to Z"
         return f"sorted by {column.label}, {order}"
 
@@ -110,11 +141,13 @@ def sort_rows(readings: Sequence[Reading], sort: Sort) -> list[Reading]:
 
 
 def matches(reading: Reading, text: str) -> bool:
-    """Whether the filter `text` is in the agent's URL or the name of one of its alerts."""
+    """Whether the filter `text` is in the agent's URL, the name of one of its alerts, or the
+    name of the row's pool where the agent has several."""
     needle = text.strip().lower()
     if not needle:
         return True
-    names = [reading.agent, *(alert.name for alert in reading.alerts)]
+    pool = [reading.pool.pool] if reading.several and reading.pool is not None else []
+    names = [reading.agent, *pool, *(alert.name for alert in reading.alerts)]
     return any(needle in name.lower() for name in names)
 
 
@@ -130,12 +163,17 @@ def ellipsize(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def widths(total: int, agents: Sequence[str]) -> dict[str, int]:
+def widths(total: int, agents: Sequence[str], pools: Sequence[str] = ()) -> dict[str, int]:
     """Content width of every column for a table `total` cells wide (one cell between
     columns): fixed columns as they are, the agent column as wide as its longest name but at
-    most 40 % of the rest, the alerts column what remains."""
-    fixed = {c.key: c.width for c in COLUMNS if c.width is not None}
-    rest = max(0, total - sum(fixed.values()) - len(COLUMNS))
+    most 40 % of the rest, the alerts column what remains. With `pools` (the names of the
+    pools of agents that serve several models), a pool column as wide as the longest name,
+    within 4 to 16 cells."""
+    shown = columns(bool(pools))
+    fixed = {c.key: c.width for c in shown if c.width is not None}
+    if pools:
+        fixed["pool"] = max(4, min(16, max(len(name) for name in pools)))
+    rest = max(0, total - sum(fixed.values()) - len(shown))
     longest = max((len(short_agent(agent)) for agent in agents), default=5)
     agent = max(5, min(longest, rest * 2 // 5))
     return {**fixed, "agent": agent, "alerts": max(5, rest - agent)}
@@ -172,13 +210,16 @@ def alerts_text(reading: Reading, width: int) -> Text:
 
 
 def cells(reading: Reading, fitted: dict[str, int]) -> list[Text]:
-    """The row of one agent, each cell exactly its column's width (`fitted`, from `widths`)."""
+    """The row of one agent and pool, each cell exactly its column's width (`fitted`, from
+    `widths`; a pool column where it has one)."""
     texts: dict[str, Text] = {
         "agent": Text(ellipsize(short_agent(reading.agent), fitted["agent"]), style="bold"),
         "alerts": alerts_text(reading, fitted["alerts"]),
         "state": Text("up", style=fmt.OK) if reading.up else Text("down", style=fmt.BAD),
     }
     pool = reading.pool
+    if "pool" in fitted and pool is not None:
+        texts["pool"] = Text(ellipsize(pool.pool, fitted["pool"]))
     if reading.up and pool is not None:
         numbers = zip(("alloc", "frag", "util", "prefix"), fmt.headlines(pool), strict=True)
         for key, headline in numbers:
@@ -187,7 +228,8 @@ def cells(reading: Reading, fitted: dict[str, int]) -> list[Text]:
         texts["wait"] = Text(
             str(pool.requests_waiting), style=fmt.WARN if pool.requests_waiting else ""
         )
-    return [_fit(texts.get(c.key, Text("–", style="dim")), c, fitted[c.key]) for c in COLUMNS]
+    shown = columns("pool" in fitted)
+    return [_fit(texts.get(c.key, Text("–", style="dim")), c, fitted[c.key]) for c in shown]
 
 
 def header(column: Column, width: int, sort: Sort) -> Text:

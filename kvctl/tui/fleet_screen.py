@@ -1,7 +1,7 @@
-"""The fleet at a glance: one row per agent, like nvitop's process table.
+"""The fleet at a glance: one row per agent and pool, like nvitop's process table.
 
 Rows are rebuilt from the app's latest readings on every poll (a fleet is tens of agents, not
-thousands), keeping the cursor on the agent it was on. Sorting and the filter live here, so
+thousands), keeping the cursor on the row it was on. Sorting and the filter live here, so
 they survive a trip into an agent's detail and back.
 """
 
@@ -17,7 +17,7 @@ from textual.widgets import DataTable, Footer, Input, Static
 
 from kvctl.fleet import Reading
 from kvctl.tui import fleet_rows
-from kvctl.tui.fleet_rows import COLUMNS, Sort
+from kvctl.tui.fleet_rows import Sort
 from kvctl.view import fmt
 
 if TYPE_CHECKING:
@@ -31,7 +31,8 @@ class FleetTable(DataTable[Text]):
 
 
 class FleetScreen(Screen[None]):
-    """Every agent of the fleet; Enter opens the highlighted one."""
+    """Every agent of the fleet (every pool of one that serves several models); Enter opens
+    the highlighted one."""
 
     DEFAULT_CSS = """
     FleetScreen { layout: vertical; }
@@ -54,6 +55,7 @@ class FleetScreen(Screen[None]):
         self.filter_text = ""
         self.readings: list[Reading] = []
         self.shown: list[Reading] = []
+        """The rows, one per agent and pool, in the order shown."""
 
     @property
     def top(self) -> TopApp:
@@ -62,7 +64,9 @@ class FleetScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         yield Static(Text("connecting…", style="dim"), id="fleet-bar")
         yield FleetTable(cursor_type="row", cell_padding=0, id="fleet")
-        yield Input(placeholder="filter: part of an agent URL or an alert name", id="filter")
+        yield Input(
+            placeholder="filter: part of an agent URL, a pool or an alert name", id="filter"
+        )
         yield Static("", id="fleet-status")
         yield Footer()
 
@@ -73,35 +77,46 @@ class FleetScreen(Screen[None]):
         self.show(self.readings)
 
     def on_screen_resume(self) -> None:
-        """Back from an agent's detail: the cursor on that agent."""
-        self.show(self.readings, highlight=self.top.agent)
+        """Back from an agent's detail: the cursor on that agent and pool."""
+        self.show(self.readings, highlight=self.top.shown_key())
 
     # ---- content --------------------------------------------------------------------------
 
     def show(self, readings: list[Reading], highlight: str | None = None) -> None:
-        """Rebuild the table from `readings` (in the order the agents were given)."""
+        """Rebuild the table from `readings` (one per agent, in the order given), one row per
+        agent and pool; `highlight` is the key of the row to put the cursor on."""
         self.readings = list(readings)
         if not self.is_mounted:
             return
         table = self.query_one(DataTable)
         if highlight is None and self.shown and 0 <= table.cursor_row < len(self.shown):
-            highlight = self.shown[table.cursor_row].agent
-        kept = [r for r in self.readings if fleet_rows.matches(r, self.filter_text)]
+            highlight = fleet_rows.key_of(self.shown[table.cursor_row])
+        rows = [row for reading in self.readings for row in reading.per_pool()]
+        several = fleet_rows.several_pools(self.readings)
+        shown = fleet_rows.columns(several)
+        if self.sort.key is not None and self.sort.key not in [c.key for c in shown]:
+            self.sort = Sort()  # its pool column went with the last agent that had several
+        kept = [r for r in rows if fleet_rows.matches(r, self.filter_text)]
         self.shown = fleet_rows.sort_rows(kept, self.sort)
         total = max(20, table.size.width or self.size.width) - 1  # the scrollbar's column
-        widths = fleet_rows.widths(total, [r.agent for r in self.readings])
+        names = [r.pool.pool for r in rows if r.several and r.pool is not None]
+        widths = fleet_rows.widths(total, [r.agent for r in self.readings], names)
         table.clear(columns=True)
-        for column in COLUMNS:
+        for column in shown:
             label = fleet_rows.header(column, widths[column.key], self.sort)
             table.add_column(label, width=widths[column.key] + 1, key=column.key)
-        for reading in self.shown:
-            table.add_row(*fleet_rows.cells(reading, widths), key=reading.agent)
-        agents = [r.agent for r in self.shown]
-        if highlight in agents:
-            table.move_cursor(row=agents.index(highlight), animate=False)
+        keys = [fleet_rows.key_of(reading) for reading in self.shown]
+        for reading, key in zip(self.shown, keys, strict=True):
+            table.add_row(*fleet_rows.cells(reading, widths), key=key)
+        if highlight in keys:
+            table.move_cursor(row=keys.index(highlight), animate=False)
         self._bar()
         self._status()
         self.refresh_bindings()
+
+    @property
+    def rows_noun(self) -> str:
+        return "pools" if fleet_rows.several_pools(self.readings) else "agents"
 
     def _bar(self) -> None:
         readings = self.readings
@@ -109,7 +124,11 @@ class FleetScreen(Screen[None]):
             return
         down = sum(1 for r in readings if not r.up)
         firing = sum(len(r.firing) for r in readings)
-        text = Text.assemble((f" fleet of {len(readings)} agents ", "reverse"), " ")
+        pools = sum(len(r.every_pool) for r in readings if r.up)
+        fleet = f"fleet of {len(readings)} agents"
+        if fleet_rows.several_pools(readings):
+            fleet += f", {pools} pools"
+        text = Text.assemble((f" {fleet} ", "reverse"), " ")
         text.append(f"{len(readings) - down} up", style=fmt.OK)
         if down:
             text.append(f"  {down} down", style=fmt.BAD)
@@ -122,9 +141,10 @@ class FleetScreen(Screen[None]):
     def _status(self) -> None:
         status = self.sort.describe()
         if self.filter_text:
+            rows = sum(len(r.per_pool()) for r in self.readings)
             status += (
                 f" · filter “{self.filter_text}”: {len(self.shown)} of "
-                f"{len(self.readings)} agents (esc clears)"
+                f"{rows} {self.rows_noun} (esc clears)"
             )
         self.query_one("#fleet-status", Static).update(status)
 
@@ -138,7 +158,11 @@ class FleetScreen(Screen[None]):
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         event.stop()
-        self.top.open_agent(str(event.row_key.value))
+        key = str(event.row_key.value)
+        row = next((r for r in self.shown if fleet_rows.key_of(r) == key), None)
+        if row is not None:
+            pool = row.pool.pool if row.several and row.pool is not None else None
+            self.top.open_agent(row.agent, pool)
 
     def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
         event.stop()
@@ -146,7 +170,9 @@ class FleetScreen(Screen[None]):
         self.show(self.readings)
 
     def action_sort_next(self) -> None:
-        self.sort = self.sort.next_column()
+        self.sort = self.sort.next_column(
+            fleet_rows.columns(fleet_rows.several_pools(self.readings))
+        )
         self.show(self.readings)
 
     def action_sort_reverse(self) -> None:

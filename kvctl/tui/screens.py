@@ -63,19 +63,25 @@ class ResizeScreen(ModalScreen[ResizePlan | None]):
     DEFAULT_CSS = DIALOG_CSS.format(name="ResizeScreen") + "#plan { margin-top: 1; }"
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "cancel")]
 
-    def __init__(self, agent: str, pool: PoolSnapshot) -> None:
+    def __init__(self, agent: str, pool: PoolSnapshot, named: bool = False) -> None:
+        """`named`: the pool is one of several on its agent, so the dialog names it."""
         super().__init__()
         self.agent = agent
         self.pool = pool
+        self.named = named
         self.plan: ResizePlan | None = None
 
     def compose(self) -> ComposeResult:
         pool = self.pool
+        which = f"pool {pool.pool}" if self.named else "the pool"
+        pins = ""
+        if pool.share is not None and not pool.share.pinned:
+            pins = "\nthe new size is pinned: the agent stops moving memory in or out of it"
         with Vertical():
             yield Label(
-                f"Resize the pool of {self.agent}\nnow {pool.capacity_pages:,} pages "
+                f"Resize {which} of {self.agent}\nnow {pool.capacity_pages:,} pages "
                 f"({format_bytes(pool.capacity_bytes)}), {pool.used_pages:,} used, "
-                f"segments of {pool.segment_pages} pages"
+                f"segments of {pool.segment_pages} pages{pins}"
             )
             yield Input(placeholder="768 pages, 8GiB, +1GiB or -64", id="size")
             yield Static("", id="plan")
@@ -116,7 +122,7 @@ HELP_KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
             ("enter", "open the highlighted agent (or click it twice)"),
             ("s", "sort by the next column, worst first (or click a header)"),
             ("S", "reverse the sort"),
-            ("/", "filter by part of an agent URL or an alert name; esc clears it"),
+            ("/", "filter by part of an agent URL, a pool or an alert name; esc clears it"),
         ),
     ),
     (
@@ -124,6 +130,7 @@ HELP_KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         (
             ("esc, f", "back to the fleet table"),
             ("tab", "next agent of the fleet (shift+tab: previous)"),
+            ("p", "next pool of an agent that serves several models (P: previous)"),
             ("d", "defragment the shown pool now (asks first)"),
             ("r", "resize the shown pool: pages, a size, +X to grow, -X to shrink"),
             ("a", "alerts of the shown agent, with what to do about each"),
@@ -145,6 +152,9 @@ HELP_NOTES = (
     "and on disk over the last 10 s, the prompt tokens a second the cache saved computing, and "
     "per tier how full it is and the bytes a second loaded from it; a load should cost less "
     "per token than prefill. kvctl pool resize --tier host|disk changes a tier's size.",
+    "Budget bar (several models on one agent): their memory budget split by pool, the shown "
+    "pool bright, then what is free; a pool resized with r stays pinned (the agent moves no "
+    "memory in or out) until kvctl pool release.",
     "With --readonly, d and r are not offered; while the shown agent does not answer, they are "
     "shown dimmed and do nothing. A down agent stays in the fleet table, with why.",
 )

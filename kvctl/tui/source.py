@@ -2,12 +2,13 @@
 
 `DataSource` is the seam between the UI and the agents: `HttpSource` talks to real agents,
 tests hand the app a fake with fixed readings. Every call is a coroutine, so the UI never
-blocks on a slow or dead agent.
+blocks on a slow or dead agent. On an agent that serves several models, a read shows (and maps)
+the pool the app names for it, and the actions take the pool they act on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from kvctl.api import DefragResult, ResizeRequest, ResizeResult
@@ -21,11 +22,15 @@ class DataSource(Protocol):
     @property
     def agents(self) -> Sequence[str]: ...
 
-    async def read(self) -> list[Reading]: ...
+    async def read(self, pools: Mapping[str, str] | None = None) -> list[Reading]:
+        """A reading of every agent; `pools` names the pool to show by agent URL."""
+        ...
 
-    async def defrag(self, agent: str) -> DefragResult: ...
+    async def defrag(self, agent: str, pool: str | None = None) -> DefragResult: ...
 
-    async def resize(self, agent: str, request: ResizeRequest) -> ResizeResult: ...
+    async def resize(
+        self, agent: str, request: ResizeRequest, pool: str | None = None
+    ) -> ResizeResult: ...
 
     async def close(self) -> None: ...
 
@@ -43,14 +48,16 @@ class HttpSource:
     def agents(self) -> Sequence[str]:
         return [client.url for client in self._fleet.clients]
 
-    async def read(self) -> list[Reading]:
-        return await self._fleet.read(with_map=True)
+    async def read(self, pools: Mapping[str, str] | None = None) -> list[Reading]:
+        return await self._fleet.read(with_map=True, pools=pools)
 
-    async def defrag(self, agent: str) -> DefragResult:
-        return await self._by_url[agent].defrag()
+    async def defrag(self, agent: str, pool: str | None = None) -> DefragResult:
+        return await self._by_url[agent].defrag(pool=pool)
 
-    async def resize(self, agent: str, request: ResizeRequest) -> ResizeResult:
-        return await self._by_url[agent].resize(request)
+    async def resize(
+        self, agent: str, request: ResizeRequest, pool: str | None = None
+    ) -> ResizeResult:
+        return await self._by_url[agent].resize(request, pool)
 
     async def close(self) -> None:
         await self._fleet.aclose()

@@ -15,10 +15,17 @@ from rich.table import Table
 from rich.text import Text
 
 from kvctl.units import format_bytes
-from kvctl.view import fmt, tiers
+from kvctl.view import budget, fmt, tiers
 
 if TYPE_CHECKING:
-    from kvctl.api import Alert, DefragResult, PoolSnapshot, ResizeResult, TierReading
+    from kvctl.api import (
+        Alert,
+        DefragResult,
+        PoolRelease,
+        PoolSnapshot,
+        ResizeResult,
+        TierReading,
+    )
     from kvctl.fleet import Reading
     from kvctl.sizing import ResizePlan
 
@@ -81,7 +88,71 @@ def pool_table(pool: PoolSnapshot) -> Table:
         table.add_row(f"gpu{gpu.index}", gpu_text(gpu.name, gpu.used_bytes, gpu.total_bytes))
     for label, text in tiers.tier_rows(pool):
         table.add_row(label, text)
+    for label, text in budget.share_rows(pool):
+        table.add_row(label, text)
     return table
+
+
+BUDGET_BAR = 60
+"""Cells of the budget bar in the CLI's tables."""
+
+
+def budget_table(
+    pools: Sequence[PoolSnapshot],
+    budget_bytes: int | None,
+    assigned_bytes: int | None,
+    width: int = BUDGET_BAR,
+) -> Table:
+    """The budget the pools share, and a bar of it split by pool with its legend."""
+    table = _pairs()
+    table.add_row("budget", budget.summary(pools, budget_bytes, assigned_bytes))
+    table.add_row("", budget.bar(pools, budget_bytes, width))
+    table.add_row("", budget.legend(pools, budget_bytes))
+    return table
+
+
+def pools_table(pools: Sequence[PoolSnapshot], budget_bytes: int | None) -> Table:
+    """One row per pool of an agent: its size and share of the budget, the four numbers,
+    requests, and what the rebalancer does with it."""
+    table = Table(box=None, show_edge=False, pad_edge=False, padding=(0, _GAP // 2))
+    table.add_column("pool", no_wrap=True, style="bold")
+    table.add_column("capacity", justify="right", no_wrap=True)
+    for column in ("of budget", "floor–ceiling", "util", "frag", "alloc ok", "prefix", "run/wait"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("rebalancing", no_wrap=True)
+    total = budget.total_bytes(pools, budget_bytes)
+    for pool in pools:
+        success, frag, util, prefix = fmt.headlines(pool)
+        share = pool.share
+        table.add_row(
+            pool.pool,
+            fmt.pages(pool.capacity_pages, pool.bytes_per_page),
+            fmt.percent(pool.capacity_bytes / total if total else None),
+            "–" if share is None else f"{share.floor_pages:,}–{share.ceiling_pages:,}",
+            Text(util.text, style=util.style),
+            Text(frag.text, style=frag.style),
+            Text(success.text, style=success.style),
+            Text(prefix.text, style=prefix.style),
+            f"{pool.requests_running}/{pool.requests_waiting}",
+            rebalancing_cell(pool),
+        )
+    return table
+
+
+def rebalancing_cell(pool: PoolSnapshot) -> Text:
+    """Pinned, under pressure or calm, then the moves in and out."""
+    share = pool.share
+    if share is None:
+        return Text("–", style="dim")
+    if share.pinned:
+        text = Text("pinned", style=fmt.WARN)
+    elif share.under_pressure:
+        text = Text("under pressure", style=fmt.BAD)
+    else:
+        text = Text("calm", style=fmt.OK)
+    moves = share.rebalances_total
+    text.append(f"; {moves.get('in', 0):,} in, {moves.get('out', 0):,} out", style="dim")
+    return text
 
 
 def defrag_summary(pool: PoolSnapshot) -> str:
@@ -109,13 +180,16 @@ def gpu_text(name: str, used: int, total: int) -> Text:
 
 
 def alerts_table(alerts: Sequence[Alert], now: float | None = None) -> RenderableType:
-    """Firing and pending alerts, worst first, each with what to do about it."""
+    """Firing and pending alerts, worst first, each with what to do about it (and the pool it
+    is about, where they are about several pools of an agent)."""
     if not alerts:
         return Text("no alerts", style=fmt.OK)
     now = time.time() if now is None else now
     order = {"critical": 0, "warning": 1, "info": 2}
+    pools = len({alert.labels.get("pool") for alert in alerts}) > 1
     table = Table(show_edge=False, expand=False, pad_edge=False)
-    for column in ("severity", "state", "alert", "for"):
+    names = ("severity", "state", "alert", *(("pool",) if pools else ()), "for")
+    for column in names:
         table.add_column(column, no_wrap=True)  # names whole: a broken name cannot be searched
     for column in ("summary", "remediation"):
         table.add_column(column, overflow="fold")
@@ -125,6 +199,7 @@ def alerts_table(alerts: Sequence[Alert], now: float | None = None) -> Renderabl
             Text(alert.severity, style=style),
             alert.state,
             alert.name,
+            *((alert.labels.get("pool", "–"),) if pools else ()),
             fmt.seconds(max(0.0, now - alert.active_since)),
             alert.summary,
             Text(alert.remediation, style="bold"),
@@ -133,7 +208,8 @@ def alerts_table(alerts: Sequence[Alert], now: float | None = None) -> Renderabl
 
 
 def status_detail(reading: Reading) -> RenderableType:
-    """One agent: identity, the four numbers, the pool, alerts."""
+    """One agent: identity, the four numbers, the pool, alerts; for an agent with several
+    pools, the budget they share and one row per pool instead of one pool's numbers."""
     assert reading.pool is not None
     pool = reading.pool
     title = Text.assemble(("● up  ", fmt.OK), (reading.agent, "bold"))
@@ -141,6 +217,20 @@ def status_detail(reading: Reading) -> RenderableType:
         title.append(
             f"  kvctl {reading.health.version}, up {fmt.seconds(reading.health.uptime_seconds)}",
             style="dim",
+        )
+    if reading.several:
+        pools = reading.pools
+        hint = Text(
+            "kvctl pool show --pool NAME: one pool in full; pool map, pool resize, pool release "
+            "and defrag --now take --pool NAME too",
+            style="dim",
+        )
+        return Group(
+            title,
+            budget_table(pools, reading.budget_bytes, reading.assigned_bytes),
+            pools_table(pools, reading.budget_bytes),
+            hint,
+            alerts_table(reading.alerts),
         )
     return Group(title, headline_table(pool), pool_table(pool), alerts_table(reading.alerts))
 
@@ -166,13 +256,18 @@ class FleetTable:
 
 
 def fleet_table(readings: Sequence[Reading], width: int = WIDE_FLEET) -> Table:
-    """One row per agent; an agent that did not answer is a row with the reason. Alert names
-    are one a line and never folded: a name cut in two reads as two names and cannot be
-    searched for."""
+    """One row per agent and pool; an agent that did not answer is a row with the reason.
+    Alert names are one a line and never folded: a name cut in two reads as two names and
+    cannot be searched for."""
     wide = width >= WIDE_FLEET
-    rows = [fleet_row(reading) for reading in readings]
-    if not wide:
-        rows = [row[:2] + row[4:] for row in rows]
+    shown = [row for reading in readings for row in reading.per_pool()]
+    rows = [fleet_row(reading) for reading in shown]
+    named = not wide and any(reading.several for reading in readings)
+    if not wide:  # no capacity; the pool's name alone, where an agent has several
+        rows = [
+            row[:2] + ((_pool_name(reading),) if named else ()) + row[4:]
+            for row, reading in zip(rows, shown, strict=True)
+        ]
     table = Table(box=None, show_edge=False, pad_edge=False, padding=(0, _GAP // 2))
     numbers = {"capacity": 8, **_NUMBERS} if wide else _NUMBERS
     if wide:
@@ -181,19 +276,26 @@ def fleet_table(readings: Sequence[Reading], width: int = WIDE_FLEET) -> Table:
         table.add_column("pool", no_wrap=True)
     else:  # split what the numbers leave between the agent and the alerts
         state = 5
+        pool = max((len(str(row[2])) for row in rows), default=4) if named else 0
         left = width - state - sum(max(w, len(c)) for c, w in numbers.items())
-        left -= _GAP * (len(numbers) + 2)
+        left -= _GAP * (len(numbers) + 2 + named) + pool
         alerts = min(max((len(row[-1]) for row in rows), default=6), max(12, left // 2))
         agent = max(8, left - alerts)
         rows = [(_cut(row[0], agent), *row[1:-1], _cut(row[-1], alerts)) for row in rows]
         table.add_column("agent", no_wrap=True, width=agent)
         table.add_column("state", no_wrap=True, width=state)
+        if named:
+            table.add_column("pool", no_wrap=True, width=max(4, pool))
     for column, least in numbers.items():
         table.add_column(column, justify="right", no_wrap=True, min_width=max(least, len(column)))
     table.add_column("alerts", no_wrap=True)
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def _pool_name(reading: Reading) -> str:
+    return "–" if reading.pool is None else reading.pool.pool
 
 
 def _cut(cell: RenderableType, width: int) -> RenderableType:
@@ -253,8 +355,9 @@ def status(readings: Sequence[Reading]) -> RenderableType:
     return FleetTable(readings)
 
 
-def defrag_state(pool: PoolSnapshot) -> Table:
-    """Fragmentation now and what the defragmenter has done so far."""
+def defrag_state(pool: PoolSnapshot, named: bool = False) -> Table:
+    """Fragmentation now and what the defragmenter has done so far (`named`: the hint names
+    the pool, one of several on its agent)."""
     table = _pairs()
     style = fmt.fragmentation_style(pool.fragmentation_ratio)
     table.add_row(
@@ -266,12 +369,16 @@ def defrag_state(pool: PoolSnapshot) -> Table:
         ),
     )
     table.add_row("defrag", defrag_summary(pool))
-    table.add_row("hint", Text("kvctl defrag --now compacts the pool now", style="dim"))
+    command = "kvctl defrag --now" + (f" --pool {pool.pool}" if named else "")
+    table.add_row("hint", Text(f"{command} compacts the pool now", style="dim"))
     return table
 
 
-def defrag_result(result: DefragResult) -> Table:
+def defrag_result(result: DefragResult, pool: str | None = None) -> Table:
+    """What a defragmentation did (to pool `pool`, when one was named)."""
     table = _pairs()
+    if pool is not None:
+        table.add_row("pool", pool)
     style = fmt.fragmentation_style(result.fragmentation_after)
     table.add_row(
         "fragmentation",
@@ -336,9 +443,13 @@ def tier_resize_plan(agent: str, pool: PoolSnapshot, tier: TierReading, plan: Re
     return "; ".join([line, *notes])
 
 
-def resize_result(result: ResizeResult) -> Table:
+def resize_result(result: ResizeResult, pool: str | None = None) -> Table:
+    """What a resize did (to pool `pool`, when one was named), and the pin it left on a pool
+    that shares a budget."""
     table = _pairs()
     device = result.tier == "device"
+    if pool is not None:
+        table.add_row("pool", pool)
     table.add_row(
         result.direction if device else f"{result.tier} tier {result.direction}",
         f"{result.old_pages:,} pages ({format_bytes(result.old_bytes)}) → "
@@ -351,7 +462,28 @@ def resize_result(result: ResizeResult) -> Table:
             )
     elif result.pages_moved or result.pages_evicted:
         table.add_row("moved", f"{result.pages_moved:,} pages, {result.pages_evicted:,} evicted")
+    if result.pinned:
+        release = "kvctl pool release" + ("" if pool is None else f" --pool {pool}")
+        table.add_row(
+            "pinned",
+            Text.assemble(
+                ("now pinned", fmt.WARN),
+                ": the agent moves no memory in or out of this pool until ",
+                (release, "bold"),
+                " hands it back",
+            ),
+        )
     return table
+
+
+def release_result(result: PoolRelease) -> Text:
+    """What releasing a pool did: the pin is gone, or there was none."""
+    if result.was_pinned:
+        return Text.assemble(
+            (f"pool {result.pool} released", fmt.OK),
+            ": the agent may move memory in and out of it again",
+        )
+    return Text(f"pool {result.pool} was not pinned; nothing changed", style="dim")
 
 
 def sizing_table(pool: PoolSnapshot, context: int | None, requests: int = 8) -> Table:
@@ -379,11 +511,17 @@ def sizing_table(pool: PoolSnapshot, context: int | None, requests: int = 8) -> 
         return table
     pages = fit.pages_for_contexts(requests)
     pages = -(-pages // pool.segment_pages) * pool.segment_pages  # resizes are whole segments
+    several = pool.share is not None and pool.share.pools_total > 1
     text = (
         f"{requests} full contexts at once: {fmt.pages(pages, pool.bytes_per_page)}; "
-        f"kvctl pool resize --pages {pages}"
+        f"kvctl pool resize --pages {pages}" + (f" --pool {pool.pool}" if several else "")
     )
-    if pool.max_pool_pages is not None and pages > pool.max_pool_pages:
+    if pool.share is not None and pages > pool.share.ceiling_pages:
+        text += (
+            f" (above its ceiling of {pool.share.ceiling_pages:,} in the "
+            f"{format_bytes(pool.share.budget_bytes)} budget: restart with a larger --kv-budget)"
+        )
+    elif pool.max_pool_pages is not None and pages > pool.max_pool_pages:
         text += f" (above the max of {pool.max_pool_pages:,}: restart with --max-pool-pages)"
     table.add_row("to hold", text)
     return table

@@ -314,6 +314,19 @@ TRIGGERS = {
     ),
     "KvctlPoolNearlyFull": dict(used_pages=497, cached_pages=0),
     "KvctlPoolOverProvisioned": dict(used_pages=40, cached_pages=11),
+    "KvctlKvBudgetExhausted": dict(
+        requests_waiting=4,
+        share=api.PoolShare(
+            budget_bytes=64 << 20,
+            assigned_bytes=64 << 20,
+            floor_pages=64,
+            ceiling_pages=1024,
+            under_pressure=True,
+            short_pages=20,
+            pools_total=2,
+            pools_under_pressure=2,
+        ),
+    ),
     "KvctlPrefixHitRateLow": dict(prefix_hit_ratio=0.02),
     "KvctlPreemptionStorm": dict(preemptions_total=1000),
     "KvctlGpuMemoryNearCapacity": dict(

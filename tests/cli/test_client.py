@@ -9,13 +9,17 @@ import json
 
 import httpx
 import pytest
+from pool_readings import pool_snapshot
 
 from kvctl.api import ResizeRequest
 from kvctl.client import (
     AgentClient,
+    AgentNeedsPool,
+    AgentNoSuchPool,
     AgentProtocolError,
     AgentRefused,
     AgentRequestError,
+    AgentRouteMissing,
     AgentServerError,
     AgentUnauthorized,
     AgentUnreachable,
@@ -171,3 +175,66 @@ def test_stream_events() -> None:
     assert parse_event(URL, ": keep-alive") is None
     with pytest.raises(AgentServerError, match=r"mid-stream: out of pages"):
         parse_event(URL, "data: " + json.dumps(error("out of pages", "internal", 500)))
+
+
+# ---- several pools ----------------------------------------------------------------------------
+
+
+def test_named_pool_routes_quote_the_name() -> None:
+    seen: list[httpx.Request] = []
+    client = answering(200, {}, seen)
+    for call in (
+        lambda: client.pool("a b"),
+        lambda: client.pool_map("a b"),
+        lambda: client.defrag(4, pool="a b"),
+        lambda: client.resize(ResizeRequest(pages=64), pool="a b"),
+        lambda: client.release("a b"),
+    ):
+        with pytest.raises(AgentProtocolError):  # `{}` is none of the models
+            call()
+    assert [(r.method, r.url.raw_path.decode()) for r in seen] == [
+        ("GET", "/v1/pools/a%20b"),
+        ("GET", "/v1/pools/a%20b/map"),
+        ("POST", "/v1/pools/a%20b/defrag"),
+        ("POST", "/v1/pools/a%20b/resize"),
+        ("POST", "/v1/pools/a%20b/release"),
+    ]
+    assert json.loads(seen[3].content) == {"pages": 64}
+
+
+def test_a_single_pool_route_of_several_models_says_to_name_one() -> None:
+    message = (
+        "this agent serves several models ('small', 'big'); name one: /v1/pools/NAME "
+        "(kvctl: --pool NAME)"
+    )
+    with pytest.raises(AgentNeedsPool) as caught:
+        answering(409, error(message, "conflict", 409)).defrag()
+    assert str(caught.value) == f"agent {URL}: {message}"  # no "defrag refused:" before it
+    assert isinstance(caught.value, AgentRefused)
+
+
+def test_an_unknown_pool_is_named_with_the_ones_served() -> None:
+    message = "model 'nope' is not served here; this agent serves 'small', 'big'"
+    with pytest.raises(AgentNoSuchPool) as caught:
+        answering(404, error(message, "not_found", 404)).pool("nope")
+    assert str(caught.value) == f"agent {URL}: {message}"
+
+
+def test_an_agent_without_named_pools_is_too_old_not_missing_a_pool() -> None:
+    with pytest.raises(AgentRouteMissing, match=r"/v1/pools/demo/release not found"):
+        answering(404, error("Not Found", "not_found", 404)).release("demo")
+
+
+def test_pools_of_an_agent_older_than_several_models_is_its_one_pool() -> None:
+    seen: list[httpx.Request] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/v1/pools":
+            return httpx.Response(404, json=error("Not Found", "not_found", 404))
+        return httpx.Response(200, json=pool_snapshot().model_dump(mode="json"))
+
+    listing = AgentClient(URL, transport=httpx.MockTransport(handle)).pools()
+    assert [pool.pool for pool in listing.pools] == ["demo"]
+    assert listing.budget_bytes is None
+    assert [r.url.path for r in seen] == ["/v1/pools", "/v1/pool"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +26,7 @@ from kvctl.api import (
     GpuMemory,
     Health,
     PoolMap,
+    PoolShare,
     PoolSnapshot,
     ResizeRequest,
     ResizeResult,
@@ -92,6 +93,55 @@ def reading(
     )
 
 
+BUDGET = 48 << 20
+
+
+def share(**fields: Any) -> PoolShare:
+    """A pool's place in a 48 MiB budget of two pools, 40 MiB assigned, with `fields` changed."""
+    base: dict[str, Any] = dict(
+        budget_bytes=BUDGET, assigned_bytes=40 << 20, floor_pages=32, ceiling_pages=512,
+        pools_total=2, reclaimable_pages=0,
+    )  # fmt: skip
+    return PoolShare(**{**base, **fields})
+
+
+def pools_reading(agent: str = "http://node1:8477", **numbers: Any) -> Reading:
+    """An agent serving two models in a 48 MiB budget: `chat` (the dashboard's 16 MiB pool,
+    under pressure, two moves in) shown with its map, and `code` (24 MiB of 128 KiB pages,
+    pinned by a resize, two moves out); each pool with an alert of its own."""
+    chat = pool_snapshot(
+        pool="chat",
+        share=share(
+            under_pressure=True, short_pages=12, pools_under_pressure=1,
+            rebalances_total={"in": 2, "out": 0}, rebalanced_bytes_total={"in": 4 << 20},
+        ),
+        **numbers,
+    )  # fmt: skip
+    code = pool_snapshot(
+        pool="code", bytes_per_page=128 << 10, capacity_pages=192, used_pages=40,
+        cached_pages=20, free_extents=2, largest_free_run=100, requests_running=1,
+        requests_waiting=0,
+        share=share(
+            pinned=True, reclaimable_pages=96, rebalances_total={"in": 0, "out": 2},
+            rebalanced_bytes_total={"out": 4 << 20},
+        ),
+    )  # fmt: skip
+    alerts = (
+        FIRING.model_copy(update={"labels": {"pool": "chat"}}),
+        PENDING.model_copy(update={"labels": {"pool": "code"}}),
+    )
+    return Reading(
+        agent=agent,
+        health=Health(status="ok", pool="chat", version="0.1.0", uptime_seconds=3725.0),
+        pool=chat,
+        alerts=alerts,
+        map=PAGE_MAP.model_copy(update={"pool": chat}),
+        pools=(chat, code),
+        budget_bytes=BUDGET,
+        assigned_bytes=40 << 20,
+    )
+
+
 def alert(name: str, severity: str = "warning", state: str = "firing") -> Alert:
     """Another alert like FIRING, named `name`."""
     return FIRING.model_copy(update={"name": name, "severity": severity, "state": state})
@@ -112,31 +162,41 @@ class FakeSource:
         self.polls = 0
         self.defrags: list[str] = []
         self.resizes: list[tuple[str, ResizeRequest]] = []
+        self.pools_asked: list[dict[str, str]] = []
+        """The pools the app asked to be shown, poll by poll."""
+        self.acted_on: list[str | None] = []
+        """The pool of each defrag and resize (None: the agent's only pool)."""
         self.closed = False
 
     @property
     def agents(self) -> Sequence[str]:
         return list(self.readings)
 
-    async def read(self) -> list[Reading]:
+    async def read(self, pools: Mapping[str, str] | None = None) -> list[Reading]:
         index = self.polls
         self.polls += 1
+        self.pools_asked.append(dict(pools or {}))
         return [series[min(index, len(series) - 1)] for series in self.readings.values()]
 
-    async def defrag(self, agent: str) -> DefragResult:
+    async def defrag(self, agent: str, pool: str | None = None) -> DefragResult:
         self.defrags.append(agent)
+        self.acted_on.append(pool)
         return DefragResult(
             trigger="manual", fragmentation_before=0.62, fragmentation_after=0.05,
             free_extents_before=9, free_extents_after=1, pages_moved=48,
             bytes_moved=48 * PAGE, seconds=0.012, complete=True,
         )  # fmt: skip
 
-    async def resize(self, agent: str, request: ResizeRequest) -> ResizeResult:
+    async def resize(
+        self, agent: str, request: ResizeRequest, pool: str | None = None
+    ) -> ResizeResult:
         self.resizes.append((agent, request))
+        self.acted_on.append(pool)
         new = request.pages or 256
         return ResizeResult(
             old_pages=256, new_pages=new, old_bytes=256 * PAGE, new_bytes=new * PAGE,
             direction="grow" if new > 256 else "shrink", pages_moved=0, pages_evicted=0,
+            pinned=pool is not None,  # a named pool is one of a budget, which the resize pins
         )  # fmt: skip
 
     async def close(self) -> None:
@@ -206,6 +266,7 @@ def fakes() -> SimpleNamespace:
     return SimpleNamespace(
         FakeSource=FakeSource,
         reading=reading,
+        pools_reading=pools_reading,
         down=down,
         alert=alert,
         make_app=make_app,

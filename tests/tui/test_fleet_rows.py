@@ -10,7 +10,9 @@ from kvctl.tui.fleet_rows import (
     Sort,
     alerts_text,
     cells,
+    columns,
     header,
+    key_of,
     matches,
     sort_rows,
     widths,
@@ -135,3 +137,39 @@ def test_the_sorted_column_carries_an_arrow() -> None:
     assert header(util, 7, Sort().on("util")).plain == "   ▼util"
     assert header(agent, 8, Sort().on("agent")).plain == " agent▲  "
     assert header(frag, 4, Sort().on("frag")).plain == "▼frag"  # no room: in the gap
+
+
+# ---- several pools ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pooled(fakes) -> list:
+    """node1 with one pool, node2 serving `chat` and `code`, one row each."""
+    return [fakes.reading(A), *fakes.pools_reading(B).per_pool()]
+
+
+def test_rows_of_several_pools_have_a_pool_column_and_their_own_keys(pooled) -> None:
+    assert [c.key for c in columns(True)][:3] == ["agent", "pool", "state"]
+    assert columns(False) == COLUMNS
+    fitted = widths(99, agents(pooled), ["chat", "code"])
+    assert fitted["pool"] == 4 and sum(fitted.values()) + len(COLUMNS) + 1 == 99
+    rows = [[cell.plain.strip() for cell in cells(r, fitted)] for r in pooled]
+    assert [row[:3] for row in rows] == [
+        ["node1:8477", "demo", "up"],
+        ["node2:8477", "chat", "up"],
+        ["node2:8477", "code", "up"],
+    ]
+    assert rows[1][-1] == "KvctlFragmentationHigh" and rows[2][-1] == "1 pending"
+    assert [key_of(r) for r in pooled] == [A, f"{B}#chat", f"{B}#code"]
+
+
+def test_the_filter_and_the_sort_know_the_pool(pooled) -> None:
+    assert [key_of(r) for r in pooled if matches(r, "COD")] == [f"{B}#code"]
+    by_pool = Sort().on("pool")
+    assert [key_of(r) for r in sort_rows(pooled, by_pool)] == [f"{B}#chat", f"{B}#code", A]
+    assert by_pool.describe() == "sorted by pool, A to Z"
+    shown, sort, seen = columns(True), Sort(), []
+    for _ in shown:
+        sort = sort.next_column(shown)
+        seen.append(sort.key)
+    assert seen == [c.key for c in shown] and sort.next_column(shown) == Sort()

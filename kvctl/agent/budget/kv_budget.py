@@ -86,6 +86,22 @@ class KvBudget:
     def unassigned_bytes(self) -> int:
         return self.total_bytes - self.assigned_bytes
 
+    def reachable_pages(self, name: str) -> int:
+        """The most pages pool `name` could hold if every other pool gave it all but its floor
+        (its ceiling at most; its capacity while pinned): what admission may count on."""
+        member = self.pools[name]
+        pool = member.pool
+        if member.pinned:
+            return pool.capacity
+        kept = sum(
+            other.floor_pages * other.pool.bytes_per_page
+            for other_name, other in self.pools.items()
+            if other_name != name
+        )
+        pages = (self.total_bytes - kept) // pool.bytes_per_page
+        whole = pages // pool.segment_pages * pool.segment_pages
+        return max(pool.capacity, min(member.ceiling_pages, whole))
+
     def check(self) -> None:
         """AssertionError unless every pool is within its bounds and all fit the budget."""
         assert self.assigned_bytes <= self.total_bytes, (

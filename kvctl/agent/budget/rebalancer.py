@@ -107,7 +107,7 @@ class Rebalancer:
         keep = max(
             member.floor_pages,
             seen.promised_pages,
-            used + pool.reserved_pages,
+            used + int(used * self.settings.headroom_ratio) + pool.reserved_pages,
             1,
         )
         if not pool.can_evict:  # nothing can evict its cached pages: a shrink must keep them
@@ -162,7 +162,8 @@ class Rebalancer:
         whole segments, up to its ceiling."""
         pool = taker.pool
         segment = pool.segment_pages
-        short = max(self.history[taker.name].pressure.short_pages, segment)
+        seen = self.history[taker.name]
+        short = max(seen.pressure.short_pages, seen.promised_pages - pool.capacity, segment)
         wanted = -(-short // segment) * segment
         return min(wanted, taker.ceiling_pages - pool.capacity)
 

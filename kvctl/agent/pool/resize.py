@@ -97,7 +97,7 @@ class PoolResizer:
                     "restart with a larger --kv-budget"
                 )
         promised = self.promised() if self.promised is not None else 0
-        if target < promised:
+        if target < min(promised, pool.capacity):  # a grow toward the promise is fine
             raise ResizeRefused(
                 f"an admitted request may need {promised} pages to finish (its prompt plus "
                 f"max_tokens); the new size {target} could never hold it; wait for it to finish "

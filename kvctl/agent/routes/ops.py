@@ -74,6 +74,7 @@ def router(ctx: ServerContext) -> APIRouter:
             pool=service.pool_name,
             version=__version__,
             uptime_seconds=service.uptime(),
+            pools=list(service.pools),
         )
 
     @api.get("/v1/pools", response_model=PoolList)
@@ -165,7 +166,7 @@ def router(ctx: ServerContext) -> APIRouter:
                     "--disk-tier-path)",
                 )
             pages = body.pages if body.pages is not None else (body.bytes or 0) // tier.page_bytes
-            run = lambda: target.resize_tier(body.tier, pages)  # noqa: E731
+            run = lambda: service.resize_tier(body.tier, pages, target.name)  # noqa: E731
             refusals = (ValueError,)
         try:
             result = await ctx.on_engine(run)

@@ -382,7 +382,7 @@ class Engine:
                 "shorten the prompt or lower max_tokens",
             )
         pool, needed = self.pool, self.pool.pages_for(total)
-        if needed > pool.capacity:
+        if needed > self.scheduler.most_pages():
             problem = (
                 f"{what} needs {needed} pages of {pool.page_size} tokens and the pool holds "
                 f"{pool.capacity}"

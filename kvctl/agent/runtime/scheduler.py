@@ -163,6 +163,15 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the youngest is last
         self.preemptions = 0
         self.clock = clock
+        # The most pages a shared KV budget may still give the pool (None: its capacity is all)
+        self.reachable_pages: Callable[[], int] | None = None
+
+    def most_pages(self) -> int:
+        """The most pages a request may count on: the pool's capacity, or more when it shares
+        a budget whose other pools could give it memory (the request then waits while the
+        agent moves it, instead of being refused or ended)."""
+        capacity = self.pool.capacity
+        return capacity if self.reachable_pages is None else max(capacity, self.reachable_pages())
 
     def add(self, request: Request) -> None:
         request.queued_at = request.arrived_at = self.clock()
@@ -192,7 +201,7 @@ class Scheduler:
         """Stop waiting requests that could not fit even in an empty pool."""
         ended = []
         while self.waiting and self.pool.pages_for(self.waiting[0].num_tokens + 1) > (
-            self.pool.capacity
+            self.most_pages()
         ):
             request = self.waiting.popleft()
             request.status = RequestStatus.FINISHED
@@ -368,6 +377,9 @@ class Scheduler:
         """Preempt the youngest running request so `request` can grow; False when `request`
         itself was preempted, or ended because it cannot fit even alone."""
         if self.running == [request]:  # alone and still no room: the pool is too small
+            if self.pool.pages_for(request.num_tokens + 1) <= self.most_pages():
+                self.preempt(request)  # its pool may yet grow: wait for the memory
+                return False
             self.finish(request)
             self._end_for_capacity(request)
             ended.append(request)

@@ -11,7 +11,8 @@ from kvctl.view import fmt
 
 
 class AgentBar(Widget):
-    """One line: agent n/N, its pool and version, or the reason it is not answering."""
+    """One line: agent n/N, its pool (n/N where it has several) and uptime, or the reason it is
+    not answering."""
 
     DEFAULT_CSS = """
     AgentBar { height: auto; background: $boost; }
@@ -28,13 +29,19 @@ class AgentBar(Widget):
         last_good_age: float | None,
         interval: float,
         readonly: bool,
+        pool_position: tuple[int, int] | None = None,
     ) -> None:
+        """`pool_position` (n, N): the pool shown is the n-th (from 0) of the agent's N."""
         index, count = position
         text = Text.assemble(
             (f" agent {index + 1}/{count} ", "reverse"), " ", (reading.agent, "bold")
         )
         if reading.up and reading.pool is not None:
-            text.append(f"  pool {reading.pool.pool} on {reading.pool.device}", style="dim")
+            text.append(f"  pool {reading.pool.pool}", style="dim")
+            if pool_position is not None:
+                shown, pools = pool_position
+                text.append(f" ({shown + 1}/{pools}, p next)", style="dim")
+            text.append(f" on {reading.pool.device}", style="dim")
             if reading.health is not None:
                 text.append(f"  up {fmt.seconds(reading.health.uptime_seconds)}", style="dim")
         else:

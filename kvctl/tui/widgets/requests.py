@@ -1,4 +1,5 @@
-"""Scheduler and memory: requests running and waiting, preemptions, pool geometry, GPU memory."""
+"""Scheduler and memory: requests running and waiting, preemptions, pool geometry, its share of
+a budget where the agent's pools share one, GPU memory."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ class RequestsPanel(Widget):
             ),
             Text(f"used {format_bytes(pool.used_bytes)}; defrag {render.defrag_summary(pool)}"),
         ]
+        share = share_line(pool, self.size.width)
+        if share is not None:
+            lines.append(share)
         lines.extend(self._gpus(pool))
         return Group(*lines)
 
@@ -58,3 +62,25 @@ class RequestsPanel(Widget):
             )
             for gpu in pool.gpus
         ]
+
+
+def share_line(pool: PoolSnapshot, width: int) -> Text | None:
+    """The pool's place in the budget it shares, in the longest form that fits one line of
+    `width` cells; None where it shares none or no form fits (the budget bar above says the
+    most of it, and `kvctl pool show` all of it)."""
+    share = pool.share
+    if share is None:
+        return None
+    of = fmt.percent(pool.capacity_bytes / share.budget_bytes if share.budget_bytes else None)
+    moves = share.rebalances_total
+    forms = [
+        f"share {of} of {format_bytes(share.budget_bytes)}: floor {share.floor_pages:,}, "
+        f"ceiling {share.ceiling_pages:,} pages, {share.reclaimable_pages:,} reclaimable"
+        + f"; moves {moves.get('in', 0):,} in, {moves.get('out', 0):,} out",
+        f"share {of} of {format_bytes(share.budget_bytes)}: floor {share.floor_pages:,}, "
+        f"ceiling {share.ceiling_pages:,} pages, {share.reclaimable_pages:,} reclaimable",
+    ]
+    for form in forms:
+        if len(form) <= width:
+            return Text(form)
+    return None
