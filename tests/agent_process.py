@@ -66,3 +66,17 @@ def launch_agent(*args: str, token: str | None = None, tmp: Path | None = None) 
         process.wait(10)
         raise RuntimeError("kvctl-agent exited:\n" + "\n".join(agent.log))
     return agent
+
+
+def refused_at_start(*flags: str) -> str:
+    """Start `kvctl-agent` with `flags`, which it must refuse: its one error line (exit 2)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvctl.agent.main", "--port", "0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "level=" not in line]
+    assert len(errors) == 1 and errors[0].startswith("kvctl-agent: error: "), result.stderr
+    return errors[0]

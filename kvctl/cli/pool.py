@@ -366,7 +366,7 @@ def release(
     """Hand a pool pinned by `pool resize` back to the agent, which may again move memory in
     and out of it as its models need.
 
-    Only a pool that shares a memory budget (several models, or --kv-budget) can be pinned.
+    Only a pool that shares a memory budget with other models' pools can be pinned.
 
     With several agents it asks first (skip with --yes).
     """

@@ -350,11 +350,19 @@ class RebalanceSettings(Section):
         unit="seconds",
     )
     headroom_ratio: float = setting(
-        0.1,
-        "Share of its used pages a donor keeps free beyond what it uses and has promised.",
+        1.0,
+        "Share of its peak use a donor keeps free beyond it: 1 keeps twice the most pages it "
+        "used within `peak_window_s`.",
         ge=0.0,
         le=10.0,
         unit="ratio",
+    )
+    peak_window_s: float = setting(
+        20.0,
+        "How far back a donor's peak use counts: it never gives pages it needed this recently.",
+        ge=0.0,
+        le=86400.0,
+        unit="seconds",
     )
 
 

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from agent_process import refused_at_start
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvctl.api import CompletionResponse, DefragResult, PoolMap, PoolSnapshot, ResizeResult
@@ -471,16 +472,7 @@ def test_public_bind_without_token_is_refused() -> None:
     ],
 )
 def test_bad_flags_are_one_line_errors(flags, message) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvctl.agent.main", "--port", "0", *flags],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if "level=" not in line]
-    assert len(errors) == 1 and errors[0].startswith("kvctl-agent: error: "), result.stderr
-    assert message in errors[0]
+    assert message in refused_at_start(*flags)
 
 
 @pytest.mark.slow

@@ -5,12 +5,11 @@ gives memory to a pool under pressure."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from agent_process import launch_agent, refused_at_start
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvctl.agent.config import ConfigError, load_config
@@ -72,8 +71,6 @@ def within_budget(listing: PoolList) -> bool:
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
     """One agent serving `small` (the demo model) and `big` (8 layers: pages twice as large)."""
-    from agent_process import launch_agent
-
     agent = launch_agent(*MODELS, *SMALL_BUDGET, tmp=tmp_path_factory.mktemp("agent"))
     yield agent
     agent.stop()
@@ -307,16 +304,7 @@ def test_bad_model_configurations_are_one_line_errors(flags, message) -> None:
     ],
 )
 def test_models_that_cannot_share_are_refused_at_start(flags, message) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvctl.agent.main", "--port", "0", *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if "level=" not in line]
-    assert len(errors) == 1 and errors[0].startswith("kvctl-agent: error: "), result.stderr
-    assert message in errors[0]
+    assert message in refused_at_start(*flags)
 
 
 @pytest.mark.slow

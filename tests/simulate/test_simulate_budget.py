@@ -26,9 +26,10 @@ from kvctl.simulate.budget import (
     run_side,
 )
 
-MOVING = BudgetConfig(mix="moving", requests=1200)
-"""Small enough to run in about a second a side, large enough that the budget is not just the
-three pools' floors and the rebalancer moves memory."""
+MOVING = BudgetConfig(mix="moving")
+"""The scenario as `kvctl simulate` and the benchmark run it (about 4 s a side here): a
+lighter stream is noisier, and there rebalancing is not better on every seed (docs/performance.md
+has the figures)."""
 SEED = 0
 
 
@@ -72,7 +73,8 @@ def test_moving_load_is_served_better_with_rebalancing(moving) -> None:
         assert side["completed"] == side["requests"] and side["failed"] == 0
     assert rebalancing["queue_p99_steps"] < static["queue_p99_steps"]
     assert rebalancing["utilization_mean"] > static["utilization_mean"]
-    assert rebalancing["finished_in_load"] > static["finished_in_load"]
+    assert rebalancing["preemptions"] <= static["preemptions"]
+    assert rebalancing["alloc_failure_rate"] <= static["alloc_failure_rate"]
 
 
 def test_static_never_resizes(moving) -> None:

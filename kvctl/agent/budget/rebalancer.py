@@ -5,10 +5,13 @@ previous check (`Pressure`: pages its waiting requests need beyond what is free 
 failed allocations, preemptions) and how many pages its admitted requests may still need. A pool
 that has been under pressure for `pressure_s` takes memory: first budget no pool holds, then
 whole segments from donors, the pools with the most reclaimable memory first. A donor has been
-free of pressure for `calm_s`; it gives only pages beyond its floor, what it uses, what its
-admitted requests may still need and a headroom of `headroom_ratio` × used, so giving never
-touches a live page (its shrink evacuates the tail by defragmentation first) and does not put it
-under pressure at once. Cached prefix pages count as reclaimable: the shrink evicts them.
+free of pressure for `calm_s`; it gives only pages beyond its floor, what its admitted requests
+may still need, and its peak use over the last `peak_window_s` plus `headroom_ratio` of it (by
+default it keeps twice what it used at its busiest in the last 20 s). So giving never touches a
+live page (its shrink evacuates the tail by defragmentation first), and a donor is not squeezed
+to what it happens to use at one instant: a pool sized at its current use preempts as soon as
+its running requests grow, and it cannot take memory back from a taker that stays under
+pressure. Cached prefix pages count as reclaimable: the shrink evicts them.
 
 Hysteresis: pressure and calm must hold for a while, and after a move the taker may not give and
 the donor may not take for `cooldown_s`, so two pools whose load alternates do not pass the same
@@ -20,7 +23,7 @@ and memory that sits in an idle pool costs nothing.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -68,6 +71,13 @@ class PoolHistory:
     gave_at: float = float("-inf")
     moves: Counter[str] = field(default_factory=Counter)  # "in", "out"
     moved_bytes: Counter[str] = field(default_factory=Counter)
+    used: deque[tuple[float, int]] = field(default_factory=deque)  # (time, used pages)
+
+    def peak_used(self, now: float, window: float) -> int:
+        """The most pages the pool used at a check within the last `window` seconds."""
+        while len(self.used) > 1 and self.used[0][0] < now - window:
+            self.used.popleft()
+        return max((pages for _, pages in self.used), default=0)
 
 
 class Rebalancer:
@@ -90,6 +100,7 @@ class Rebalancer:
         for name, (pressure, promised) in readings.items():
             seen = self.history[name]
             seen.pressure, seen.promised_pages = pressure, promised
+            seen.used.append((now, self.budget.pools[name].pool.used_pages))
             if pressure.any:
                 seen.calm_since = None
                 seen.pressured_since = now if seen.pressured_since is None else seen.pressured_since
@@ -103,7 +114,7 @@ class Rebalancer:
         a move its fellow donors cannot complete."""
         member, seen = self.budget.pools[name], self.history[name]
         pool = member.pool
-        used = pool.used_pages
+        used = max(pool.used_pages, seen.peak_used(self.clock(), self.settings.peak_window_s))
         keep = max(
             member.floor_pages,
             seen.promised_pages,
