@@ -26,6 +26,7 @@ from kvctl.agent.tiers import TierStats
 from kvctl.agent.window import CounterRatioWindow
 from kvctl.api import (
     DefragResult,
+    GpuMemory,
     PoolShare,
     PoolSnapshot,
     ResizeResult,
@@ -43,7 +44,7 @@ class AgentReadings:
 
     alert_notifications_dropped_total: int
     admin_actions_total: dict[str, int]
-    gpus: list
+    gpus: list[GpuMemory]
     share: PoolShare | None = None
 
 

@@ -183,6 +183,12 @@ async def _watch(url: str, running: asyncio.Task, seen: list[PoolList]) -> None:
             await asyncio.sleep(0.05)
 
 
+LEND_ALL_BUT_USED = (
+    "--set",
+    "rebalance.headroom_ratio=0",
+    "--set",
+    "rebalance.peak_window_s=0",
+)
 UNEVEN_POOLS = """
 [[models]]
 name = "small"
@@ -201,10 +207,13 @@ def test_a_pool_under_pressure_takes_memory_from_a_calm_one_without_changing_its
 ) -> None:
     """`big` is flooded with more than its pool holds while `small` generates one long answer:
     the rebalancer shrinks `small` (evacuating its live pages) and grows `big`; the long answer
-    is the same as the one computed alone."""
+    is the same as the one computed alone. (`small` lends all but what it uses and has promised,
+    so that its shrink surely reaches the pages of the running answer.)"""
     config = tmp_path / "agent.toml"
     config.write_text(UNEVEN_POOLS)
-    agent = start_agent("--config", str(config), "--segment-pages", "16", *FAST_REBALANCE)
+    agent = start_agent(
+        "--config", str(config), "--segment-pages", "16", *FAST_REBALANCE, *LEND_ALL_BUT_USED
+    )
     filler = "f" * 470  # cached at the lowest page ids, so the long answer lives higher up
     prompt = "a long answer that must not change while its pool shrinks"
     long_body = {"model": "small", "prompt": prompt, "max_tokens": 700, **GREEDY}
