@@ -28,9 +28,19 @@ DISK_FREE_KEEP = 0.1
 
 
 def raise_limit(sit: Situation) -> str:
-    """A larger `--max-pool-pages`: at its limit the pool cannot grow at run time."""
+    """A larger `--max-pool-pages`: at its limit the pool cannot grow at run time. A pool that
+    shares a budget grows within it: its limit is the budget (and its own `max_pool_pages`)."""
+    snapshot = sit.snapshot
+    if snapshot.share is not None:
+        return (
+            f"Restart the agent with a larger `--kv-budget` (now "
+            f"{text.size(snapshot.share.budget_bytes)} for all its pools), or a higher "
+            f"`max_pool_pages` for model `{snapshot.pool}` than its "
+            f"{snapshot.share.ceiling_pages}, if the device has the memory; otherwise send "
+            "fewer concurrent or shorter requests"
+        )
     return (
-        f"Restart the agent with `--max-pool-pages {text.raised_limit(sit.snapshot)}` if the "
+        f"Restart the agent with `--max-pool-pages {text.raised_limit(snapshot)}` if the "
         "device has the memory; otherwise send fewer concurrent or shorter requests"
     )
 
@@ -58,8 +68,31 @@ def grow(sit: Situation) -> str:
     target = text.grow_target(sit.snapshot)
     if target is None:
         return raise_limit(sit)
+    if sit.snapshot.share is not None:
+        return grow_in_budget(sit, target)
     resize = text.pool_command(sit.agent_url, sit.snapshot, f"pool resize --pages {target}")
     return f"Run {resize}; {auto_grow(sit, target)}"
+
+
+def grow_in_budget(sit: Situation, target: int) -> str:
+    """In a shared budget: a resize when the budget has the room (it pins the pool), else where
+    the room must come from. The rebalancer moves memory from calm pools by itself."""
+    snapshot, share = sit.snapshot, sit.snapshot.share
+    assert share is not None
+    needed = (target - snapshot.capacity_pages) * snapshot.bytes_per_page
+    if share.unassigned_bytes >= needed:
+        resize = text.pool_command(sit.agent_url, snapshot, f"pool resize --pages {target}")
+        return (
+            f"Run {resize} (it pins the pool; {release_pool(sit, snapshot.pool)} hands it "
+            "back to the agent, which moves memory from calm pools to pools under pressure)"
+        )
+    return (
+        f"The KV budget has {text.size(share.unassigned_bytes)} unassigned, less than the "
+        f"{text.size(needed)} this needs: shrink a pool that has room "
+        f"({text.command(sit.agent_url, 'pool show')} shows each pool's reclaimable pages), or "
+        f"restart with a larger `--kv-budget`; {share.donors} pools can give memory now, and "
+        "the agent moves it from calm pools by itself"
+    )
 
 
 def auto_shrink(sit: Situation, target: int) -> str:

@@ -335,4 +335,6 @@ def test_a_request_larger_than_its_shrunk_pool_waits_for_memory_instead_of_a_400
         too_big = {"model": "big", "prompt": "p" * 3000, "max_tokens": 1000, **GREEDY}
         refused = http.post("/v1/completions", json=too_big)
         assert refused.status_code == 400  # 250 pages: more than the whole budget could give
+        assert "within the KV budget" in refused.json()["error"]["message"]
+        assert "--kv-budget" in refused.json()["error"]["message"]
         assert within_budget(pools(http))

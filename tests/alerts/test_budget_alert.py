@@ -230,10 +230,39 @@ def test_a_pool_alert_on_a_shared_budget_names_its_pool_in_the_command() -> None
     """Without `--pool`, a pool command on an agent with several models is refused (409): every
     pool-scoped remediation of a pool that shares a budget carries it; a lone pool's does not."""
     nearly_full = dict(BIG, used_pages=64, requests_waiting=6, requests_running=8)
-    shared = Timeline().evaluator.evaluate(pool_snapshot(**nearly_full, share=share(donors=1)))
+    roomy = share(donors=1, assigned_bytes=8 * MIB)
+    shared = Timeline().evaluator.evaluate(pool_snapshot(**nearly_full, share=roomy))
     alone = Timeline().evaluator.evaluate(pool_snapshot(**nearly_full))
     shared_fixes = [a.remediation for a in shared if "pool resize" in a.remediation]
     alone_fixes = [a.remediation for a in alone if "pool resize" in a.remediation]
     assert shared_fixes and alone_fixes
     assert all("--pool big`" in fix for fix in shared_fixes)
     assert not any("--pool" in fix for fix in alone_fixes)
+
+
+def test_a_shared_pool_grows_within_its_budget_not_past_max_pool_pages() -> None:
+    """A pool of a shared budget has no `--max-pool-pages` of its own to raise: with room in the
+    budget the fix is a resize (which pins it), without, a larger `--kv-budget`."""
+    full = dict(BIG, used_pages=64, requests_waiting=6, requests_running=8, max_pool_pages=96)
+    roomy = share(donors=1, assigned_bytes=8 * MIB)  # 4 MiB unassigned: room for 16 pages more
+    tight = share(donors=0)
+    [with_room] = [
+        a.remediation
+        for a in Timeline().evaluator.evaluate(pool_snapshot(**full, share=roomy))
+        if a.name == "KvctlPoolNearlyFull"
+    ]
+    assert "pool resize --pages 80 --pool big`" in with_room and "pins the pool" in with_room
+    assert "pool release --pool big" in with_room
+    [without] = [
+        a.remediation
+        for a in Timeline().evaluator.evaluate(pool_snapshot(**full, share=tight))
+        if a.name == "KvctlPoolNearlyFull"
+    ]
+    assert "larger `--kv-budget`" in without and "--max-pool-pages" not in without
+    at_ceiling = dict(full, capacity_pages=96, used_pages=96, max_pool_pages=96)
+    fixes = [
+        a.remediation
+        for a in Timeline().evaluator.evaluate(pool_snapshot(**at_ceiling, share=tight))
+        if "Restart" in a.remediation and a.name != NAME
+    ]
+    assert fixes and all("--kv-budget" in f and "--max-pool-pages" not in f for f in fixes)

@@ -387,6 +387,13 @@ class Engine:
                 f"{what} needs {needed} pages of {pool.page_size} tokens and the pool holds "
                 f"{pool.capacity}"
             )
+            if self.scheduler.reachable_pages is not None:  # a pool in a budget shared
+                raise RequestTooLarge(
+                    f"{problem}, at most {self.scheduler.most_pages()} within the KV budget it "
+                    "shares with the other models' pools",
+                    "restart the agent with a larger --kv-budget, or shorten the prompt or "
+                    "lower max_tokens",
+                )
             ceiling = self.resizer.max_pages
             if ceiling is not None and needed > ceiling:
                 raise RequestTooLarge(
