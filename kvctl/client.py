@@ -182,10 +182,10 @@ def pool_route(single: Endpoint[M], named: Endpoint[M], pool: str | None) -> End
     return single if pool is None else named.named(pool)
 
 
-SEVERAL_MODELS = "this agent serves several models"
-"""How the agent's 409 from a single-pool route begins (its message then names the pools)."""
-NOT_FOUND = "Not Found"
-"""The message of a kvctl agent's 404 for a route it does not have (FastAPI's default)."""
+POOL_REQUIRED = "pool_required"
+"""The error `type` of an agent's 409 from a single-pool route when it serves several models."""
+UNKNOWN_POOL = "unknown_pool"
+"""The error `type` of an agent's 404 for a pool it does not have (not for a missing route)."""
 
 
 def _headers(token: str | None) -> dict[str, str]:
@@ -256,6 +256,8 @@ def status_error(
     """The one-line reason an agent gave for not doing what `endpoint` asks."""
     code = response.status_code
     message = _error_message(response)
+    body = _error_body(response)
+    kind = body.error.type if body is not None else None
     if code in (401, 403):
         fix = (
             "the token was refused; check --token or KVCTL_TOKEN against the agent's --token-file"
@@ -265,16 +267,16 @@ def status_error(
         return AgentUnauthorized(
             agent, f"agent {agent}: {code} unauthorized; {fix}", reason=f"{code} unauthorized"
         )
-    if code == 409 and message.startswith(SEVERAL_MODELS):
+    if code == 409 and kind == POOL_REQUIRED:
         return AgentNeedsPool(agent, f"agent {agent}: {message}")
     if code == 409:
         said = message if message.startswith(f"{endpoint.action} refused") else None
         return AgentRefused(
             agent, f"agent {agent}: {said or f'{endpoint.action} refused: {message}'}"
         )
-    if code in (404, 405) and _error_body(response) is None:
+    if code in (404, 405) and body is None:
         return not_an_agent(agent, f"{code} {response.reason_phrase or ''}".strip())
-    if code == 404 and endpoint.pool is not None and message != NOT_FOUND:
+    if code == 404 and kind == UNKNOWN_POOL:
         return AgentNoSuchPool(agent, f"agent {agent}: {message}")
     if code == 404:
         return AgentRouteMissing(

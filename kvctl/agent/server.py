@@ -53,17 +53,31 @@ OPEN_PATHS = frozenset({"/healthz", "/runbook"})
 
 
 class ApiError(HTTPException):
-    """An HTTP error whose detail is a one-line message for the client."""
+    """An HTTP error whose detail is a one-line message for the client; `error_type` names the
+    case for clients that act on it (`pool_required`, `unknown_pool`), else the status's."""
+
+    def __init__(
+        self,
+        status_code: int,
+        detail: str,
+        headers: dict[str, str] | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        super().__init__(status_code, detail, headers)
+        self.error_type = error_type
 
 
 def error_response(
-    status: int, message: str, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    headers: dict[str, str] | None = None,
+    error_type: str | None = None,
 ) -> JSONResponse:
     body = ErrorBody.model_validate(
         {
             "error": {
                 "message": message,
-                "type": _ERROR_TYPES.get(status, "server_error"),
+                "type": error_type or _ERROR_TYPES.get(status, "server_error"),
                 "code": status,
             }
         }
@@ -212,7 +226,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)  # also the router's own 404 and 405
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(error.status_code, str(error.detail), error.headers)
+        kind = getattr(error, "error_type", None)
+        return error_response(error.status_code, str(error.detail), error.headers, kind)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:

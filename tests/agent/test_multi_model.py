@@ -119,7 +119,7 @@ def test_the_small_model_gives_the_same_tokens_as_the_demo_agent_alone(
 def test_unknown_and_missing_models_and_single_pool_routes(two_models) -> None:
     with httpx.Client(base_url=two_models.url, timeout=30) as http:
         unknown = http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
-        assert unknown.status_code == 404
+        assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "model_not_found"
         assert "'small', 'big'" in unknown.json()["error"]["message"]
         missing = http.post("/v1/completions", json={"prompt": "x"})
         assert missing.status_code == 400 and "give `model`" in missing.json()["error"]["message"]
@@ -132,10 +132,12 @@ def test_unknown_and_missing_models_and_single_pool_routes(two_models) -> None:
         ):
             answer = http.request(method, path)
             assert answer.status_code == 409, (path, answer.text)
+            assert answer.json()["error"]["type"] == "pool_required"
             assert "/v1/pools/NAME" in answer.json()["error"]["message"]
         resize = http.post("/v1/pool/resize", json={"pages": 64})
         assert resize.status_code == 409
-        assert http.get("/v1/pools/nope").status_code == 404
+        nope = http.get("/v1/pools/nope")
+        assert nope.status_code == 404 and nope.json()["error"]["type"] == "unknown_pool"
         named = http.get("/v1/pools/big/map").json()
         assert named["pool"]["pool"] == "big" and named["capacity_pages"] == 64
 

@@ -208,15 +208,18 @@ def test_a_single_pool_route_of_several_models_says_to_name_one() -> None:
         "(kvctl: --pool NAME)"
     )
     with pytest.raises(AgentNeedsPool) as caught:
-        answering(409, error(message, "conflict", 409)).defrag()
+        answering(409, error(message, "pool_required", 409)).defrag()
     assert str(caught.value) == f"agent {URL}: {message}"  # no "defrag refused:" before it
     assert isinstance(caught.value, AgentRefused)
+    with pytest.raises(AgentRefused) as refused:  # any other 409 is a refusal of the action
+        answering(409, error("the pool is busy", "conflict", 409)).defrag()
+    assert not isinstance(refused.value, AgentNeedsPool)
 
 
 def test_an_unknown_pool_is_named_with_the_ones_served() -> None:
     message = "model 'nope' is not served here; this agent serves 'small', 'big'"
     with pytest.raises(AgentNoSuchPool) as caught:
-        answering(404, error(message, "not_found", 404)).pool("nope")
+        answering(404, error(message, "unknown_pool", 404)).pool("nope")
     assert str(caught.value) == f"agent {URL}: {message}"
 
 

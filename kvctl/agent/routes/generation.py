@@ -144,7 +144,8 @@ class Generation:
             pool = self.service.pool(body.model)
         except UnknownPool as unknown:
             message = str(unknown) if body.model else f"{unknown}; give `model`"
-            raise ApiError(404 if body.model else 400, message) from None
+            kind = "model_not_found" if body.model else "model_required"
+            raise ApiError(404 if body.model else 400, message, error_type=kind) from None
         bound = copy.copy(self)
         bound.pool = pool
         bound.check_limits(max_tokens)

@@ -46,6 +46,10 @@ from kvctl.api import (
 from kvctl.settings import SettingsError
 
 ERRORS = {code: {"model": ErrorBody} for code in (401, 404, 409, 422)}
+POOL_REQUIRED = "pool_required"
+"""The error `type` of a single-pool route on an agent serving several models (409)."""
+UNKNOWN_POOL = "unknown_pool"
+"""The error `type` of a named pool's route for a pool the agent does not have (404)."""
 
 
 def router(ctx: ServerContext) -> APIRouter:
@@ -63,8 +67,8 @@ def router(ctx: ServerContext) -> APIRouter:
         except UnknownPool as unknown:
             if name is None:
                 message = f"{unknown}; name one: /v1/pools/NAME (kvctl: --pool NAME)"
-                raise ApiError(409, message) from None
-            raise ApiError(404, str(unknown)) from None
+                raise ApiError(409, message, error_type=POOL_REQUIRED) from None
+            raise ApiError(404, str(unknown), error_type=UNKNOWN_POOL) from None
 
     @api.get("/healthz", response_model=Health)
     async def healthz() -> Health:

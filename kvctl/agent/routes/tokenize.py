@@ -29,7 +29,8 @@ def router(ctx: ServerContext) -> APIRouter:
             pool = service.pool(body.model)
         except UnknownPool as unknown:
             message = str(unknown) if body.model else f"{unknown}; give `model`"
-            raise ApiError(404 if body.model else 400, message) from None
+            kind = "model_not_found" if body.model else "model_required"
+            raise ApiError(404 if body.model else 400, message, error_type=kind) from None
         served, tokenizer = pool.served, pool.engine.tokenizer
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer (no tokenizer.json): nothing to count")
