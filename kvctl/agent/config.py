@@ -291,12 +291,6 @@ class AgentConfig(BaseModel):
             named = [spec.name for spec in specs if spec.name]
             if len(set(named)) != len(named):
                 raise ValueError(f"two models have the same name: {named}")
-            tiered = self.host_tier_memory or self.disk_tier_path is not None
-            if tiered:
-                raise ValueError(
-                    "--host-tier-memory and --disk-tier-path serve one model per agent; "
-                    "run one agent per model to give each tiers"
-                )
         if self.kv_budget is not None and self.kv_budget < 1:
             raise ValueError("--kv-budget must be more than 0 bytes")
         if self.kv_budget and self.gpu_memory_fraction and len(specs) > 1:

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -133,6 +134,41 @@ class LoadedModel:
     tokenizer: Any
     template: Any
     bytes_per_page: int
+
+
+@dataclass(frozen=True)
+class TierShare:
+    """One model's tiers: all of `--host-tier-memory` and `--disk-tier-size` for a lone model;
+    with several, an equal share of each and a directory of its own under `--disk-tier-path`
+    (each disk tier removes the stale page files of its directory at start, so no two share
+    one)."""
+
+    host_bytes: int
+    disk_path: str | None
+    disk_bytes: int
+
+    @classmethod
+    def whole(cls, config: AgentConfig) -> TierShare:
+        path = str(config.disk_tier_path) if config.disk_tier_path else None
+        return cls(config.host_tier_memory, path, config.disk_tier_bytes)
+
+    @classmethod
+    def of(cls, config: AgentConfig, name: str, models: int) -> TierShare:
+        if models == 1:
+            return cls.whole(config)
+        path = config.disk_tier_path
+        return cls(
+            config.host_tier_memory // models,
+            str(path / tier_directory(name)) if path is not None else None,
+            config.disk_tier_bytes // models,
+        )
+
+
+def tier_directory(name: str) -> str:
+    """A model's directory under `--disk-tier-path`: its name with anything but letters,
+    digits, `.`, `_` and `-` replaced, never `.`, `..` or hidden."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    return f"_{safe}" if safe.startswith(".") else safe
 
 
 @dataclass(frozen=True)
@@ -308,6 +344,12 @@ def build_service(config: AgentConfig) -> Any:
         raise ConfigError(
             f"two models are named the same ({', '.join(names)}); name each one: --model NAME=PATH"
         )
+    directories = [tier_directory(name) for name in names]
+    if config.disk_tier_path is not None and len(set(directories)) != len(directories):
+        raise ConfigError(
+            f"two models would share a directory under --disk-tier-path ({', '.join(names)}); "
+            "give them names that differ in letters, digits, '.', '_' or '-'"
+        )
     gpu = GpuProbe()
     device_index = torch.device(config.device).index or 0
     free = gpu.free_bytes(device_index) if config.device.startswith("cuda") else None
@@ -338,6 +380,7 @@ def build_service(config: AgentConfig) -> Any:
                 plan.segment,
                 pool_limits,
                 settings,
+                TierShare.of(config, loaded.name, len(models)),
             )
         except ValueError as error:  # a tier the host cannot give (memory, directory)
             raise ConfigError(str(error)) from None
@@ -385,9 +428,12 @@ def _engine(
     segment: int,
     limits: StartupLimits,
     settings: Any,
+    tiers: TierShare | None = None,
 ) -> Any:
     """The engine the flags describe (its pool, prefix cache and tiers)."""
     from kvctl.agent.runtime import Engine, EngineConfig
+
+    tiers = tiers or TierShare.whole(config)
 
     return Engine(
         model,
@@ -406,10 +452,10 @@ def _engine(
             eviction_policy=settings.prefix_cache.eviction_policy,
             prefix_isolation=config.prefix_isolation,
             decode_read_path=config.decode_read_path,
-            host_tier_bytes=config.host_tier_memory,
+            host_tier_bytes=tiers.host_bytes,
             host_tier_policy=settings.prefix_cache.host_tier_policy,
-            disk_tier_path=str(config.disk_tier_path) if config.disk_tier_path else None,
-            disk_tier_bytes=config.disk_tier_bytes,
+            disk_tier_path=tiers.disk_path,
+            disk_tier_bytes=tiers.disk_bytes,
             disk_tier_policy=settings.prefix_cache.disk_tier_policy,
         ),
     )
@@ -615,7 +661,7 @@ def main_command(
         str | None,
         typer.Option(
             help="Host memory that keeps prefix pages evicted from the pool, e.g. 8GiB "
-            "(pinned on CUDA; default 0: none)."
+            "(pinned on CUDA; default 0: none; several models share it equally)."
         ),
     ] = None,
     host_tier_policy: Annotated[
@@ -625,7 +671,7 @@ def main_command(
         Path | None,
         typer.Option(
             help="Directory for page files below the host tier (its *.kvpage files "
-            "are removed at start)."
+            "are removed at start; several models: a directory each under it)."
         ),
     ] = None,
     disk_tier_size: Annotated[

@@ -16,6 +16,16 @@ from kvctl.agent.config import ConfigError, load_config
 from kvctl.api import PoolList
 
 MODELS = ("--model", "small=demo", "--model", "big=demo:8x4")
+TIERS = ("host", "disk")
+PAGE_TOKENS = 16
+
+
+def below_device(snapshot) -> int:
+    """Prompt tokens the pool's tiers below the device served."""
+    by_tier = snapshot.prefix_hits_tokens_by_tier
+    return by_tier.get("host", 0) + by_tier.get("disk", 0)
+
+
 SMALL_BUDGET = ("--pool-pages", "64", "--segment-pages", "16", "--page-size", "16")
 GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True}
 FAST_REBALANCE = (
@@ -293,7 +303,6 @@ def test_models_come_from_flags_or_toml_tables(tmp_path) -> None:
     [
         ({"model": ["a=demo", "b=demo"], "served_model_name": ["x"]}, "name each one"),
         ({"model": ["a=demo", "a=demo:8x4"]}, "two models have the same name"),
-        ({"model": ["a=demo", "b=demo"], "host_tier_memory": "1GiB"}, "one model per agent"),
         ({"model": ["=demo"]}, "write NAME=PATH"),
         ({"model": ["a=demo", "b=demo"], "kv_budget": "0"}, "more than 0 bytes"),
     ],
@@ -340,3 +349,43 @@ def test_a_request_larger_than_its_shrunk_pool_waits_for_memory_instead_of_a_400
         assert "within the KV budget" in refused.json()["error"]["message"]
         assert "--kv-budget" in refused.json()["error"]["message"]
         assert within_budget(pools(http))
+
+
+@pytest.mark.slow
+def test_each_model_has_its_share_of_the_tiers_and_a_directory_of_its_own(
+    start_agent, tmp_path
+) -> None:
+    """Host memory and disk split equally, a directory per model; a prompt evicted from `big`'s
+    pool comes back from its own tiers with the same tokens, and `small`'s tiers see none of
+    it."""
+    disk = tmp_path / "pages"
+    agent = start_agent(
+        *MODELS,
+        *("--pool-pages", "32", "--segment-pages", "8"),
+        *("--host-tier-memory", "8MiB", "--disk-tier-path", str(disk), "--disk-tier-size", "16MiB"),
+    )
+    prompt = "".join(f"{i:03d} a prompt for the big model's host tier; " for i in range(4))
+    with httpx.Client(base_url=agent.url, timeout=120) as http:
+        small, big = pools(http).pools
+        for snapshot in (small, big):
+            host, disk_tier = (next(t for t in snapshot.tiers if t.tier == n) for n in TIERS)
+            assert host.capacity_pages * host.page_bytes <= 4 << 20
+            assert host.capacity_pages == (4 << 20) // host.page_bytes
+            assert disk_tier.path == str(disk / snapshot.pool)
+        first = tokens(http, "big", prompt, 8)
+        for n in range(4):  # more than big's 32 pages: the prompt's pages leave the device
+            tokens(http, "big", f"[{n}] " + "x" * 200, 4)
+        assert tokens(http, "big", prompt, 8) == first
+        below = wait_for(lambda: below_device(pools(http).pools[1]))
+        assert below >= 10 * PAGE_TOKENS  # its whole pages, from host memory or from disk
+        small_after = pools(http).pools[0]
+        assert all(t.stored_pages_total == 0 for t in small_after.tiers)
+    assert sorted(p.name for p in disk.iterdir()) == ["big", "small"]
+
+
+def test_a_models_tier_directory_stays_inside_the_disk_path() -> None:
+    from kvctl.agent.main import tier_directory
+
+    assert tier_directory("big") == "big"
+    assert tier_directory("llama 3:8b") == "llama_3_8b"
+    assert tier_directory("..") == "_.." and tier_directory(".hidden") == "_.hidden"
