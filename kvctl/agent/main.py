@@ -257,26 +257,9 @@ def plan_pools(
                 "--gpu-memory-fraction: no GPU memory reading (NVML); use --kv-budget"
             )
         budget = int(free_device_bytes * config.gpu_memory_fraction)
-    sized = []
-    for loaded in models:
-        spec, per_page = loaded.spec, loaded.bytes_per_page
-        size = _size_of(spec, config)
-        given = size.pool_pages or size.pool_memory
-        if given or budget is None:
-            pages = pool_pages(size, per_page, None, f"model {loaded.name}: pool_memory")
-        else:
-            pages = budget // len(models) // per_page
-            if pages < 1:
-                raise ConfigError(
-                    f"--kv-budget {format_bytes(budget)} shared by {len(models)} models is less "
-                    f"than one page of {loaded.name} ({format_bytes(per_page)})"
-                )
-        segment = (
-            spec.segment_pages or config.segment_pages or max(1, -(-pages // DEFAULT_SEGMENTS))
-        )
-        rounded = -(-pages // segment) * segment if given or budget is None else pages
-        sized.append((pages, segment, max(segment, rounded // segment * segment)))
-    total = sum(cap * m.bytes_per_page for (_, _, cap), m in zip(sized, models, strict=True))
+    share = None if budget is None else budget // len(models)
+    sized = [_start_size(config, loaded, share) for loaded in models]
+    total = sum(cap * m.bytes_per_page for (_, cap), m in zip(sized, models, strict=True))
     budget = total if budget is None else budget
     if total > budget:
         raise ConfigError(
@@ -285,11 +268,11 @@ def plan_pools(
         )
     floors = [
         -(-(m.spec.min_pool_pages or segment) // segment) * segment
-        for (_, segment, _), m in zip(sized, models, strict=True)
+        for (segment, _), m in zip(sized, models, strict=True)
     ]
     kept = sum(f * m.bytes_per_page for f, m in zip(floors, models, strict=True))
     plans = []
-    for (_, segment, capacity), loaded, floor in zip(sized, models, floors, strict=True):
+    for (segment, capacity), loaded, floor in zip(sized, models, floors, strict=True):
         spec = loaded.spec
         room = budget - kept + floor * loaded.bytes_per_page  # the others at their floors
         whole = room // loaded.bytes_per_page // segment * segment
@@ -303,13 +286,37 @@ def plan_pools(
     return plans, budget
 
 
+def _segment(spec: ModelSpec, config: AgentConfig, pages: int) -> int:
+    """Pages per segment: the model's, the flag's, else an eighth of the starting pool."""
+    return spec.segment_pages or config.segment_pages or max(1, -(-pages // DEFAULT_SEGMENTS))
+
+
+def _start_size(config: AgentConfig, loaded: LoadedModel, share: int | None) -> tuple[int, int]:
+    """(segment, capacity) of a pool that shares a budget: the size given for it rounded up to
+    whole segments (as the engine does), else `share` bytes rounded down, so that equal shares
+    always fit the budget."""
+    size, per_page = _size_of(loaded.spec, config), loaded.bytes_per_page
+    if size.pool_pages or size.pool_memory or share is None:
+        pages = pool_pages(size, per_page, None, f"model {loaded.name}: pool_memory")
+        segment = _segment(loaded.spec, config, pages)
+        return segment, -(-pages // segment) * segment
+    pages = share // per_page
+    if pages < 1:
+        raise ConfigError(
+            f"the KV budget's share of each model, {format_bytes(share)}, is less than one page "
+            f"of {loaded.name} ({format_bytes(per_page)}); give a larger --kv-budget"
+        )
+    segment = _segment(loaded.spec, config, pages)
+    return segment, pages // segment * segment
+
+
 def _plan_alone(config: AgentConfig, loaded: LoadedModel, free: int | None) -> PoolPlan:
     spec, per_page = loaded.spec, loaded.bytes_per_page
     size = _size_of(spec, config)
     if config.kv_budget and not (size.pool_pages or size.pool_memory):
         size = PoolSize(pool_memory=config.kv_budget)
     pages = pool_pages(size, per_page, free)
-    segment = spec.segment_pages or config.segment_pages or max(1, -(-pages // DEFAULT_SEGMENTS))
+    segment = _segment(spec, config, pages)
     ceiling = spec.max_pool_pages or config.max_pool_pages
     if ceiling is None and config.kv_budget:
         ceiling = max(segment, config.kv_budget // per_page // segment * segment)
@@ -395,8 +402,8 @@ def build_service(config: AgentConfig) -> Any:
                 defaults=defaults,
                 limits=limits,
                 max_waiting=config.max_waiting,
+                served=served,
             )
-            service.served = served
         else:
             service.add_pool(engine, loaded.name, pool_limits, served)
     assert service is not None

@@ -38,7 +38,6 @@ from kvctl.agent.budget import KvBudget, Rebalancer
 from kvctl.agent.config import DEFAULT_MAX_WAITING
 from kvctl.agent.gpu import GpuProbe
 from kvctl.agent.memory import release_free_memory
-from kvctl.agent.metrics import Histograms
 from kvctl.agent.model_pool import AgentReadings, ModelPool
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.runtime import Engine, Request, RequestRefused, RequestSummary, TokenEvent
@@ -128,6 +127,7 @@ class AgentService:
         defaults: RuntimeSettings | None = None,
         limits: StartupLimits | None = None,
         max_waiting: int = DEFAULT_MAX_WAITING,
+        served: ServedModel | None = None,
     ) -> None:
         self.limits = limits or StartupLimits(
             engine.pool.segment_pages, engine.resizer.max_pages or engine.pool.capacity
@@ -154,7 +154,7 @@ class AgentService:
         self._grace = 10.0  # seconds running requests get to finish when stopping
         self._gpu_reading: tuple[float, list[GpuMemory]] = (float("-inf"), [])
         self._last_trim = clock()
-        self.add_pool(engine, pool_name, self.limits)
+        self.add_pool(engine, pool_name, self.limits, served)
 
     def add_pool(
         self,
@@ -186,6 +186,7 @@ class AgentService:
         start moving memory between them."""
         for name, pool in self.pools.items():
             pool.member = budget.pools[name]
+            pool.member.on_resize = pool.record_resize
             pool.engine.scheduler.reachable_pages = lambda n=name: budget.reachable_pages(n)
         self.budget = budget
         self.rebalancer = Rebalancer(budget, self.settings.rebalance, self.clock)
@@ -210,10 +211,6 @@ class AgentService:
     def served(self) -> ServedModel:
         return self.first.served
 
-    @served.setter
-    def served(self, served: ServedModel) -> None:
-        self.first.served = served
-
     @property
     def snapshot(self) -> PoolSnapshot:
         snapshot = self.first.snapshot
@@ -224,14 +221,6 @@ class AgentService:
     def snapshots(self) -> list[PoolSnapshot]:
         """The latest snapshot of every pool, in the order the models were configured."""
         return [pool.snapshot for pool in self.pools.values() if pool.snapshot is not None]
-
-    @property
-    def histograms(self) -> Histograms:
-        return self.first.histograms
-
-    @property
-    def rejected(self) -> Tally:
-        return self.first.rejected
 
     def pool(self, name: str | None) -> ModelPool:
         """The pool of model `name` (a served name or alias; None: the only pool). Raises
@@ -339,13 +328,12 @@ class AgentService:
 
     def _rebalance(self) -> None:
         """Read every pool's pressure and let the rebalancer move memory to those short of
-        it; each resize it made is counted and logged like any other."""
+        it (each resize it makes is recorded through the pool's `on_resize`)."""
         rebalancer = self.rebalancer
         if rebalancer is None:
             return
         pools = self.pools.values()
         rebalancer.observe({p.name: (p.pressure(), p.engine.pages_promised()) for p in pools})
-        before = {pool.name: pool.engine.pool.capacity for pool in pools}
         for move in rebalancer.rebalance():
             donors = ", ".join(f"{name} {n:,} bytes" for name, n in move.given.items())
             log.info(
@@ -354,9 +342,6 @@ class AgentService:
                 f"{move.taken_bytes:,}",
                 donors or "the unassigned budget",
             )
-        for pool in pools:
-            if pool.engine.pool.capacity != before[pool.name]:
-                pool.record_resize(before[pool.name])
 
     def _trim_when_idle(self) -> None:
         """Give freed heap memory back to the system, at most every `TRIM_INTERVAL_S` and only
@@ -477,11 +462,6 @@ class AgentService:
 
     # ---- commands (the first pool's, for one-model callers) ------------------------------
 
-    def page_states(self) -> PageStates:
-        """Run on the engine thread: a copy of every page's state, to encode elsewhere."""
-        self.first.engine.owner.check("AgentService.page_states")
-        return self.first.page_states()
-
     def page_states_and_snapshot(self, name: str | None = None) -> tuple[PageStates, PoolSnapshot]:
         """Run on the engine thread: a pool's page states and a fresh snapshot of the same
         moment."""
@@ -573,7 +553,7 @@ class AgentService:
         if budget is None or rebalancer is None or member is None:
             return None
         seen = rebalancer.history[pool.name]
-        names = list(budget.pools)
+        history = rebalancer.history.values()
         return PoolShare(
             budget_bytes=budget.total_bytes,
             assigned_bytes=budget.assigned_bytes,
@@ -582,10 +562,10 @@ class AgentService:
             pinned=member.pinned,
             under_pressure=seen.pressure.any,
             short_pages=seen.pressure.short_pages,
-            reclaimable_pages=rebalancer.reclaimable_pages(pool.name),
-            pools_total=len(names),
-            pools_under_pressure=sum(rebalancer.history[n].pressure.any for n in names),
-            donors=sum(rebalancer.is_donor(n) for n in names),
+            reclaimable_pages=seen.reclaimable_pages,
+            pools_total=len(budget.pools),
+            pools_under_pressure=sum(h.pressure.any for h in history),
+            donors=sum(h.donor for h in history),
             rebalances_total={"in": seen.moves["in"], "out": seen.moves["out"]},
             rebalanced_bytes_total={"in": seen.moved_bytes["in"], "out": seen.moved_bytes["out"]},
         )

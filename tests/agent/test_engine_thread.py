@@ -32,8 +32,9 @@ ENGINE_ONLY = [
     ("Engine.set_eviction_policy", lambda s: s.engine.set_eviction_policy("lru")),
     ("AgentService.resize", lambda s: s.resize(64)),
     ("AgentService.defrag_now", lambda s: s.defrag_now(None)),
-    ("AgentService.page_states", lambda s: s.page_states()),
     ("AgentService.page_states_and_snapshot", lambda s: s.page_states_and_snapshot()),
+    ("AgentService.release", lambda s: s.release()),
+    ("AgentService.resize_tier", lambda s: s.resize_tier("host", 1)),
     ("AgentService.change_settings", lambda s: s.change_settings({})),
 ]
 

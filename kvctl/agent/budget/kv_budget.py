@@ -12,6 +12,7 @@ pool moves in whole segments of its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvctl.agent.pool import PagePool, PoolResizer
@@ -30,6 +31,16 @@ class BudgetedPool:
     name: str
     resizer: PoolResizer
     pinned: bool = False
+    on_resize: Callable[[int, int], object] | None = None
+    """Told (old pages, pages evicted) after each resize the rebalancer makes, so the agent
+    counts, logs and accounts for it like any other."""
+
+    def resize(self, pages: int) -> None:
+        """Resize through the pool's resizer (`ResizeRefused` changes nothing)."""
+        old = self.pool.capacity
+        result = self.resizer.resize(pages)
+        if self.on_resize is not None:
+            self.on_resize(old, result.pages_evicted)
 
     @property
     def pool(self) -> PagePool:

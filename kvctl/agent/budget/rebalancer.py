@@ -72,6 +72,8 @@ class PoolHistory:
     moves: Counter[str] = field(default_factory=Counter)  # "in", "out"
     moved_bytes: Counter[str] = field(default_factory=Counter)
     used: deque[tuple[float, int]] = field(default_factory=deque)  # (time, used pages)
+    reclaimable_pages: int = 0  # as at the last check or move (readings show these)
+    donor: bool = False
 
     def peak_used(self, now: float, window: float) -> int:
         """The most pages the pool used at a check within the last `window` seconds."""
@@ -107,6 +109,7 @@ class Rebalancer:
             else:
                 seen.pressured_since = None
                 seen.calm_since = now if seen.calm_since is None else seen.calm_since
+        self._take_stock()
 
     def reclaimable_pages(self, name: str) -> int:
         """Whole segments the pool could give now without touching what it must keep; none if
@@ -165,8 +168,18 @@ class Rebalancer:
             return []
         takers = [name for name in self.budget.pools if self._is_taker(name)]
         takers.sort(key=lambda name: -self.history[name].pressure.short_pages)
-        moves = (self._feed(self.budget.pools[name]) for name in takers)
-        return [move for move in moves if move is not None]
+        moves = [move for name in takers if (move := self._feed(self.budget.pools[name]))]
+        if moves:
+            self._take_stock()
+        return moves
+
+    def _take_stock(self) -> None:
+        """Note each pool's reclaimable pages and whether it could give, for the readings the
+        agent publishes every 100 ms: computed per check and per move, not per reading (each
+        asks the pool's resizer, which walks its requests)."""
+        for name, seen in self.history.items():
+            seen.reclaimable_pages = self.reclaimable_pages(name)
+            seen.donor = self.is_donor(name)
 
     def _wanted_pages(self, taker: BudgetedPool) -> int:
         """Pages the taker should grow by: what its queue is short of, at least one segment,
@@ -213,7 +226,7 @@ class Rebalancer:
             return 0
         before = pool.capacity
         try:
-            donor.resizer.resize(before - segments * pool.segment_pages)
+            donor.resize(before - segments * pool.segment_pages)
         except ResizeRefused as refused:
             log.info("rebalance: pool %s could not give memory: %s", donor.name, refused)
             return 0
@@ -232,7 +245,7 @@ class Rebalancer:
             return 0
         before = pool.capacity
         try:
-            taker.resizer.resize(before + segments * pool.segment_pages)
+            taker.resize(before + segments * pool.segment_pages)
         except ResizeRefused as refused:  # e.g. the device has no memory for the segments
             log.warning("rebalance: pool %s could not grow: %s", taker.name, refused)
             return 0
