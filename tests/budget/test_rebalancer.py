@@ -437,3 +437,22 @@ def test_counters_and_bytes_add_up() -> None:
     assert sum(seen.moved_bytes["in"] for seen in rb.history.values()) == taken
     assert sum(seen.moved_bytes["out"] for seen in rb.history.values()) == given
     budget.check()
+
+
+def test_every_resize_a_move_makes_is_told_to_its_pool_once() -> None:
+    """The agent counts, logs and records the evacuation of each resize through `on_resize`:
+    a donor that gives to two takers in one check is told twice, a taker once."""
+    budget = KvBudget(3 * 16 * 100)  # full
+    for name in ("a", "b"):
+        add(budget, name, 16)
+    add(budget, "c", 16)
+    told: list[tuple[str, int]] = []
+    for name, member in budget.pools.items():
+        member.on_resize = lambda old, _evicted, name=name: told.append((name, old))
+    clock = Clock()
+    rb = rebalancer(budget, clock)
+    rb.observe({"a": (short(4), 0), "b": (short(4), 0), "c": (CALM, 0)})
+    moves = rb.rebalance()
+    assert [move.given for move in moves] == [{"c": 400}, {"c": 400}]
+    assert told == [("c", 16), ("a", 16), ("c", 12), ("b", 16)]
+    assert capacities(budget) == {"a": 20, "b": 20, "c": 8}
