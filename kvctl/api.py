@@ -37,6 +37,9 @@ MAX_MESSAGES = 1024
 MAX_LOGIT_BIAS = 1024
 """Entries of one `logit_bias` map (OpenAI allows 300; frameworks send a few more)."""
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 4096
+"""Ids in one `allowed_token_ids` list (a label set, a small vocabulary): each step of the
+request writes them once into its row of the blocked-token table."""
 
 
 class Strict(BaseModel):

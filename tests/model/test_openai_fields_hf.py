@@ -1,11 +1,14 @@
-"""OpenAI's generation fields on the engine against transformers' logits: log-probabilities,
-presence/frequency penalties (OpenAI's formula over the generated tokens), `logit_bias`
-(transformers' `SequenceBiasLogitsProcessor`), `min_tokens`, `stop_token_ids` and `n` choices
-sharing their prompt's pages."""
+"""OpenAI's and vLLM's generation fields on the engine against transformers' logits and
+tokenizer: log-probabilities, presence/frequency penalties (OpenAI's formula over the generated
+tokens), the repetition penalty (transformers' `RepetitionPenaltyLogitsProcessor` over prompt
+and output), `logit_bias` (`SequenceBiasLogitsProcessor`), `allowed_token_ids`, truncation to
+the top token by top-k, top-p or min-p, `min_tokens`, `stop_token_ids`, special tokens in the
+text (transformers' `decode(skip_special_tokens=..., spaces_between_special_tokens=...)`),
+`include_stop_str_in_output`, and `n` choices sharing their prompt's pages."""
 
 import pytest
 import torch
-from hf_chat import hf_greedy, save_chat_checkpoint
+from hf_chat import hf_greedy, hf_tokenizer, save_chat_checkpoint
 
 from kvctl.agent.model import load_checkpoint
 from kvctl.agent.model.sampling import SamplingParams
@@ -73,6 +76,121 @@ def test_penalties_follow_openais_formula_over_generated_tokens(checkpoint, pres
     )
     [request] = engine.generate([PROMPT], params)
     assert request.output_ids == expected
+
+
+@pytest.mark.parametrize(
+    ("penalty", "presence"),
+    [(1.5, 0.0), (0.6, 0.0), (1.3, 0.8)],
+    ids=["1.5", "0.6", "1.3+presence"],
+)
+def test_repetition_penalty_equals_transformers_over_prompt_and_output(
+    checkpoint, penalty, presence
+):
+    reference, root = checkpoint
+    processor = transformers.RepetitionPenaltyLogitsProcessor(penalty)
+
+    def penalised(logits, generated):
+        row = processor(torch.tensor([PROMPT + generated]), logits[None].clone())[0]
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=128)
+        return row - (counts > 0).float() * presence
+
+    expected = hf_greedy(reference, PROMPT, 16, penalised)
+    assert expected != hf_greedy(reference, PROMPT, 16), "the penalty should change the tokens"
+    engine = engine_of(root)
+    params = SamplingParams(
+        temperature=0, max_tokens=16, repetition_penalty=penalty, presence_penalty=presence
+    )
+    [request] = engine.generate([PROMPT], params)
+    assert request.output_ids == expected
+
+
+@pytest.mark.parametrize(
+    "truncation",
+    [{"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}, {"top_k": 1, "min_p": 0.5, "top_p": 0.3}],
+    ids=lambda t: ",".join(t),
+)
+def test_sampling_truncated_to_the_top_token_is_transformers_greedy(checkpoint, truncation):
+    reference, root = checkpoint
+    engine = engine_of(root)
+    params = SamplingParams(temperature=1.3, seed=9, max_tokens=14, **truncation)
+    [request] = engine.generate([PROMPT], params)
+    assert request.output_ids == hf_greedy(reference, PROMPT, 14)
+
+
+def test_allowed_token_ids_leave_only_those_to_choose(checkpoint):
+    reference, root = checkpoint
+    allowed = [5, 17, 33, 40, 41, 90, 2]
+    blocked = torch.ones(128, dtype=torch.bool)
+    blocked[allowed] = False
+    expected = hf_greedy(reference, PROMPT, 12, lambda logits, _: logits.masked_fill(blocked, -1e9))
+    assert set(expected) <= set(allowed) and expected != hf_greedy(reference, PROMPT, 12)
+    engine = engine_of(root)
+    params = SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=tuple(allowed))
+    [greedy] = engine.generate([PROMPT], params)
+    assert greedy.output_ids == expected
+    sampled = SamplingParams(
+        temperature=1.5, seed=2, max_tokens=40, ignore_eos=True, allowed_token_ids=(5, 17, 33)
+    )
+    [request] = engine.generate([PROMPT], sampled)
+    assert set(request.output_ids) == {5, 17, 33}
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("spaces", [True, False])
+def test_special_tokens_in_the_text_are_transformers_decode(checkpoint, skip, spaces):
+    """Special tokens (<unk>, <s>, </s> here; EOS too, which ignore_eos generates past) are
+    left out or kept exactly as transformers' fast tokenizer decodes them; it ignores
+    spaces_between_special_tokens, and so does the agent."""
+    _, root = checkpoint
+    tokenizer = hf_tokenizer(transformers)
+    engine = engine_of(root)
+    params = SamplingParams(
+        temperature=8.0,
+        seed=4,
+        max_tokens=40,
+        ignore_eos=True,
+        allowed_token_ids=(0, 1, 2, 3, 7, 8, 9),
+        skip_special_tokens=skip,
+        spaces_between_special_tokens=spaces,
+    )
+    request = engine.add_request(PROMPT, params)
+    streamed = "".join(e.text for e in events_of(engine, [request])[request.request_id])
+    assert {0, 1, 2} <= set(request.output_ids) and 3 in request.output_ids
+    expected = tokenizer.decode(
+        request.output_ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces
+    )
+    assert streamed == request.text == expected
+    assert ("<s>" in expected) is not skip
+
+
+def test_stop_strings_and_tokens_kept_with_include_stop_str_in_output(checkpoint):
+    """vLLM's include_stop_str_in_output: the text ends with the matched stop string, or with
+    the stop token's text, instead of before it."""
+    reference, root = checkpoint
+    tokenizer = hf_tokenizer(transformers)
+    plain = hf_greedy(reference, PROMPT, 16)
+    full = tokenizer.decode(plain, skip_special_tokens=True)
+    stop = f"w{plain[4]} "
+    cut = full.index(stop)
+    engine = engine_of(root)
+    for include, expected in ((False, full[:cut]), (True, full[: cut + len(stop)])):
+        params = SamplingParams(
+            temperature=0, max_tokens=16, stop=[stop], include_stop_str_in_output=include
+        )
+        request = engine.add_request(PROMPT, params)
+        streamed = "".join(e.text for e in events_of(engine, [request])[request.request_id])
+        assert streamed == request.text == expected and request.finish_reason == "stop"
+    first = plain.index(plain[6])
+    for include, kept in ((False, plain[:first]), (True, plain[: first + 1])):
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=16,
+            stop_token_ids=(plain[6],),
+            include_stop_str_in_output=include,
+        )
+        [request] = engine.generate([PROMPT], params)
+        assert request.output_ids == plain[: first + 1]
+        assert request.text == tokenizer.decode(kept, skip_special_tokens=True)
 
 
 def test_logit_bias_equals_transformers_sequence_bias(checkpoint):

@@ -1,4 +1,5 @@
-"""Sampling: greedy, seeded reproducibility independent of the batch, truncation, validation."""
+"""Sampling: greedy, seeded reproducibility independent of the batch (for every kind of row),
+truncation, validation. Equivalence with transformers' warpers: test_sampling_hf.py."""
 
 import pytest
 import torch
@@ -21,21 +22,67 @@ def test_greedy_is_argmax():
     assert torch.equal(_sample(logits, [SamplingParams(temperature=0)] * 6), logits.argmax(-1))
 
 
-def test_same_seed_same_tokens_whatever_the_batch():
-    """A seeded request draws the same tokens alone and among other requests, step after step."""
-    steps = [_logits(4, seed=s) for s in range(20)]
-    mine = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
-    alone_gen = [mine.make_generator()]
-    others = [SamplingParams(temperature=0), SamplingParams(temperature=1.3, seed=5)]
-    batch_params = [others[0], mine, others[1]]
-    batch_gen = [p.make_generator() for p in batch_params]
+MINE = [
+    {"temperature": 0.9, "top_p": 0.95},
+    {"temperature": 0.9},
+    {"temperature": 1.1, "min_p": 0.05},
+    {"temperature": 0.8, "top_k": 7},
+    {"temperature": 1.0, "top_k": 9, "min_p": 0.02, "top_p": 0.97},
+]
+OTHERS = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=1.3, seed=5),
+    SamplingParams(temperature=1.0),  # no seed: the sampler's own generator
+    SamplingParams(temperature=0.7, top_k=3),
+    SamplingParams(temperature=1.2, top_k=20, seed=8),
+    SamplingParams(temperature=0.6, top_p=0.5),
+    SamplingParams(temperature=1.0, min_p=0.3),
+]
+
+
+@pytest.mark.parametrize("settings", MINE, ids=lambda s: ",".join(s))
+def test_same_seed_same_tokens_whatever_the_batch(settings):
+    """A seeded request draws the same tokens alone and among requests of every kind (greedy,
+    seeded, unseeded, top-k, top-p, min-p), step after step, wherever it sits in the batch."""
+    steps = [_logits(len(OTHERS) + 1, seed=s) for s in range(20)]
+    mine = SamplingParams(seed=1234, **settings)
     sampler = Sampler()
-    alone = [int(sampler(step[2:3], [mine], alone_gen)[0]) for step in steps]
-    batched = [int(sampler(step[[0, 2, 3]], batch_params, batch_gen)[1]) for step in steps]
-    assert alone == batched
+    alone_gen = [mine.make_generator()]
+    alone = [int(sampler(step[-1:], [mine], alone_gen)[0]) for step in steps]
     assert len(set(alone)) > 3, "a temperature-0.9 sampler should not repeat one token"
+    for at in (0, 3, len(OTHERS)):
+        batch_params = OTHERS[:at] + [mine] + OTHERS[at:]
+        batch_gen = [p.make_generator() for p in batch_params]
+        rows = [*range(at), len(OTHERS), *range(at, len(OTHERS))]
+        batched = [int(sampler(step[rows], batch_params, batch_gen)[at]) for step in steps]
+        assert batched == alone, f"at row {at}"
     replay_gen = [mine.make_generator()]
-    assert [int(sampler(step[2:3], [mine], replay_gen)[0]) for step in steps] == alone
+    assert [int(sampler(step[-1:], [mine], replay_gen)[0]) for step in steps] == alone
+
+
+def test_rows_without_a_seed_draw_apart_in_one_batch():
+    logits = _logits(1).expand(64, VOCAB)
+    tokens = _sample(logits, [SamplingParams(temperature=2.0)] * 64)
+    assert len(set(tokens.tolist())) > 10
+
+
+@pytest.mark.parametrize("top_k", [-1, 0, VOCAB, VOCAB + 5])
+def test_top_k_off_and_top_k_of_the_whole_vocabulary_truncate_nothing(top_k):
+    """vLLM's top_k: -1 and 0 are off, and a k of the vocabulary or more keeps every token: the
+    same seed draws the same tokens as with no top_k at all."""
+    logits = _logits(1).expand(200, VOCAB)
+    plain = SamplingParams(temperature=1.5, seed=3)
+    limited = SamplingParams(temperature=1.5, seed=3, top_k=top_k)
+    a = Sampler()(logits, [plain] * 200, [plain.make_generator()] * 200)
+    b = Sampler()(logits, [limited] * 200, [limited.make_generator()] * 200)
+    assert torch.equal(a, b) and len(set(a.tolist())) > 10
+
+
+def test_temperatures_below_vllms_threshold_are_greedy():
+    logits = _logits(6) * 1e3  # divided by 1e-6 these would overflow
+    params = [SamplingParams(temperature=t, seed=1) for t in (1e-6, 9e-6, 0.0, 1e-7, 0.0, 5e-6)]
+    assert all(p.greedy and p.make_generator() is None for p in params)
+    assert torch.equal(_sample(logits, params), logits.argmax(-1))
 
 
 def test_different_seeds_differ():
@@ -44,7 +91,10 @@ def test_different_seeds_differ():
     assert len(set(tokens.tolist())) > 1
 
 
-@pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}, {"top_k": 1, "top_p": 0.5}])
+@pytest.mark.parametrize(
+    "params",
+    [{"top_k": 1}, {"top_p": 1e-6}, {"top_k": 1, "top_p": 0.5}, {"min_p": 1.0}, {"min_p": 0.999}],
+)
 def test_truncation_to_one_token_is_greedy(params):
     logits = _logits(16, seed=9)
     sampled = _sample(
@@ -89,6 +139,17 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
         ("max_tokens", 0, "max_tokens must be an integer ≥ 1"),
         ("stop", ["ok", ""], "stop must be a list of non-empty strings"),
         ("ignore_eos", "yes", "ignore_eos must be true or false"),
+        ("min_p", -0.1, r"min_p must be in \[0, 1\]"),
+        ("min_p", 1.5, r"min_p must be in \[0, 1\]"),
+        ("min_p", float("inf"), "min_p must be a number"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be a number > 0"),
+        ("repetition_penalty", -1.0, "repetition_penalty must be a number > 0"),
+        ("repetition_penalty", float("nan"), "repetition_penalty must be a number > 0"),
+        ("allowed_token_ids", (3, -1), "allowed_token_ids must be token ids ≥ 0"),
+        ("allowed_token_ids", tuple(range(5000)), "allowed_token_ids must list at most 4096"),
+        ("skip_special_tokens", 0, "skip_special_tokens must be true or false"),
+        ("spaces_between_special_tokens", None, "spaces_between_special_tokens must be true"),
+        ("include_stop_str_in_output", "no", "include_stop_str_in_output must be true or false"),
     ],
 )
 def test_bad_params_raise_with_a_clear_message(field, value, message):
@@ -103,3 +164,8 @@ def test_defaults_and_stop_normalisation():
     assert SamplingParams(stop="\n").stop == ("\n",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     assert SamplingParams(temperature=0).make_generator() is None
+    assert SamplingParams(temperature=0.5).make_generator() is None  # the sampler's stream
+    assert (params.min_p, params.repetition_penalty, params.allowed_token_ids) == (0.0, 1.0, ())
+    assert params.skip_special_tokens and params.spaces_between_special_tokens
+    assert not params.include_stop_str_in_output and not params.processes_logits
+    assert SamplingParams(repetition_penalty=1.1).processes_logits

@@ -91,24 +91,24 @@ class DecodeRecorder:
         self.tokenizer = tokenizer
         self.longest = 0
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         self.longest = max(self.longest, len(token_ids))
-        return self.tokenizer.decode(token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens)
 
 
-def stream(tokenizer, ids: list[int]) -> tuple[list[str], str]:
+def stream(tokenizer, ids: list[int], skip_special: bool = True) -> tuple[list[str], str]:
     """What the detokenizer emits for each id, and at the end; asserts the decoded windows stay
     bounded."""
     recorder = DecodeRecorder(tokenizer)
-    detokenizer = IncrementalDetokenizer(recorder, tokenizer.eos_token_ids)
+    detokenizer = IncrementalDetokenizer(recorder, tokenizer.eos_token_ids, skip_special)
     pieces = [detokenizer.push(t) for t in ids]
     rest = detokenizer.flush()
     assert recorder.longest <= 2 * MAX_HELD_TOKENS
     return pieces, rest
 
 
-def whole(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode([t for t in ids if t not in tokenizer.eos_token_ids])
+def whole(tokenizer, ids: list[int], skip_special: bool = True) -> str:
+    return tokenizer.decode([t for t in ids if t not in tokenizer.eos_token_ids], skip_special)
 
 
 # ---- the detokenizer ------------------------------------------------------------------------
@@ -206,6 +206,28 @@ def test_byte_level_pieces_add_up_to_the_whole_decode(ids: list[int]) -> None:
     assert "".join(pieces) + rest == whole(LLAMA3, ids)
 
 
+@given(llama2_chunks, st.lists(st.integers(0, LLAMA3.vocab_size - 1), max_size=60))
+def test_with_special_tokens_kept_pieces_add_up_to_the_whole_decode(
+    chunks: list[list[int]], byte_level: list[int]
+) -> None:
+    """skip_special_tokens false: <s>, <unk>, <|begin_of_text|> are text like any piece, and the
+    pieces still add up to the whole decode, from short windows."""
+    ids = [t for chunk in chunks for t in chunk]
+    pieces, rest = stream(LLAMA2, ids, skip_special=False)
+    assert "".join(pieces) + rest == whole(LLAMA2, ids, skip_special=False)
+    pieces, rest = stream(LLAMA3, byte_level, skip_special=False)
+    assert "".join(pieces) + rest == whole(LLAMA3, byte_level, skip_special=False)
+
+
+def test_kept_special_tokens_stream_as_they_come() -> None:
+    ids = ids_of("▁The", "<s>", "<unk>", "▁pool", "<s>")
+    assert stream(LLAMA2, ids, skip_special=False) == (["The", "<s>", "<unk>", " pool", "<s>"], "")
+    assert stream(LLAMA2, ids) == (["The", "", "", " pool", ""], "")
+    many = ids_of(*["<s>"] * 3 * MAX_HELD_TOKENS)
+    pieces, rest = stream(LLAMA2, many, skip_special=False)
+    assert pieces == ["<s>"] * len(many) and rest == ""
+
+
 @pytest.mark.parametrize("tokenizer", [BYTE, LLAMA2, LLAMA3], ids=["byte", "llama2", "llama3"])
 def test_a_long_output_decodes_a_short_window_per_token(tokenizer) -> None:
     ids = tokenizer.encode(" ".join(CORPUS * 4))
@@ -278,6 +300,27 @@ def test_released_text_is_never_part_of_a_stop_string(pieces: list[str], stop: l
         released += matcher.feed(piece)
         assert output.startswith(released)
     assert released + matcher.flush() == output
+
+
+@given(split_text(), stop_lists)
+def test_an_included_stop_string_ends_the_text_and_nothing_is_held_back(
+    pieces: list[str], stop: list[str]
+) -> None:
+    """vLLM's include_stop_str_in_output: the text runs to the end of the stop string a whole
+    search finds first, and every piece before the match is released as it comes."""
+    matcher = StopMatcher(stop, include=True)
+    released, fed = "", ""
+    for piece in pieces:
+        released += matcher.feed(piece)
+        fed += piece
+        cut = find_first(fed, stop)
+        assert matcher.stopped == (cut is not None)
+        if cut is not None:
+            first = min((s for s in stop if fed.find(s) == cut), key=stop.index)
+            assert released == fed[: cut + len(first)]
+            break
+        assert released == fed
+    assert matcher.flush() == ""
 
 
 def test_overlapping_stop_strings_across_pieces() -> None:

@@ -1,32 +1,53 @@
-"""Next-token choice: greedy, or temperature + top-k + top-p sampling with a per-request RNG.
+"""Next-token choice for a whole batch at once: greedy rows take the argmax, the others sample
+with temperature, min-p, top-k and top-p, applied in that order (vLLM's).
 
-Each sampled row draws its noise from its own `torch.Generator`, exactly `vocab` values per step,
-so a request with a seed gets the same tokens whatever else shares its batch: the noise it sees
-depends only on its seed and how many tokens it has sampled.
+Sampling is the Gumbel-max trick: `argmax(logit / T + G)`, G = -log(-log U) with U uniform, is
+token j with probability softmax(logit / T)[j]. So a row that truncates nothing needs neither a
+softmax nor a sort, and min-p is a threshold on the scaled logits (`p ≥ min_p × p_max` is
+`logit / T ≥ max / T + log min_p`). Only the rows with top-p sort their vocabulary (top-p needs
+the mass in order); rows with top-k alone take their k best with `topk`, which costs less than a
+sort at every k measured on the CPU (benchmarks/sampler.py). Each kind of row is handled by a few
+tensor ops for all rows of that kind.
+
+Noise: a row with a seed draws from its own `torch.Generator`, a count that depends only on its
+own settings (the vocabulary, or its k under top-k alone), so its tokens depend only on its seed,
+its settings and how many tokens it has drawn, whatever shares its batch. Rows without a seed
+draw theirs in one call from the sampler's generator. The chosen tokens stay on the logits'
+device; the engine copies them to the host once per step.
 """
 
+from __future__ import annotations
+
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from kvctl.agent.model.processing import check_processing
+from kvctl.agent.model.processing import RequestRows, check_processing
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's step: seeds of choices far apart
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy (vLLM's threshold): dividing logits by a smaller one only
+overflows, and the distribution is already all on the top token."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings, with OpenAI's defaults. Invalid values raise ValueError.
+    """Per-request settings of the choice and the output, with OpenAI's and vLLM's defaults; the
+    one place they are checked (ValueError naming the field).
 
-    temperature 0 means greedy; top_k 0 or -1 and top_p 1.0 mean no truncation; `stop` strings end
-    generation (the engine matches them on decoded text); `ignore_eos` keeps generating past EOS.
-    The logit processing fields (penalties, `logit_bias` as (token id, bias) pairs, `min_tokens`,
-    `stop_token_ids`, `logprobs`: how many top alternatives to report, None for none) are
-    checked and applied by `kvctl.agent.runtime.logits`.
+    temperature below `GREEDY_BELOW` means greedy; top_k 0 or -1, top_p 1 and min_p 0 mean no
+    truncation; `stop` strings end generation (the engine matches them on decoded text, and
+    `include_stop_str_in_output` keeps the matched one, or the stop token's text); `ignore_eos`
+    keeps generating past EOS; `skip_special_tokens` leaves special tokens' text out of the
+    output (`spaces_between_special_tokens` is accepted both ways: tokenizer.json decoding, as
+    transformers' fast tokenizers run it, has no such option). The logit processing fields
+    (penalties, `logit_bias` as (token id, bias) pairs, `allowed_token_ids`, `min_tokens`,
+    `stop_token_ids`, `logprobs`: how many top alternatives to report, None for none) are checked
+    and applied by `kvctl.agent.model.processing`.
     """
 
     temperature: float = 1.0
@@ -42,6 +63,12 @@ class SamplingParams:
     logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    allowed_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -56,6 +83,9 @@ class SamplingParams:
             raise ValueError(
                 f"top_k must be an integer ≥ 1, or 0 / -1 for no limit; got {self.top_k!r}"
             )
+        _check_number("min_p", self.min_p, "a number in [0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 keeps every token), got {self.min_p}")
         if self.seed is not None and (
             not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX
         ):
@@ -66,42 +96,70 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer ≥ 1, got {self.max_tokens!r}")
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {list(stop)!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_processing(self)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def top_k_limit(self) -> int | None:
+        """The k of top-k, None for no limit."""
+        return self.top_k if self.top_k > 0 else None
 
     @property
     def processes_logits(self) -> bool:
-        """Whether the logits are changed before the choice (penalties, bias, min_tokens)."""
+        """Whether the logits are changed before the choice (penalties, bias, allowed ids,
+        min_tokens)."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.logit_bias or self.min_tokens
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.allowed_token_ids
+            or self.min_tokens
         )
 
     def make_generator(
         self, device: torch.device | str = "cpu", choice: int = 0
     ) -> torch.Generator | None:
-        """The request's RNG on `device` (the logits' device): seeded from `seed`, or randomly
-        when there is none; None for greedy requests, which draw nothing. Choice `choice` of a
-        request with `n` > 1 gets its own stream (choice 0 is the seed's own), so the choices
-        of a seeded request differ from each other and are the same on every run."""
-        if self.greedy:
+        """The request's own RNG on `device` (the logits' device), seeded from `seed`; None for
+        greedy requests, which draw nothing, and for requests without a seed, which draw from
+        the sampler's generator. Choice `choice` of a request with `n` > 1 gets its own stream
+        (choice 0 is the seed's own), so the choices of a seeded request differ from each other
+        and are the same on every run."""
+        if self.greedy or self.seed is None:
             return None
         generator = torch.Generator(device=device)
-        if self.seed is None:
-            generator.seed()
-        elif choice == 0:
+        if choice == 0:
             generator.manual_seed(self.seed)
         else:
             generator.manual_seed((self.seed + choice * _GOLDEN_GAMMA) % (1 << 64))
         return generator
 
 
+Noise = Callable[[int, Sequence[int]], Tensor]
+"""(width, counts per row) -> [rows, width] Gumbel noise, row j drawing counts[j] values."""
+
+
 class Sampler:
-    """Chooses one token per row of a logits batch, each row by its own request's settings."""
+    """Chooses one token per row of a logits batch, each row by its own request's settings.
+
+    It also holds what its engine's requests need across steps: `rows`, their rows for logits
+    processing (`kvctl.agent.model.processing`), and the generator that rows without a seed draw
+    from (one per device, seeded from the OS)."""
+
+    def __init__(self) -> None:
+        self.rows = RequestRows()
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
         self,
@@ -109,56 +167,120 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
     ) -> Tensor:
-        """logits [B, vocab] (float32), one SamplingParams and one generator per row (None for
-        greedy rows) -> token ids LongTensor [B]."""
+        """logits [B, vocab], one SamplingParams and one generator per row (None for greedy rows
+        and rows without a seed) -> token ids LongTensor [B] on the logits' device."""
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(
                 "the sampler needs one SamplingParams and one generator per logits row"
             )
-        tokens = logits.argmax(dim=-1)  # [B]
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
+        vocab = logits.shape[-1]
+        plain: list[int] = []
+        top_k: list[int] = []
+        ordered: list[int] = []
+        for i, p in enumerate(params):
+            if p.greedy:
+                continue
+            k = p.top_k_limit
+            if p.top_p < 1:
+                ordered.append(i)
+            elif k is not None and k < vocab:
+                top_k.append(i)
+            else:
+                plain.append(i)
+        sampled = len(plain) + len(top_k) + len(ordered)
+        if sampled < len(params):
+            tokens = logits.argmax(dim=-1)
+            if not sampled:
+                return tokens
+        else:
+            tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        for rows, choose in ((plain, _plain), (top_k, _top_k), (ordered, _ordered)):
+            if not rows:
+                continue
+            rows.sort(key=lambda i: generators[i] is not None)  # one draw for the unseeded
             index = torch.tensor(rows, device=logits.device)
-            picked = sample_rows(
-                logits.index_select(0, index),
-                [params[i] for i in rows],
-                [generators[i] for i in rows],
-            )
-            tokens[index] = picked
+            noise = self._noise([generators[i] for i in rows], logits.device)
+            picked = choose(logits.index_select(0, index).float(), [params[i] for i in rows], noise)
+            tokens.index_copy_(0, index, picked)
         return tokens
 
+    def _noise(self, generators: Sequence[torch.Generator | None], device: torch.device) -> Noise:
+        """Gumbel noise for rows whose generators are `generators`, those without one first."""
+        shared = sum(g is None for g in generators)
 
-def sample_rows(
-    logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> Tensor:
-    """logits [R, vocab] of non-greedy rows -> sampled ids [R].
+        def draw(width: int, counts: Sequence[int]) -> Tensor:
+            uniform = torch.zeros(len(generators), width, device=device)
+            if shared:
+                uniform[:shared].uniform_(generator=self._generator(device))
+            for j in range(shared, len(generators)):
+                uniform[j, : counts[j]].uniform_(generator=generators[j])
+            # U = 0 would be noise -inf: a row whose only kept token drew it would keep none
+            uniform.clamp_(min=torch.finfo(uniform.dtype).tiny)
+            return uniform.log_().neg_().log_().neg_()
 
-    Works in descending-sorted order (stable, so ties keep the lower id first, like argmax): top-k
-    drops ranks ≥ k, top-p drops tokens once the mass before them exceeds top_p (the first token
-    always stays), then an exponential race `argmax(p / E)`, E ~ Exp(1) from the row's generator,
-    picks a token with probability p.
-    """
+        return draw
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+            self._generators[device].seed()
+        return self._generators[device]
+
+
+def _scales(params: Sequence[SamplingParams], device: torch.device) -> tuple[Tensor, Tensor]:
+    """[R, 1] temperatures and [R, 1] log min_p (-inf where min_p is 0: no threshold)."""
+    values = torch.tensor([[p.temperature, p.min_p] for p in params], device=device)
+    return values[:, :1], values[:, 1:].log()
+
+
+def _plain(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Tensor:
+    """Rows that keep every token (but those min-p drops): Gumbel-max on the scaled logits."""
+    temperature, log_min_p = _scales(params, logits.device)
+    scaled = logits / temperature
+    if any(p.min_p > 0 for p in params):
+        floor = scaled.amax(dim=-1, keepdim=True) + log_min_p
+        scaled = scaled.masked_fill(scaled < floor, -math.inf)
+    vocab = logits.shape[-1]
+    return (scaled + noise(vocab, [vocab] * len(params))).argmax(dim=-1)
+
+
+def _top_k(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Tensor:
+    """Rows with top-k and no top-p: the k best (a logit's rank does not depend on the
+    temperature), then min-p and Gumbel-max among them."""
+    device = logits.device
+    ks = [p.top_k for p in params]
+    values, ids = logits.topk(max(ks), dim=-1)  # [R, kmax], most likely first
+    temperature, log_min_p = _scales(params, device)
+    values = values / temperature
+    ranks = torch.arange(values.shape[-1], device=device)[None, :]
+    drop = ranks >= torch.tensor(ks, device=device)[:, None]
+    if any(p.min_p > 0 for p in params):
+        drop |= values < values[:, :1] + log_min_p
+    values = values.masked_fill(drop, -math.inf)
+    choice = (values + noise(values.shape[-1], ks)).argmax(dim=-1, keepdim=True)
+    return ids.gather(1, choice).squeeze(1)
+
+
+def _ordered(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Tensor:
+    """Rows with top-p: in ascending order, min-p, top-k, then top-p as transformers'
+    `TopPLogitsWarper` computes it (drop the tokens whose cumulative mass from the least likely
+    up is ≤ 1 - top_p; the most likely always stays), then Gumbel-max among the rest."""
     device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], device=device)  # [R]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)  # [R]
-    sorted_logits, order = (logits.float() / temperature[:, None]).sort(
-        dim=-1, descending=True, stable=True
-    )  # [R, vocab] each
-    ranks = torch.arange(vocab, device=device)[None, :]  # [1, vocab]
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], -math.inf)
-    probs = sorted_logits.softmax(dim=-1)  # [R, vocab]
-    mass_before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_before > top_p[:, None], 0.0)
-    noise = torch.stack([_exponential(vocab, g, device) for g in generators])  # [R, vocab]
-    choice = (probs / noise).argmax(dim=-1, keepdim=True)  # [R, 1]
+    ascending, order = logits.sort(dim=-1)  # [R, vocab] each
+    temperature, log_min_p = _scales(params, device)
+    scaled = ascending / temperature
+    ranks = torch.arange(vocab, device=device)[None, :]
+    keep_from = torch.tensor([vocab - min(p.top_k_limit or vocab, vocab) for p in params])
+    drop = ranks < keep_from.to(device)[:, None]
+    if any(p.min_p > 0 for p in params):
+        drop |= scaled < scaled[:, -1:] + log_min_p
+    scaled = scaled.masked_fill(drop, -math.inf)
+    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    drop = scaled.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    drop[:, -1] = False
+    scaled = scaled.masked_fill(drop, -math.inf)
+    choice = (scaled + noise(vocab, [vocab] * len(params))).argmax(dim=-1, keepdim=True)
     return order.gather(1, choice).squeeze(1)
-
-
-def _exponential(n: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
-    """n draws of Exp(1), kept above zero so that p / E is never 0 / 0."""
-    noise = torch.empty(n, device=device).exponential_(generator=generator)
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
 def _is_int(value: object) -> bool:

@@ -2,7 +2,9 @@
 `tokenizer.json`.
 
 Both add the model's special prefix (BOS) on `encode` and drop special tokens on `decode`, so
-`decode(encode(text)) == text` and the engine treats them alike.
+`decode(encode(text)) == text` and the engine treats them alike. `decode(...,
+skip_special_tokens=False)` keeps the special tokens' text where they have one (a tokenizer.json
+has it, as transformers' fast tokenizers decode it; the byte tokenizer's BOS and EOS have none).
 """
 
 from collections.abc import Sequence
@@ -26,8 +28,13 @@ class Tokenizer(Protocol):
         (and `add_special_tokens`: a rendered chat template writes its own)."""
         ...
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of `token_ids`, special tokens left out."""
+    @property
+    def has_special_token_text(self) -> bool:
+        """Whether special tokens have text for `decode(..., skip_special_tokens=False)`."""
+        ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`, special tokens left out unless `skip_special_tokens` is false."""
         ...
 
 
@@ -54,10 +61,14 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return 258
 
+    @property
+    def has_special_token_text(self) -> bool:
+        return False
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [self.BOS, *text.encode("utf-8")] if add_special_tokens else [*text.encode("utf-8")]
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the byte vocabulary [0, 258)")
@@ -85,8 +96,12 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def has_special_token_text(self) -> bool:
+        return True
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

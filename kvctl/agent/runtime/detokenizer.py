@@ -7,7 +7,8 @@ request in its batch. Here each token costs a bounded amount of work:
 - `IncrementalDetokenizer` decodes a short window of ids (vLLM's prefix/read offsets), never the
   whole output, and emits text only once no later token can change it.
 - `StopMatcher` searches only the new text plus the tail of older text a stop string could start
-  in (at most the longest stop string minus one character).
+  in (at most the longest stop string minus one character); it holds that tail back from the
+  client only when the stop string is to be cut from the output.
 - `OutputText` joins them per request: what it releases is what the client may be sent.
 
 With the API's caps (16 stop strings of at most 256 characters) a token costs at most 16 searches
@@ -35,7 +36,8 @@ class IncrementalDetokenizer:
     Guarantee: for a tokenizer whose decoding is local (text already decoded does not change
     when more tokens follow, once its characters are complete: `ByteTokenizer`, byte-level BPE,
     SentencePiece pieces with well-formed byte-fallback runs), the pieces `push` returns plus
-    `flush` concatenate to `tokenizer.decode(ids)` of all pushed ids not in `skip_ids`.
+    `flush` concatenate to `tokenizer.decode(ids, skip_special_tokens)` of all pushed ids not in
+    `skip_ids`.
 
     The window holds context tokens (already emitted, decoded again so that a decoder that
     treats the start of its input specially, as SentencePiece drops a leading space, sees the
@@ -47,9 +49,12 @@ class IncrementalDetokenizer:
     (more, rarely, while a split is searched), whatever the length of the output.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_ids: Collection[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, skip_ids: Collection[int] = (), skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_ids = frozenset(skip_ids)
+        self._skip_special = skip_special_tokens
         self._window: list[int] = []  # context tokens, then held tokens
         self._read = 0  # tokens of the window that are context
         self._emitted = 0  # characters of decode(window) already emitted
@@ -59,7 +64,7 @@ class IncrementalDetokenizer:
         if token_id in self._skip_ids:
             return ""
         self._window.append(token_id)
-        text = self._tokenizer.decode(self._window)
+        text = self._decode(self._window)
         if len(text) > self._emitted and not text.endswith(REPLACEMENT):
             return self._emit(len(self._window), text)
         piece = self._emit_settled(text)
@@ -71,7 +76,7 @@ class IncrementalDetokenizer:
         """The held text at the end of the output, a trailing partial character as U+FFFD."""
         if len(self._window) == self._read:
             return ""
-        return self._emit(len(self._window), self._tokenizer.decode(self._window))
+        return self._emit(len(self._window), self._decode(self._window))
 
     def _emit(self, split: int, text: str) -> str:
         """Emit the rest of `text`, the decoding of the window's tokens before `split`; those
@@ -79,8 +84,11 @@ class IncrementalDetokenizer:
         piece = text[self._emitted :]
         self._window = self._window[self._read :]
         self._read = split - self._read
-        self._emitted = len(self._tokenizer.decode(self._window[: self._read]))
+        self._emitted = len(self._decode(self._window[: self._read]))
         return piece
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
 
     def _emit_settled(self, text: str) -> str:
         """Emit the window's text before its trailing run of U+FFFD, keeping the tokens."""
@@ -94,7 +102,7 @@ class IncrementalDetokenizer:
         """Make room when `MAX_HELD_TOKENS` tokens are held and `text` is still undecided: drop
         the held tokens that decode to nothing, else emit up to the last confirmed character
         boundary, else (a decoder that is not local) everything."""
-        decode = self._tokenizer.decode
+        decode = self._decode
         if self._drop_silent_held_tokens():
             if len(self._window) - self._read < MAX_HELD_TOKENS:
                 return ""
@@ -111,7 +119,7 @@ class IncrementalDetokenizer:
     def _drop_silent_held_tokens(self) -> bool:
         """Forget held tokens that decode to nothing alone and twice over: the special tokens
         that decoding skips, so forgetting them changes no text. True if any were dropped."""
-        decode = self._tokenizer.decode
+        decode = self._decode
         held = self._window[self._read :]
         kept = [t for t in held if decode([t]) or decode([t, t])]
         self._window[self._read :] = kept
@@ -124,39 +132,45 @@ class StopMatcher:
 
     Guarantee: the same result as searching all the text fed so far after every piece. `stopped`
     is set by the first piece after which that text contains a stop string; what was released
-    is then that text up to the smallest `find` over the stop strings (the stop string is not
-    part of the output and the earliest match wins, as in OpenAI's API). With no match it is
-    the whole text, the rest coming from `flush`. Nothing released is ever part of a stop string.
+    is then that text up to the smallest `find` over the stop strings (the earliest match wins,
+    as in OpenAI's API), the stop string left out, or kept with `include` (vLLM's
+    `include_stop_str_in_output`). With no match it is the whole text, the rest coming from
+    `flush`. Without `include` nothing released is ever part of a stop string; with it nothing is
+    held back, since a stop string found later ends after everything released.
 
     Only the last `max(len(stop)) - 1` characters are kept between pieces: a match that was not
     found before must end in the new piece, so it starts in that tail or in the piece. Each piece
     costs one search per stop string over at most the tail plus the piece.
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include: bool = False) -> None:
         self._stop = tuple(stop)
-        self._holdback = max((len(s) - 1 for s in self._stop), default=0)
-        self._held = ""  # the last `holdback` characters fed, not yet released
+        self._include = include
+        self._keep = max((len(s) - 1 for s in self._stop), default=0)
+        self._tail = ""  # the last `keep` characters fed; not yet released unless `include`
         self.stopped = False
 
     def feed(self, piece: str) -> str:
         """Take the next piece of text; return what can be released now. Once a stop string is
-        found, `stopped` is set, the text before it is released and later pieces are ignored."""
+        found, `stopped` is set, the text before it (or up to its end, with `include`) is
+        released and later pieces are ignored."""
         if self.stopped:
             return ""
-        window = self._held + piece
-        cut = min((i for i in (window.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
+        window = self._tail + piece
+        unreleased = len(self._tail) if self._include else 0  # where window's new text starts
+        found = [(i, len(s)) for s in self._stop if (i := window.find(s)) >= 0]
+        if found:
+            start, length = min(found, key=lambda match: match[0])
             self.stopped = True
-            self._held = ""
-            return window[:cut]
-        release = max(len(window) - self._holdback, 0)
-        self._held = window[release:]
-        return window[:release]
+            self._tail = ""
+            return window[unreleased : start + length if self._include else start]
+        keep_from = max(len(window) - self._keep, 0)
+        self._tail = window[keep_from:]
+        return window[unreleased:] if self._include else window[:keep_from]
 
     def flush(self) -> str:
         """Release the held tail at the end of the text, when nothing more will come."""
-        held, self._held = self._held, ""
+        held, self._tail = ("" if self._include else self._tail), ""
         return held
 
 
@@ -165,14 +179,20 @@ class OutputText:
     stop string, with no trailing partial character and nothing that may start a stop string
     until the output ends.
 
-    Without a detokenizer (a model with no tokenizer) the text stays empty. The state belongs to
-    the output, so a preempted request that is recomputed continues where it stopped and never
+    With `include_stop`, the matched stop string stays at the end of the text. Without a
+    detokenizer (a model with no tokenizer) the text stays empty. The state belongs to the
+    output, so a preempted request that is recomputed continues where it stopped and never
     releases text twice.
     """
 
-    def __init__(self, detokenizer: IncrementalDetokenizer | None, stop: Sequence[str]) -> None:
+    def __init__(
+        self,
+        detokenizer: IncrementalDetokenizer | None,
+        stop: Sequence[str],
+        include_stop: bool = False,
+    ) -> None:
         self._detokenizer = detokenizer
-        self._stop = StopMatcher(stop)
+        self._stop = StopMatcher(stop, include_stop)
         self._released: list[str] = []
 
     @property

@@ -476,16 +476,16 @@ class Engine:
                 self.scheduler.add(follower)
 
     def _choose(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """Each row's next token after its penalties, bias and `min_tokens`; the log-probs
-        the requests asked for are kept for their events."""
+        """Each row's next token after its processing (penalties, bias, allowed ids,
+        `min_tokens`), the whole batch at once; the tokens reach the host in one copy, and the
+        log-probs the requests asked for are kept for their events."""
         params = [r.params for r in requests]
-        outputs = [r.output_ids for r in requests]
-        processed = process_logits(logits, params, outputs, self.eos_token_ids)
-        chosen = self.sampler(processed, params, [r.generator for r in requests]).tolist()
+        processed = process_logits(logits, requests, self.eos_token_ids, self.sampler.rows)
+        chosen = self.sampler(processed, params, [r.generator for r in requests])
         for request, logprobs in zip(requests, token_logprobs(logits, chosen, params), strict=True):
             if logprobs is not None:
                 self._logprobs[request.request_id] = logprobs
-        return chosen
+        return chosen.tolist()
 
     def _run_model(self, batch: ScheduledBatch, sampled: Sequence[Request]) -> list[int]:
         """Compute the step's tokens (decode tokens and prompt chunks in one forward) and return
@@ -569,17 +569,24 @@ class Engine:
         return None
 
     def _output_text(self, request: Request) -> OutputText:
-        """The request's output text, made on first use. EOS ids are never part of the text,
-        even when `ignore_eos` keeps generating past them."""
+        """The request's output text, made on first use. The token that ends a request (EOS,
+        unless `ignore_eos`, or one of `stop_token_ids`) is left out of the text, as a matched
+        stop string is, unless `include_stop_str_in_output`; while special tokens are skipped,
+        EOS never has text, even when `ignore_eos` keeps generating past it."""
         if request.output_text is None:
+            params = request.params
+            eos = set() if params.ignore_eos else self.eos_token_ids
+            skip = set() if params.include_stop_str_in_output else {*params.stop_token_ids, *eos}
+            if params.skip_special_tokens:
+                skip |= self.eos_token_ids
             detokenizer = (
-                IncrementalDetokenizer(
-                    self.tokenizer, self.eos_token_ids | set(request.params.stop_token_ids)
-                )
+                IncrementalDetokenizer(self.tokenizer, skip, params.skip_special_tokens)
                 if self.tokenizer is not None
                 else None
             )
-            request.output_text = OutputText(detokenizer, request.params.stop)
+            request.output_text = OutputText(
+                detokenizer, params.stop, params.include_stop_str_in_output
+            )
         return request.output_text
 
     # ---- reading ------------------------------------------------------------------------
