@@ -9,9 +9,10 @@ here imports torch or the agent, so the CLI stays fast to start.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvctl.settings import AlertSettings as AlertSettings
 from kvctl.settings import DefragSettings as DefragSettings
@@ -512,20 +513,97 @@ class StreamOptions(Strict):
     """A last chunk with `choices: []` and the whole request's usage, before `[DONE]`."""
 
 
+UNSUPPORTED = "unsupported_field"
+"""The validation error type of a field the agent knows and does not implement: a 400 naming
+it (kvctl.agent.server), where an unknown field is a 422."""
+ANY = object()
+"""In `VLLM_UNSUPPORTED`: every value is accepted, as vLLM ignores the field on these routes."""
+
+VLLM_UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
+    "use_beam_search": ((False,), "beam search is not supported by this agent"),
+    "length_penalty": ((1.0,), "it only applies to beam search, which this agent does not do"),
+    "early_stopping": ((False,), "it only applies to beam search, which this agent does not do"),
+    "prompt_logprobs": ((), "this agent does not compute the prompt's log-probabilities"),
+    "logprob_token_ids": ((), "log-probabilities of chosen ids are not supported; use logprobs"),
+    "bad_words": (([],), "not supported; logit_bias -100 bans a single token"),
+    "truncate_prompt_tokens": (
+        (),
+        "prompt truncation is not supported: a prompt over the limit is refused (400) instead",
+    ),
+    "truncation_side": (("left", "right"), "must be left or right"),
+    "structured_outputs": ((), "structured output (constrained decoding) is not supported"),
+    "guided_json": ((), "guided (constrained) decoding is not supported"),
+    "guided_regex": ((), "guided (constrained) decoding is not supported"),
+    "guided_choice": ((), "guided (constrained) decoding is not supported"),
+    "guided_grammar": ((), "guided (constrained) decoding is not supported"),
+    "guided_decoding_backend": ((), "guided (constrained) decoding is not supported"),
+    "guided_whitespace_pattern": ((), "guided (constrained) decoding is not supported"),
+    "watermarking": ((False,), "watermarking is not supported"),
+    "priority": ((0,), "priority scheduling is not supported: requests are served in order"),
+    "kv_transfer_params": ((), "disaggregated serving (KV transfer) is not supported"),
+    "ec_transfer_params": ((), "disaggregated serving (encoder cache transfer) is not supported"),
+    "vllm_xargs": (({},), "vLLM extension arguments are not supported"),
+    "repetition_detection": ((), "repetition detection is not supported"),
+    "thinking_token_budget": ((-1,), "thinking budgets are not supported"),
+    "stream_interval": ((1,), "every token is streamed as its own chunk; stream_interval 1 only"),
+    "session_id": ((ANY,), ""),
+    "routed_experts_prompt_start": ((ANY,), ""),
+    "return_token_offsets": ((ANY,), ""),
+    "mm_payload": ((ANY,), ""),
+    "return_mm_kwargs": ((ANY,), ""),
+}
+"""vLLM's extensions of both endpoints that the agent does not implement (vLLM's own request
+models, entrypoints/openai/*/protocol.py): the values accepted besides null, and why another
+is refused. `ANY`: accepted whatever the value, because vLLM ignores the field on these routes
+(render-endpoint fields, session routing)."""
+
+
+def _neutral(value: object, accepted: tuple[object, ...]) -> bool:
+    """Whether a raw JSON value is one of `accepted` (null always is; 1 and 1.0 alike, true
+    never 1)."""
+    if value is None or ANY in accepted:
+        return True
+    for neutral in accepted:
+        if isinstance(value, bool) or isinstance(neutral, bool):
+            if value is neutral:
+                return True
+        elif isinstance(value, int | float) and isinstance(neutral, int | float):
+            if value == neutral:
+                return True
+        elif type(value) is type(neutral) and value == neutral:
+            return True
+    return False
+
+
 class GenerationFields(Strict):
-    """The sampling and output fields completions and chat share (docs/operations.md)."""
+    """The sampling and output fields completions and chat share (docs/operations.md), with
+    vLLM's extensions: those the agent implements are fields, those it does not
+    (`VLLM_UNSUPPORTED`) are accepted at a neutral value and refused with a 400 naming them
+    otherwise."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+    unsupported: ClassVar[dict[str, tuple[tuple[object, ...], str]]] = VLLM_UNSUPPORTED
 
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1, le=1 << 20)] = 0
+    """0 or -1: no limit."""
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    """Keep the tokens whose probability (after temperature) is at least min_p times the top
+    token's."""
     seed: Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)] | None = None
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string (or the stop token's text) at the end of the output."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    """Over the prompt's and the output's tokens, a logit > 0 is divided by it, one < 0
+    multiplied (1: none)."""
     logit_bias: (
         Annotated[
             dict[
@@ -536,12 +614,39 @@ class GenerationFields(Strict):
         ]
         | None
     ) = None
+    allowed_token_ids: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
+    ) = None
+    """Only these tokens can be chosen."""
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_COMPLETION_TOKENS)] = 0
+    skip_special_tokens: bool = True
+    """False: special tokens' text is part of the output."""
+    spaces_between_special_tokens: bool = True
+    """Accepted both ways: tokenizer.json decoding has no such option (transformers' fast
+    tokenizers ignore it too), so the text is the same."""
     user: str | None = None  # accepted and ignored: the agent keeps no per-user state
+    request_id: Annotated[str, Field(max_length=256)] | None = None
+    """Accepted and ignored (vLLM's tracing id): answers carry the agent's own ids."""
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None
+    """With logprobs, each token as `token_id:N` instead of its text."""
     ignore_eos: bool = False
+    response_format: dict[str, object] | None = None
+    """Only `{"type": "text"}`: structured output is not supported."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported_vllm_fields(cls, data: object) -> object:
+        """Drop the unsupported vLLM fields given a neutral value; refuse one given another."""
+        if not isinstance(data, dict) or not cls.unsupported.keys() & data.keys():
+            return data
+        kept = dict(data)
+        for name, (accepted, reason) in cls.unsupported.items():
+            if name in kept and not _neutral(kept.pop(name), accepted):
+                raise PydanticCustomError(UNSUPPORTED, f"{name}: {reason}")
+        return kept
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -563,9 +668,15 @@ class GenerationFields(Strict):
 
 
 class CompletionRequest(GenerationFields):
-    """POST /v1/completions, OpenAI's fields plus `top_k`, `cache_salt`, `return_token_ids`,
-    `ignore_eos`, `min_tokens`, `stop_token_ids`. `prompt` is one prompt (text or token ids) or
-    a list of them; each gets `n` choices, numbered prompt by prompt."""
+    """POST /v1/completions, OpenAI's fields plus vLLM's sampling and output extensions (those it
+    does not implement are accepted at a neutral value, else a 400 naming them:
+    docs/operations.md). `prompt` is one prompt (text or token ids) or a list of them; each gets
+    `n` choices, numbered prompt by prompt."""
+
+    unsupported: ClassVar[dict[str, tuple[tuple[object, ...], str]]] = {
+        **VLLM_UNSUPPORTED,
+        "prompt_embeds": ((), "prompt embeddings are not supported; send text or token ids"),
+    }
 
     prompt: (
         str
@@ -578,6 +689,8 @@ class CompletionRequest(GenerationFields):
     logprobs: Annotated[int, Field(ge=0)] | None = None  # 0..5, checked by the route (400)
     best_of: Annotated[int, Field(ge=1)] | None = None  # only 1 (or n): refused otherwise
     suffix: str | None = None  # refused when given: no insertion mode
+    add_special_tokens: bool = True
+    """False: a text prompt is encoded without the BOS the tokenizer adds."""
 
 
 class ChatContentPart(Strict):
@@ -594,15 +707,37 @@ class ChatMessage(Strict):
 
 
 class ChatCompletionRequest(GenerationFields):
-    """POST /v1/chat/completions: OpenAI's chat fields, rendered with the model's chat template.
-    Tool calling and structured output are refused with 400 naming the field."""
+    """POST /v1/chat/completions: OpenAI's chat fields and vLLM's extensions, rendered with the
+    model's chat template. Tool calling, structured output and the vLLM extensions it does not
+    implement (at other than a neutral value) are refused with 400 naming the field."""
+
+    unsupported: ClassVar[dict[str, tuple[tuple[object, ...], str]]] = {
+        **VLLM_UNSUPPORTED,
+        "echo": ((False,), "prepending the last message to the reply is not supported"),
+        "continue_final_message": ((False,), "continuing the final message is not supported"),
+        "chat_template": ((), "the checkpoint's chat template is used; it cannot be replaced"),
+        "chat_template_kwargs": (
+            ({},),
+            "the chat template is rendered with messages, add_generation_prompt and the special "
+            "tokens only",
+        ),
+        "documents": (([],), "documents (retrieval templates) are not supported"),
+        "mm_processor_kwargs": (({},), "multimodal input is not supported"),
+        "media_io_kwargs": (({},), "multimodal input is not supported"),
+        "reasoning_effort": ((), "reasoning effort is not supported"),
+        "include_reasoning": ((ANY,), ""),
+        "return_prompt_text": ((False,), "the rendered prompt's text is not returned"),
+    }
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0)] | None = None  # 0..20, checked by the route (400)
-    response_format: dict[str, object] | None = None  # only {"type": "text"}
+    add_generation_prompt: bool = True
+    """False: the template renders the conversation without the assistant's opening."""
+    add_special_tokens: bool = False
+    """True: the tokenizer adds its specials (BOS) on top of what the template writes."""
     tools: list[object] | None = None
     tool_choice: object | None = None
     parallel_tool_calls: bool | None = None

@@ -32,7 +32,7 @@ from kvctl import __version__
 from kvctl.agent.audit import Action, AuditLog, Outcome, action_of
 from kvctl.agent.config import AgentConfig
 from kvctl.agent.service import AgentService
-from kvctl.api import ErrorBody
+from kvctl.api import UNSUPPORTED, ErrorBody
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -182,12 +182,16 @@ class ServerContext:
         self.audit.record(action, outcome, caller_of(request.scope), authenticated, details)
 
 
-def _validation_message(error: RequestValidationError) -> str:
+def _validation_error(error: RequestValidationError) -> tuple[int, str]:
+    """A refused body's status and one-line message: 400 for a field the API knows and the agent
+    does not implement (its message names it), 422 for a body that breaks the schema."""
     first = error.errors()[0]
+    if first["type"] == UNSUPPORTED:
+        return 400, first["msg"]
     where = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
     if first["type"] == "json_invalid":
-        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-    return f"{where}: {first['msg'].removeprefix('Value error, ')}"
+        return 422, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+    return 422, f"{where}: {first['msg'].removeprefix('Value error, ')}"
 
 
 def create_app(
@@ -231,7 +235,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
-        return error_response(422, _validation_message(error))
+        return error_response(*_validation_error(error))
 
     @app.exception_handler(Exception)
     async def server_error(_: Request, error: Exception) -> JSONResponse:

@@ -1,8 +1,9 @@
 """The OpenAI surface of a real agent over real HTTP, driven by the official `openai` client
 where it can be: chat (plain and streamed), completions with lists of prompts, `n`, logprobs,
-echo, served model names, the refusals of what is not supported, and OpenAI's error shape on
-every error, unknown routes and methods included. A tiny transformers checkpoint with a chat
-template checks the chat endpoint's ids and replies against transformers itself."""
+echo, served model names, vLLM's extensions (those implemented, and a 400 naming each one that
+is not unless it has a neutral value), the refusals of what is not supported, and OpenAI's error
+shape on every error, unknown routes and methods included. A tiny transformers checkpoint with a
+chat template checks the chat endpoint's ids and replies against transformers itself."""
 
 from __future__ import annotations
 
@@ -190,6 +191,170 @@ def test_unknown_fields_stay_refused(demo_agent):
     assert response.status_code == 422 and "temprature" in response.json()["error"]["message"]
 
 
+BOTH = ("/v1/completions", "/v1/chat/completions")
+VLLM_REFUSED = [
+    *(
+        (path, name, value)
+        for path in BOTH
+        for name, value in [
+            ("use_beam_search", True),
+            ("length_penalty", 0.5),
+            ("early_stopping", True),
+            ("prompt_logprobs", 1),
+            ("logprob_token_ids", [1]),
+            ("bad_words", ["pool"]),
+            ("truncate_prompt_tokens", 4),
+            ("truncation_side", "middle"),
+            ("structured_outputs", {"json": {"type": "object"}}),
+            ("guided_json", {"type": "object"}),
+            ("guided_regex", "a+"),
+            ("guided_choice", ["a", "b"]),
+            ("guided_grammar", "root ::= 'a'"),
+            ("guided_decoding_backend", "xgrammar"),
+            ("guided_whitespace_pattern", " "),
+            ("watermarking", True),
+            ("priority", 1),
+            ("kv_transfer_params", {"do_remote_decode": True}),
+            ("ec_transfer_params", {"a": 1}),
+            ("vllm_xargs", {"a": 1}),
+            ("repetition_detection", {"max_pattern_size": 4}),
+            ("thinking_token_budget", 100),
+            ("stream_interval", 4),
+            ("response_format", {"type": "json_schema", "json_schema": {}}),
+            ("skip_special_tokens", False),  # the demo's byte tokenizer: its specials have no text
+        ]
+    ),
+    ("/v1/completions", "prompt_embeds", "AAAA"),
+    *(
+        ("/v1/chat/completions", name, value)
+        for name, value in [
+            ("echo", True),
+            ("continue_final_message", True),
+            ("chat_template", "{{ messages }}"),
+            ("chat_template_kwargs", {"enable_thinking": False}),
+            ("documents", [{"title": "a", "text": "b"}]),
+            ("mm_processor_kwargs", {"a": 1}),
+            ("media_io_kwargs", {"video": {}}),
+            ("reasoning_effort", "low"),
+            ("return_prompt_text", True),
+        ]
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "name", "value"), VLLM_REFUSED, ids=lambda x: str(x)[:20])
+def test_vllm_extensions_not_implemented_are_a_400_naming_them(demo_agent, path, name, value):
+    body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+    response = httpx.post(demo_agent.url + path, json={**body, name: value}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"].startswith(f"{name}: ") and error["type"] == "invalid_request_error"
+
+
+VLLM_NEUTRAL = {
+    "use_beam_search": False,
+    "length_penalty": 1,
+    "early_stopping": False,
+    "prompt_logprobs": None,
+    "bad_words": [],
+    "truncate_prompt_tokens": None,
+    "truncation_side": "left",
+    "structured_outputs": None,
+    "guided_json": None,
+    "watermarking": False,
+    "priority": 0,
+    "vllm_xargs": {},
+    "thinking_token_budget": -1,
+    "stream_interval": 1,
+    "session_id": "s-1",
+    "request_id": "r-1",
+    "mm_payload": "none",
+    "return_token_offsets": True,
+    "routed_experts_prompt_start": 3,
+    "spaces_between_special_tokens": False,
+    "skip_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "top_k": -1,
+    "response_format": {"type": "text"},
+}
+CHAT_NEUTRAL = {
+    "echo": False,
+    "continue_final_message": False,
+    "chat_template_kwargs": {},
+    "documents": [],
+    "include_reasoning": False,
+    "add_generation_prompt": True,
+    "add_special_tokens": False,
+    "top_logprobs": 0,  # vLLM's default, without logprobs
+}
+
+
+def test_neutral_values_of_vllm_extensions_are_accepted(demo_agent):
+    plain = {"max_tokens": 5, "temperature": 0}
+    completion = httpx.post(
+        f"{demo_agent.url}/v1/completions",
+        json={"prompt": "Pages", **plain, **VLLM_NEUTRAL},
+        timeout=60,
+    )
+    assert completion.status_code == 200, completion.text
+    reference = httpx.post(
+        f"{demo_agent.url}/v1/completions", json={"prompt": "Pages", **plain}, timeout=60
+    )
+    assert completion.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
+    chat = httpx.post(
+        f"{demo_agent.url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            **plain,
+            **VLLM_NEUTRAL,
+            **CHAT_NEUTRAL,
+        },
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+
+
+def test_vllm_output_fields_over_http(demo_agent):
+    url = demo_agent.url
+    greedy = {"prompt": "The pool holds", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+    def complete(**fields):
+        response = httpx.post(f"{url}/v1/completions", json={**greedy, **fields}, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    plain = complete()
+    text = plain["choices"][0]["text"]
+    assert plain["usage"]["prompt_tokens"] == len(b"The pool holds") + 1
+    bare = complete(add_special_tokens=False, return_token_ids=True)
+    assert bare["choices"][0]["prompt_token_ids"] == list(b"The pool holds")
+    stop = text[4:6]
+    cut = text.index(stop)
+    assert complete(stop=[stop])["choices"][0]["text"] == text[:cut]
+    kept = complete(stop=[stop], include_stop_str_in_output=True)["choices"][0]
+    assert kept["text"] == text[: cut + len(stop)] and kept["finish_reason"] == "stop"
+    as_ids = complete(logprobs=1, return_tokens_as_token_ids=True, return_token_ids=True)
+    choice = as_ids["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    messages = [{"role": "user", "content": "x"}]
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "messages": messages,
+            "max_tokens": 3,
+            "logprobs": True,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+        },
+        timeout=60,
+    ).json()["choices"][0]
+    assert [t["token"] for t in chat["logprobs"]["content"]] == [
+        f"token_id:{t}" for t in chat["token_ids"]
+    ]
+
+
 def test_chat_over_http_equals_transformers(checkpoint_agents):
     model, tokenizer, agent, without = checkpoint_agents
     messages = [
@@ -214,6 +379,11 @@ def test_chat_over_http_equals_transformers(checkpoint_agents):
     lp = httpx.post(f"{agent.url}/v1/chat/completions", json=body, timeout=60).json()
     [token] = lp["choices"][0]["logprobs"]["content"]
     assert token["logprob"] == pytest.approx(float(first[reply[0]]), abs=1e-4)
+    opened = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    opened = opened if isinstance(opened, list) else opened["input_ids"]
+    no_prompt = {**body, "add_generation_prompt": False, "max_tokens": 1}
+    answer = httpx.post(f"{agent.url}/v1/chat/completions", json=no_prompt, timeout=60).json()
+    assert answer["prompt_token_ids"] == opened != expected_ids
     refused = httpx.post(f"{without.url}/v1/chat/completions", json=body, timeout=60)
     assert refused.status_code == 400 and "no chat template" in refused.json()["error"]["message"]
     card = httpx.get(f"{without.url}/v1/models").json()["data"][0]

@@ -48,10 +48,11 @@ def router(ctx: ServerContext) -> APIRouter:
             )
         messages = [_message(m) for m in body.messages]
         try:
-            text = template.render(messages, add_generation_prompt=True)
+            text = template.render(messages, add_generation_prompt=body.add_generation_prompt)
         except TemplateError as error:
             raise ApiError(400, f"messages: {error}") from None
-        ids = await gen.tokenize(text, add_special_tokens=template.add_special_tokens)
+        specials = template.add_special_tokens or body.add_special_tokens
+        ids = await gen.tokenize(text, add_special_tokens=specials)
         gen.check_length(ids)
         return ids
 
@@ -105,15 +106,10 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
             raise ApiError(
                 400, f"messages.{i}: tool messages and tool calls are not supported by this agent"
             )
-    kind = (body.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise ApiError(
-            400, f"response_format: only type 'text' is supported by this agent, got {kind!r}"
-        )
     if body.top_logprobs is not None:
         if body.top_logprobs > MAX_LOGPROBS:
             raise ApiError(400, f"top_logprobs: at most {MAX_LOGPROBS}, got {body.top_logprobs}")
-        if not body.logprobs:
+        if body.top_logprobs and not body.logprobs:  # 0 is vLLM's default: nothing asked
             raise ApiError(400, "top_logprobs: needs logprobs set to true")
 
 

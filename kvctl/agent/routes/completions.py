@@ -45,7 +45,10 @@ def router(ctx: ServerContext) -> APIRouter:
         gen.check_choices(len(prompts), body.n)
         result = []
         for one in prompts:
-            ids = await gen.tokenize(one) if isinstance(one, str) else list(one)
+            if isinstance(one, str):
+                ids = await gen.tokenize(one, add_special_tokens=body.add_special_tokens)
+            else:
+                ids = list(one)
             gen.check_length(ids)
             result.append(ids)
         return result

@@ -117,6 +117,7 @@ class Generation:
         self.config = ctx.config
         self.prefix = prefix
         self.pool = pool or self.service.first
+        self.tokens_as_ids = False  # a request's return_tokens_as_token_ids, once bound
         self._tokenizing = asyncio.Semaphore(1)
 
     @property
@@ -137,7 +138,8 @@ class Generation:
 
     def check_request(self, body: GenerationFields, max_tokens: int | None) -> Generation:
         """These steps bound to the model `body` names; 503 while draining, 404 for a model not
-        served here (400 for none when several are), 400 over the token limit."""
+        served here (400 for none when several are), 400 over the token limit or for an output
+        field the model cannot honour."""
         if not self.service.accepting:
             raise self.refuse(503, "shutting_down", "the agent is shutting down")
         try:
@@ -148,7 +150,9 @@ class Generation:
             raise ApiError(404 if body.model else 400, message, error_type=kind) from None
         bound = copy.copy(self)
         bound.pool = pool
+        bound.tokens_as_ids = bool(body.return_tokens_as_token_ids)
         bound.check_limits(max_tokens)
+        bound.check_output(body)
         return bound
 
     def check_limits(self, max_tokens: int | None) -> None:
@@ -158,6 +162,25 @@ class Generation:
                 "invalid",
                 f"max_tokens {max_tokens} is above this agent's limit of "
                 f"{self.config.max_tokens_limit}",
+            )
+
+    def check_output(self, body: GenerationFields) -> None:
+        """400 for output settings this model cannot give: special tokens' text from a tokenizer
+        whose special tokens have none, a response format other than text."""
+        tokenizer = self.tokenizer
+        if not body.skip_special_tokens and (
+            tokenizer is None or not tokenizer.has_special_token_text
+        ):
+            raise ApiError(
+                400,
+                f"skip_special_tokens: model {self.served.name!r} has no text for its special "
+                "tokens (the demo's byte tokenizer has none), so false would change nothing; "
+                "leave it out or true",
+            )
+        kind = (body.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ApiError(
+                400, f"response_format: only type 'text' is supported by this agent, got {kind!r}"
             )
 
     def check_choices(self, prompts: int, n: int) -> None:
@@ -215,6 +238,12 @@ class Generation:
                 logprobs=logprobs,
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 min_tokens=body.min_tokens,
+                min_p=body.min_p,
+                repetition_penalty=body.repetition_penalty,
+                allowed_token_ids=tuple(body.allowed_token_ids or ()),
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens,
             )
         except ValueError as error:
             raise ApiError(400, str(error)) from None
@@ -352,9 +381,10 @@ class Generation:
         )
 
     def token_text(self, token_id: int) -> str:
-        """A token as text, for log-probabilities (`token_id:N` without a tokenizer)."""
+        """A token as text, for log-probabilities (`token_id:N` without a tokenizer, or when the
+        request asked for `return_tokens_as_token_ids`)."""
         tokenizer = self.tokenizer
-        if tokenizer is None:
+        if tokenizer is None or self.tokens_as_ids:
             return f"token_id:{token_id}"
         return tokenizer.decode([token_id])
 
