@@ -320,18 +320,23 @@ def _end_later(x: Tensor, requests: Sequence[Generating], eos_token_ids: Collect
 def _penalise(
     x: Tensor, params: Sequence[SamplingParams], output: Tensor, prompt: Tensor
 ) -> Tensor:
-    """The repetition penalty over prompt and output tokens, then presence and frequency over
-    the output's counts (rows without penalties have factors that change nothing exactly)."""
+    """The repetition penalty over prompt and output tokens, then frequency and presence over
+    the output's counts, each only when some row has it (rows without it get factors that
+    change nothing exactly). `x` is the caller's own tensor: changed in place where it can be."""
     factors = torch.tensor(
-        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
+        [[p.repetition_penalty, -p.frequency_penalty, -p.presence_penalty] for p in params],
         device=x.device,
     )
-    present = output > 0
-    if any(p.repetition_penalty != 1 for p in params):
+    repetition = any(p.repetition_penalty != 1 for p in params)
+    presence = any(p.presence_penalty for p in params)
+    present = output > 0 if repetition or presence else None
+    if repetition and present is not None:
         penalty = factors[:, :1]
         x = torch.where(prompt | present, torch.where(x > 0, x / penalty, x * penalty), x)
-    if any(p.frequency_penalty or p.presence_penalty for p in params):
-        x = x - output * factors[:, 1:2] - present * factors[:, 2:3]
+    if any(p.frequency_penalty for p in params):
+        x.addcmul_(output, factors[:, 1:2])
+    if presence and present is not None:
+        x.addcmul_(present, factors[:, 2:3])
     return x
 
 

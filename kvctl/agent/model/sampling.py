@@ -1,13 +1,13 @@
 """Next-token choice for a whole batch at once: greedy rows take the argmax, the others sample
 with temperature, min-p, top-k and top-p, applied in that order (vLLM's).
 
-Sampling is the Gumbel-max trick: `argmax(logit / T + G)`, G = -log(-log U) with U uniform, is
-token j with probability softmax(logit / T)[j]. So a row that truncates nothing needs neither a
-softmax nor a sort, and min-p is a threshold on the scaled logits (`p ≥ min_p × p_max` is
-`logit / T ≥ max / T + log min_p`). Only the rows with top-p sort their vocabulary (top-p needs
-the mass in order); rows with top-k alone take their k best with `topk`, which costs less than a
-sort at every k measured on the CPU (benchmarks/sampler.py). Each kind of row is handled by a few
-tensor ops for all rows of that kind.
+Sampling is the Gumbel-max trick, as an exponential race: `argmax(logit / T - log E)`, with
+E = -log U ~ Exp(1) and U uniform, is token j with probability softmax(logit / T)[j]. So a row
+that truncates nothing needs neither a softmax nor a sort, and min-p is a threshold on the
+scaled logits (`p ≥ min_p × p_max` is `logit / T ≥ max / T + log min_p`). Only the rows with
+top-p sort their vocabulary (top-p needs the mass in order); rows with top-k alone take their k
+best with `topk`, which costs less than a sort at every k measured on the CPU
+(benchmarks/sampler.py). Each kind of row is handled by a few tensor ops for all its rows.
 
 Noise: a row with a seed draws from its own `torch.Generator`, a count that depends only on its
 own settings (the vocabulary, or its k under top-k alone), so its tokens depend only on its seed,
@@ -147,7 +147,8 @@ class SamplingParams:
 
 
 Noise = Callable[[int, Sequence[int]], Tensor]
-"""(width, counts per row) -> [rows, width] Gumbel noise, row j drawing counts[j] values."""
+"""(width, counts per row) -> [rows, width] log E, E ~ Exp(1), row j drawing counts[j] values:
+`argmax(scaled logits - log E)` is the exponential race `argmax(p / E)`, the Gumbel-max trick."""
 
 
 class Sampler:
@@ -198,25 +199,30 @@ class Sampler:
             if not rows:
                 continue
             rows.sort(key=lambda i: generators[i] is not None)  # one draw for the unseeded
-            index = torch.tensor(rows, device=logits.device)
             noise = self._noise([generators[i] for i in rows], logits.device)
+            if rows == list(range(len(params))):  # every row, in order: no copy
+                tokens = choose(logits.float(), params, noise)
+                continue
+            index = torch.tensor(rows, device=logits.device)
             picked = choose(logits.index_select(0, index).float(), [params[i] for i in rows], noise)
             tokens.index_copy_(0, index, picked)
         return tokens
 
     def _noise(self, generators: Sequence[torch.Generator | None], device: torch.device) -> Noise:
-        """Gumbel noise for rows whose generators are `generators`, those without one first."""
+        """The noise of rows whose generators are `generators`, those without one first."""
         shared = sum(g is None for g in generators)
 
         def draw(width: int, counts: Sequence[int]) -> Tensor:
-            uniform = torch.zeros(len(generators), width, device=device)
+            # U in [tiny, 1): U = 0 would be noise -inf, and a row whose only kept token drew
+            # it would keep none
+            tiny = torch.finfo(torch.float32).tiny
+            uniform = torch.empty(len(generators), width, device=device)
             if shared:
-                uniform[:shared].uniform_(generator=self._generator(device))
+                uniform[:shared].uniform_(tiny, 1, generator=self._generator(device))
             for j in range(shared, len(generators)):
-                uniform[j, : counts[j]].uniform_(generator=generators[j])
-            # U = 0 would be noise -inf: a row whose only kept token drew it would keep none
-            uniform.clamp_(min=torch.finfo(uniform.dtype).tiny)
-            return uniform.log_().neg_().log_().neg_()
+                uniform[j, : counts[j]].uniform_(tiny, 1, generator=generators[j])
+                uniform[j, counts[j] :] = tiny  # past the row's own count: dropped anyway
+            return uniform.log_().neg_().log_()  # log E, E = -log U ~ Exp(1)
 
         return draw
 
@@ -234,19 +240,19 @@ def _scales(params: Sequence[SamplingParams], device: torch.device) -> tuple[Ten
 
 
 def _plain(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Tensor:
-    """Rows that keep every token (but those min-p drops): Gumbel-max on the scaled logits."""
+    """Rows that keep every token (but those min-p drops): the race on the scaled logits."""
     temperature, log_min_p = _scales(params, logits.device)
     scaled = logits / temperature
     if any(p.min_p > 0 for p in params):
         floor = scaled.amax(dim=-1, keepdim=True) + log_min_p
         scaled = scaled.masked_fill(scaled < floor, -math.inf)
     vocab = logits.shape[-1]
-    return (scaled + noise(vocab, [vocab] * len(params))).argmax(dim=-1)
+    return (scaled - noise(vocab, [vocab] * len(params))).argmax(dim=-1)
 
 
 def _top_k(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Tensor:
     """Rows with top-k and no top-p: the k best (a logit's rank does not depend on the
-    temperature), then min-p and Gumbel-max among them."""
+    temperature), then min-p and the race among them."""
     device = logits.device
     ks = [p.top_k for p in params]
     values, ids = logits.topk(max(ks), dim=-1)  # [R, kmax], most likely first
@@ -257,14 +263,14 @@ def _top_k(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Te
     if any(p.min_p > 0 for p in params):
         drop |= values < values[:, :1] + log_min_p
     values = values.masked_fill(drop, -math.inf)
-    choice = (values + noise(values.shape[-1], ks)).argmax(dim=-1, keepdim=True)
+    choice = (values - noise(values.shape[-1], ks)).argmax(dim=-1, keepdim=True)
     return ids.gather(1, choice).squeeze(1)
 
 
 def _ordered(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Tensor:
     """Rows with top-p: in ascending order, min-p, top-k, then top-p as transformers'
     `TopPLogitsWarper` computes it (drop the tokens whose cumulative mass from the least likely
-    up is ≤ 1 - top_p; the most likely always stays), then Gumbel-max among the rest."""
+    up is ≤ 1 - top_p; the most likely always stays), then the race among the rest."""
     device, vocab = logits.device, logits.shape[-1]
     ascending, order = logits.sort(dim=-1)  # [R, vocab] each
     temperature, log_min_p = _scales(params, device)
@@ -279,7 +285,7 @@ def _ordered(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> 
     drop = scaled.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
     drop[:, -1] = False
     scaled = scaled.masked_fill(drop, -math.inf)
-    choice = (scaled + noise(vocab, [vocab] * len(params))).argmax(dim=-1, keepdim=True)
+    choice = (scaled - noise(vocab, [vocab] * len(params))).argmax(dim=-1, keepdim=True)
     return order.gather(1, choice).squeeze(1)
 
 
