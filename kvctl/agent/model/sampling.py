@@ -4,13 +4,14 @@ with temperature, min-p, top-k and top-p, applied in that order (vLLM's).
 Sampling is the Gumbel-max trick, as an exponential race: `argmax(logit / T - log E)`, with
 E = -log U ~ Exp(1) and U uniform, is token j with probability softmax(logit / T)[j]. So a row
 that truncates nothing needs neither a softmax nor a sort, and min-p is a threshold on the
-scaled logits (`p ≥ min_p × p_max` is `logit / T ≥ max / T + log min_p`). Only the rows with
-top-p sort their vocabulary (top-p needs the mass in order); rows with top-k alone take their k
-best with `topk`, which costs less than a sort at every k measured on the CPU
-(benchmarks/sampler.py). Each kind of row is handled by a few tensor ops for all its rows.
+scaled logits (`p ≥ min_p × p_max` is `logit / T ≥ max / T + log min_p`). Rows with top-k take
+their k best with `topk`, which costs less than a sort at every k measured on the CPU
+(benchmarks/sampler.py), and apply top-p among those; only rows with top-p and no top-k sort
+their vocabulary (top-p needs the mass in order). Each kind of row is handled by a few tensor
+ops for all its rows.
 
 Noise: a row with a seed draws from its own `torch.Generator`, a count that depends only on its
-own settings (the vocabulary, or its k under top-k alone), so its tokens depend only on its seed,
+own settings (the vocabulary, or its k under top-k), so its tokens depend only on its seed,
 its settings and how many tokens it has drawn, whatever shares its batch. Rows without a seed
 draw theirs in one call from the sampler's generator. The chosen tokens stay on the logits'
 device; the engine copies them to the host once per step.
@@ -182,10 +183,10 @@ class Sampler:
             if p.greedy:
                 continue
             k = p.top_k_limit
-            if p.top_p < 1:
-                ordered.append(i)
-            elif k is not None and k < vocab:
+            if k is not None and k < vocab:
                 top_k.append(i)
+            elif p.top_p < 1:
+                ordered.append(i)
             else:
                 plain.append(i)
         sampled = len(plain) + len(top_k) + len(ordered)
@@ -221,7 +222,8 @@ class Sampler:
                 uniform[:shared].uniform_(tiny, 1, generator=self._generator(device))
             for j in range(shared, len(generators)):
                 uniform[j, : counts[j]].uniform_(tiny, 1, generator=generators[j])
-                uniform[j, counts[j] :] = tiny  # past the row's own count: dropped anyway
+                if counts[j] < width:
+                    uniform[j, counts[j] :] = tiny  # past the row's own k: dropped anyway
             return uniform.log_().neg_().log_()  # log E, E = -log U ~ Exp(1)
 
         return draw
@@ -251,8 +253,8 @@ def _plain(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Te
 
 
 def _top_k(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Tensor:
-    """Rows with top-k and no top-p: the k best (a logit's rank does not depend on the
-    temperature), then min-p and the race among them."""
+    """Rows with top-k: their k best (a logit's rank does not depend on the temperature), then
+    min-p, top-p among those k (all top-p ever keeps), and the race among what is left."""
     device = logits.device
     ks = [p.top_k for p in params]
     values, ids = logits.topk(max(ks), dim=-1)  # [R, kmax], most likely first
@@ -263,30 +265,34 @@ def _top_k(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Te
     if any(p.min_p > 0 for p in params):
         drop |= values < values[:, :1] + log_min_p
     values = values.masked_fill(drop, -math.inf)
+    if any(p.top_p < 1 for p in params):
+        values = _top_p(values.flip(-1), params).flip(-1)
     choice = (values - noise(values.shape[-1], ks)).argmax(dim=-1, keepdim=True)
     return ids.gather(1, choice).squeeze(1)
 
 
 def _ordered(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Tensor:
-    """Rows with top-p: in ascending order, min-p, top-k, then top-p as transformers'
-    `TopPLogitsWarper` computes it (drop the tokens whose cumulative mass from the least likely
-    up is ≤ 1 - top_p; the most likely always stays), then the race among the rest."""
-    device, vocab = logits.device, logits.shape[-1]
+    """Rows with top-p and no top-k: the whole vocabulary in ascending order, min-p, top-p,
+    then the race among the rest."""
+    vocab = logits.shape[-1]
     ascending, order = logits.sort(dim=-1)  # [R, vocab] each
-    temperature, log_min_p = _scales(params, device)
+    temperature, log_min_p = _scales(params, logits.device)
     scaled = ascending / temperature
-    ranks = torch.arange(vocab, device=device)[None, :]
-    keep_from = torch.tensor([vocab - min(p.top_k_limit or vocab, vocab) for p in params])
-    drop = ranks < keep_from.to(device)[:, None]
     if any(p.min_p > 0 for p in params):
-        drop |= scaled < scaled[:, -1:] + log_min_p
-    scaled = scaled.masked_fill(drop, -math.inf)
-    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
-    drop = scaled.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
-    drop[:, -1] = False
-    scaled = scaled.masked_fill(drop, -math.inf)
+        scaled = scaled.masked_fill(scaled < scaled[:, -1:] + log_min_p, -math.inf)
+    scaled = _top_p(scaled, params)
     choice = (scaled - noise(vocab, [vocab] * len(params))).argmax(dim=-1, keepdim=True)
     return order.gather(1, choice).squeeze(1)
+
+
+def _top_p(ascending: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Scaled logits in ascending order (-inf for tokens already dropped), top-p applied as
+    transformers' `TopPLogitsWarper` computes it: drop the tokens whose cumulative probability
+    from the least likely up is ≤ 1 - top_p; the most likely always stays."""
+    top_p = torch.tensor([p.top_p for p in params], device=ascending.device)[:, None]
+    drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    drop[:, -1] = False
+    return ascending.masked_fill(drop, -math.inf)
 
 
 def _is_int(value: object) -> bool:
