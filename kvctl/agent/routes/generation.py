@@ -174,8 +174,8 @@ class Generation:
             raise ApiError(
                 400,
                 f"skip_special_tokens: model {self.served.name!r} has no text for its special "
-                "tokens (the demo's byte tokenizer has none), so false would change nothing; "
-                "leave it out or true",
+                "tokens (a byte tokenizer, or none), so false would change nothing; leave it "
+                "out or true",
             )
         kind = (body.response_format or {}).get("type", "text")
         if kind != "text":
