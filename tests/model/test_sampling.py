@@ -51,7 +51,7 @@ def test_same_seed_same_tokens_whatever_the_batch(settings):
     alone = [int(sampler(step[-1:], [mine], alone_gen)[0]) for step in steps]
     assert len(set(alone)) > 3, "a temperature-0.9 sampler should not repeat one token"
     for at in (0, 3, len(OTHERS)):
-        batch_params = OTHERS[:at] + [mine] + OTHERS[at:]
+        batch_params = [*OTHERS[:at], mine, *OTHERS[at:]]
         batch_gen = [p.make_generator() for p in batch_params]
         rows = [*range(at), len(OTHERS), *range(at, len(OTHERS))]
         batched = [int(sampler(step[rows], batch_params, batch_gen)[at]) for step in steps]
