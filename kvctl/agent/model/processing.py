@@ -179,6 +179,9 @@ class RequestRows:
         with their tokens."""
         if (vocab, device) != (self.vocab, self.device):
             self._reset(vocab, device)
+        needed = {name for r in requests for name in _tables_of(r.params)}
+        if not needed:  # min_tokens alone: nothing kept across steps
+            return Tables(None, None, None, None)
         fresh: list[tuple[int, Generating]] = []
         slots: list[int] = []
         counted_rows: list[int] = []
@@ -202,7 +205,6 @@ class RequestRows:
                 torch.ones(len(counted_ids), device=self.device),
                 accumulate=True,
             )
-        needed = {name for r in requests for name in _tables_of(r.params)}
         index = self._ids(slots)
         rows = {name: self.tables[name].index_select(0, index) for name in needed}
         return Tables(rows.get("output"), rows.get("prompt"), rows.get("bias"), rows.get("blocked"))
