@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Installed first, pinned, so that the package's `torch>=2.3` is already met: a bare `torch`
+# Installed first, pinned, so that the package's `torch>=2.4` is already met: a bare `torch`
 # can resolve to a multi-gigabyte CUDA build on a host with no GPU.
 TORCH := torch==2.13.0
 
@@ -16,13 +16,15 @@ setup: $(STAMP)
 # (about folders named like the package) that says nothing about this project.
 
 $(STAMP): pyproject.toml
-	@echo "setup 1/3: a virtual environment in $(VENV) with a current pip"
+	@echo "setup 1/4: a virtual environment in $(VENV) with a current pip"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	@echo "setup 2/3: $(TORCH), the CPU build (pip shows its progress)"
+	@echo "setup 2/4: $(TORCH), the CPU build (pip shows its progress)"
 	$(BIN)/python -m pip install --progress-bar on '$(TORCH)'
-	@echo "setup 3/3: kvctl and its development tools"
+	@echo "setup 3/4: kvctl and its development tools"
 	PYTHONWARNINGS=ignore $(BIN)/python -m pip install --progress-bar on -e '.[dev]'
+	@echo "setup 4/4: the CPU kernels, compiled once for this machine (about 30 s; skipped where they cannot run)"
+	$(BIN)/python -m kvctl.agent.kernels
 	touch $(STAMP)
 	@echo "setup done: $(VENV)"
 

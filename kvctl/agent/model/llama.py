@@ -130,6 +130,7 @@ class LlamaModel(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.head: nn.Module | None = None  # the output projection once fused (`fused.fuse`)
 
     @torch.inference_mode()
     def forward(self, token_ids: Tensor, positions: Tensor, attention: AttentionBackend) -> Tensor:
@@ -145,5 +146,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> logits [N, vocab], float32."""
+        if self.head is not None:
+            return self.head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

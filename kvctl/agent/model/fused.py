@@ -1,0 +1,201 @@
+"""The serving form of a loaded model: fewer, larger products and one pass per elementwise step,
+made once at load.
+
+A checkpoint loads into `LlamaModel` with Hugging Face's modules and names (`q_proj`, `k_proj`,
+`v_proj`, `gate_proj`, `up_proj`), so loading, state dicts and the tests against transformers
+stay exact. Serving wants the opposite: on a decode step every product is a pass over its
+weight and every operation a fixed cost (at 8 rows, dispatching a small torch operation costs
+more than its arithmetic). `fuse(model)` therefore rewrites the model in place, once:
+
+- each attention's three projections become one `qkv` product and each MLP's gate and up one
+  `gate_up` product, every product (the output head too) a `Projection` in the layout the
+  device reads best (`projection.py`);
+- the decoder runs each layer as norm → qkv → rotary (in place on q and k) → attention → o →
+  residual add + norm → gate_up → silu(gate) · up → down, with the residual add of one block
+  folded into the norm that opens the next (`LayerOps`: the CPU kernels' single passes where
+  they run, the same steps in torch elsewhere).
+
+The math is the model's: the same weights and the same operations per element, in float32 for
+the norms as Hugging Face computes them; only the order of a few floating-point sums differs
+(logits within 1e-4 of the unfused model, as tests hold it, the tolerance every comparison
+with transformers uses). A fused model still runs through
+`LlamaModel.forward` and `logits`; its state dict is no longer Hugging Face's, so load and
+compare before fusing.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvctl.agent.kernels import cpu_ops
+from kvctl.agent.model.attention import AttentionBackend
+from kvctl.agent.model.llama import MLP, Decoder, LlamaModel, RMSNorm, SelfAttention
+from kvctl.agent.model.projection import Projection
+from kvctl.agent.model.rope import apply_rotary
+
+
+class LayerOps:
+    """The elementwise steps of a layer in torch: the reference, and the path everywhere the
+    CPU kernels do not run (a GPU, bfloat16, a CPU without them)."""
+
+    name = "torch"
+
+    def rms_norm(self, x: Tensor, norm: RMSNorm) -> Tensor:
+        return norm(x)
+
+    def add_rms_norm_(self, residual: Tensor, x: Tensor, norm: RMSNorm) -> Tensor:
+        """residual += x in place; returns norm(residual)."""
+        residual.add_(x)
+        return norm(residual)
+
+    def rotary(
+        self, qkv: Tensor, cos: Tensor, sin: Tensor, split: tuple[int, int, int], head_dim: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k (rotated) and v of a qkv product [T, q + k + v], each [T, heads, head_dim]."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split(split, dim=-1)
+        q = apply_rotary(q.view(t, -1, head_dim), cos, sin)
+        k = apply_rotary(k.view(t, -1, head_dim), cos, sin)
+        return q, k, v.view(t, -1, head_dim)
+
+    def silu_and_mul(self, gate_up: Tensor) -> Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class KernelLayerOps(LayerOps):
+    """The same steps as single passes of the CPU kernels (float32 on a CPU)."""
+
+    name = "cpu-kernels"
+
+    def __init__(self, ops: ModuleType) -> None:
+        self._ops = ops
+
+    def rms_norm(self, x: Tensor, norm: RMSNorm) -> Tensor:
+        return self._ops.rms_norm(x, norm.weight, norm.eps)
+
+    def add_rms_norm_(self, residual: Tensor, x: Tensor, norm: RMSNorm) -> Tensor:
+        return self._ops.add_rms_norm_(residual, x.contiguous(), norm.weight, norm.eps)
+
+    def rotary(
+        self, qkv: Tensor, cos: Tensor, sin: Tensor, split: tuple[int, int, int], head_dim: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        t = qkv.shape[0]
+        q_dim, k_dim, _ = split
+        self._ops.rotary_(qkv, cos, sin, (q_dim + k_dim) // head_dim, head_dim)
+        q, k, v = qkv.split(split, dim=-1)
+        return q.view(t, -1, head_dim), k.view(t, -1, head_dim), v.view(t, -1, head_dim)
+
+    def silu_and_mul(self, gate_up: Tensor) -> Tensor:
+        return self._ops.silu_and_mul(gate_up)
+
+
+def layer_ops_for(weight: Tensor, kernels: bool = True) -> LayerOps:
+    """The kernels' single passes for float32 weights on a CPU where they run (and `kernels`),
+    else torch."""
+    ops = cpu_ops() if kernels and weight.device.type == "cpu" else None
+    if ops is not None and weight.dtype == torch.float32:
+        return KernelLayerOps(ops)
+    return LayerOps()
+
+
+class FusedLayer(nn.Module):
+    """One decoder layer with fused products; its norms and residual adds run in the decoder."""
+
+    def __init__(
+        self,
+        attention: SelfAttention,
+        mlp: MLP,
+        input_norm: RMSNorm,
+        post_norm: RMSNorm,
+        kernels: bool = True,
+    ) -> None:
+        super().__init__()
+        self.layer_index = attention.layer_index
+        self.head_dim = attention.head_dim
+        parts = (attention.q_proj, attention.k_proj, attention.v_proj)
+        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+        self.qkv = Projection.of(torch.cat([p.weight for p in parts]), bias, kernels)
+        self.o = Projection.of(attention.o_proj.weight, attention.o_proj.bias, kernels)
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.gate_up = Projection.of(gate_up, kernels=kernels)
+        self.down = Projection.of(mlp.down_proj.weight, kernels=kernels)
+        self.input_layernorm, self.post_attention_layernorm = input_norm, post_norm
+        q_dim = attention.num_heads * attention.head_dim
+        kv_dim = attention.num_kv_heads * attention.head_dim
+        self.split = (q_dim, kv_dim, kv_dim)
+
+    def attention(
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attention: AttentionBackend,
+        ops: LayerOps,
+    ) -> Tensor:
+        q, k, v = ops.rotary(self.qkv(h), cos, sin, self.split, self.head_dim)
+        out = attention.attend(self.layer_index, q, k, v)  # [T, h, d]
+        return self.o(out.reshape(h.shape[0], -1))
+
+    def mlp(self, h: Tensor, ops: LayerOps) -> Tensor:
+        return self.down(ops.silu_and_mul(self.gate_up(h)))
+
+
+class FusedDecoder(nn.Module):
+    """`Decoder` over fused layers: x = embed; per layer h = norm(x), x += attn(h),
+    h = norm(x), x += mlp(h); then the final norm, each residual add fused into the norm after
+    it."""
+
+    def __init__(self, decoder: Decoder, kernels: bool = True) -> None:
+        super().__init__()
+        self.embed_tokens = decoder.embed_tokens
+        self.rotary_emb = decoder.rotary_emb
+        self.norm = decoder.norm
+        self.layers = nn.ModuleList(
+            FusedLayer(
+                layer.self_attn,
+                layer.mlp,
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                kernels,
+            )
+            for layer in decoder.layers
+        )
+        self.ops = layer_ops_for(decoder.embed_tokens.weight, kernels)
+
+    def forward(self, token_ids: Tensor, positions: Tensor, attention: AttentionBackend) -> Tensor:
+        ops = self.ops
+        x = self.embed_tokens(token_ids)  # [T, hidden], the residual stream (updated in place)
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, head_dim] each
+        h = ops.rms_norm(x, self.layers[0].input_layernorm)
+        for i, layer in enumerate(self.layers):
+            h = ops.add_rms_norm_(
+                x, layer.attention(h, cos, sin, attention, ops), layer.post_attention_layernorm
+            )
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h = ops.add_rms_norm_(x, layer.mlp(h, ops), after)
+        return h
+
+
+def fuse(model: LlamaModel, kernels: bool = True) -> LlamaModel:
+    """Rewrite `model` in place into its serving form (once: a fused model is left as it is).
+    `kernels=False` keeps every step in torch even where the CPU kernels run."""
+    if model.head is not None:
+        return model
+    with torch.no_grad():
+        tied = model.lm_head is None
+        weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
+        model.head = Projection.of(weight, kernels=kernels)
+        model.lm_head = None
+        model.model = FusedDecoder(model.model, kernels)
+    return model
+
+
+def uses_kernels(model: LlamaModel) -> bool:
+    """Whether a fused model runs on the CPU kernels."""
+    decoder = model.model
+    return isinstance(decoder, FusedDecoder) and isinstance(decoder.ops, KernelLayerOps)
