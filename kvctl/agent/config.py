@@ -121,7 +121,7 @@ class AgentConfig(BaseModel):
     disk_tier_size: int | None = None  # bytes the disk tier may use; default 10GiB with a path
     max_batch_seqs: Annotated[int, Field(ge=1, le=4096)] = 64
     torch_threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # default: cores - 1
-    decode_read_path: Literal["auto", "gather", "flex"] = "auto"
+    decode_read_path: Literal["auto", "paged", "gather", "flex"] = "auto"
     max_batched_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = DEFAULT_MAX_BATCHED_TOKENS
     # tokens a step gives long prompts while requests decode; 0: no cap; default: 32 on CPU, else 0
     max_prefill_while_decoding: Annotated[int, Field(ge=0, le=1 << 20)] | None = None

@@ -693,8 +693,9 @@ def main_command(
     decode_read_path: Annotated[
         str | None,
         typer.Option(
-            help="How decode reads K/V pages: flex (FlexAttention through the page table), "
-            "gather (copy them together first), or auto (flex on CUDA, else gather; "
+            help="How decode reads K/V pages: paged (the CPU kernel, through the page "
+            "table), flex (FlexAttention through the page table), gather (copy them together "
+            "first), or auto (flex on CUDA, paged on a CPU where the kernels run, else gather; "
             "default)."
         ),
     ] = None,

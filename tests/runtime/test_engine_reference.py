@@ -10,7 +10,9 @@ import torch
 from hf_reference import SHAPE, peaked_weights
 from kv_device import DEVICE
 
+from kvctl.agent.kernels import cpu_ops
 from kvctl.agent.model import SamplingParams, load_checkpoint
+from kvctl.agent.model.fused import uses_kernels
 from kvctl.agent.runtime import Engine, EngineConfig
 from kvctl.settings import DefragSettings
 
@@ -20,8 +22,9 @@ VARIANTS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 NEW_TOKENS = 10
 
 
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_engine_greedy_matches_transformers_generate(variant, tmp_path) -> None:
+def test_engine_greedy_matches_transformers_generate(variant, cpu_kernels, tmp_path) -> None:
     architecture = VARIANTS[variant]
     config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     reference = getattr(transformers, architecture)(config_cls(**SHAPE)).eval()
@@ -38,8 +41,12 @@ def test_engine_greedy_matches_transformers_generate(variant, tmp_path) -> None:
             segment_pages=16,
             defrag=DefragSettings(enabled=False),
             device=DEVICE,
+            cpu_kernels=cpu_kernels,
         ),
     )
+    on_kernels = cpu_kernels and cpu_ops() is not None and DEVICE == "cpu"
+    assert uses_kernels(engine.model) == on_kernels
+    assert engine.cache.decode_read_path == ("paged" if on_kernels else "gather")
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 1, 23, 14)]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

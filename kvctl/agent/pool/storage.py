@@ -204,6 +204,12 @@ class KVStorage:
         return len(self._segments)
 
     @property
+    def segments(self) -> list[torch.Tensor]:
+        """The segment tensors, lowest ids first, for kernels that read pages where they lie
+        (the list changes on resize: read it afresh at every step)."""
+        return self._segments
+
+    @property
     def num_pages(self) -> int:
         return len(self._segments) * self.segment_pages
 

@@ -24,6 +24,7 @@ import torch
 
 from kvctl.agent.config import CPU_PREFILL_WHILE_DECODING
 from kvctl.agent.model.attention import BatchLayout
+from kvctl.agent.model.fused import fuse
 from kvctl.agent.model.llama import LlamaModel
 from kvctl.agent.model.processing import (
     TokenLogprobs,
@@ -83,6 +84,7 @@ class EngineConfig:
     eviction_policy: str = "lru"
     prefix_isolation: str = "salt"
     decode_read_path: ReadPath = "auto"  # see `PagedKVCache`
+    cpu_kernels: bool = True  # the project's CPU kernels where they run (`kvctl.agent.kernels`)
     # tiers below the pool for evicted prefix pages (both need the prefix cache)
     host_tier_bytes: int = 0
     host_tier_policy: str = "lru"
@@ -239,7 +241,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config = config or EngineConfig()
-        self.model = model
+        self.model = fuse(model, kernels=config.cpu_kernels)
         self.tokenizer = tokenizer
         self.model_config = mc = model.config
         # EOS comes from the checkpoint's config; a tokenizer is only needed for text
@@ -273,7 +275,13 @@ class Engine:
             max_pages=config.max_pool_pages,
             promised=self.pages_promised,
         )
-        self.cache = PagedKVCache(self.pool, self.storage, config.decode_read_path)
+        self.cache = PagedKVCache(
+            self.pool,
+            self.storage,
+            config.decode_read_path,
+            num_heads=mc.num_heads,
+            kernels=config.cpu_kernels,
+        )
         self.prefix_cache = (
             PrefixCache(self.pool, config.eviction_policy, mc.name, config.prefix_isolation)
             if config.prefix_cache

@@ -14,16 +14,20 @@ Reads, by step kind:
   under a mask built once per step for all layers (`chunk_mask`). In a mixed step
   (decode tokens and prompt chunks together, chunked prefill), the sequences with one new token
   are read as in a gathered decode, in one SDPA call, and only the chunks one by one.
+- decode, read path "paged" (the CPU default where the project's kernels run): one kernel call
+  per layer attends the whole batch, reading each sequence's pages where they lie through its
+  page table (`kvctl.agent.kernels`, `paged_decode_attention`); nothing is gathered.
 - decode, read path "gather": every sequence's pages are gathered into one padded buffer, reused
   by every layer and step, and one SDPA call attends the whole batch.
 - decode, read path "flex": FlexAttention reads the pages in place through block tables built
   from the page tables (`PageTableAttention`); sequences whose pages lie in several segments are
   gathered as above and the two results are put back in batch order.
 
-"auto" (the default) is "flex" on CUDA and "gather" elsewhere: on a CPU, FlexAttention runs
-eagerly unless compiled (seconds per batch size, and a C++ compiler at run time), and SDPA over a
-gathered buffer is as fast as the compiled kernel there. If FlexAttention fails under "auto" (a
-compiler that cannot build its kernel), the cache logs it once and gathers from then on.
+"auto" (the default) is "flex" on CUDA, "paged" on a CPU where the kernels are built and have
+the model's head layout (head dim 16, 32, 64 or 128; up to 8 query heads per KV head; float32 or
+bfloat16 pages), and "gather" elsewhere. In a mixed step the one-token rows take the decode read
+path too. If FlexAttention fails under "auto" (a compiler that cannot build its kernel), the cache
+logs it once and gathers from then on.
 
 Page tables are read afresh at every `begin_step`, so whatever the defragmenter moved between two
 steps is invisible to the model: it reads the same values from their new pages.
@@ -34,12 +38,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from kvctl.agent.kernels import cpu_ops
 from kvctl.agent.model.attention import (
     BatchLayout,
     attend_decode,
@@ -58,7 +64,8 @@ from kvctl.agent.pool.storage import BatchIndex, KVStorage, PageIndex, SlotIndex
 
 log = logging.getLogger(__name__)
 
-ReadPath = Literal["auto", "gather", "flex"]
+ReadPath = Literal["auto", "paged", "gather", "flex"]
+READ_PATHS: tuple[ReadPath, ...] = ("auto", "paged", "gather", "flex")
 
 _Run = tuple[int, int, int]
 """A sequence read as a view: (segment, first row, pages)."""
@@ -75,14 +82,34 @@ class _Gathered:
 
 
 @dataclass(frozen=True)
+class _KernelSlots:
+    """Where each new token's K/V goes, for the kernel's `write_kv`: page and offset per token
+    (int32)."""
+
+    pages: Tensor
+    offsets: Tensor
+
+
+@dataclass(frozen=True)
+class _PagedRows:
+    """One-token rows read by the paged kernel: their rows of the flat batch (None: the whole
+    batch in order), page tables `[b, P]` int32 and lengths `[b]` int32 (the new token
+    included)."""
+
+    rows: Tensor | None
+    tables: Tensor
+    lengths: Tensor
+
+
+@dataclass(frozen=True)
 class _StepIndex:
     """Index tensors of one step, built once and used by every layer."""
 
     layout: BatchLayout
-    slots: SlotIndex  # where each new token's K/V goes
+    slots: SlotIndex | _KernelSlots  # where each new token's K/V goes
     reads: tuple[_Run | PageIndex | None, ...]  # not decode: per sequence, a view, a [1, P_i]
     # index, or None for a one-token sequence of a mixed step (read in `gathered`)
-    gathered: _Gathered | None  # the one-token rows read by gathering
+    gathered: _Gathered | _PagedRows | None  # the one-token rows: gathered or paged
     blocks: BlockPlan | None  # decode: the rows read in place, by segment
     tables: tuple[list[int], ...]  # decode: the page tables, to fall back to gathering
     masks: tuple[Tensor | None, ...] = ()  # not decode: per sequence in `reads`, its chunk mask
@@ -91,9 +118,16 @@ class _StepIndex:
 class PagedKVCache:
     """An `AttentionBackend` reading and writing K/V through the pool's page tables."""
 
-    def __init__(self, pool: PagePool, storage: KVStorage, read_path: ReadPath = "auto") -> None:
-        if read_path not in ("auto", "gather", "flex"):
-            raise ValueError(f"read_path must be auto, gather or flex, not {read_path!r}")
+    def __init__(
+        self,
+        pool: PagePool,
+        storage: KVStorage,
+        read_path: ReadPath = "auto",
+        num_heads: int | None = None,
+        kernels: bool = True,
+    ) -> None:
+        if read_path not in READ_PATHS:
+            raise ValueError(f"read_path must be one of {', '.join(READ_PATHS)}, not {read_path!r}")
         self.pool = pool
         self.storage = storage
         self.read_path = read_path
@@ -109,11 +143,22 @@ class PagedKVCache:
             read_path == "auto" and storage.device.type == "cuda" and flex_available()
         )
         self._in_place = PageTableAttention(storage) if in_place else None
+        self._kernel = _paged_kernel(storage, read_path, num_heads) if kernels else None
+        if read_path == "paged" and self._kernel is None:
+            raise ValueError("read path 'paged' needs the CPU kernels, which are turned off")
+        self._scale: float | None = None
 
     @property
     def decode_reads_in_place(self) -> bool:
-        """Whether decode reads pages through block tables (False: it gathers them)."""
-        return self._in_place is not None
+        """Whether decode reads pages where they lie (False: it gathers them)."""
+        return self._in_place is not None or self._kernel is not None
+
+    @property
+    def decode_read_path(self) -> str:
+        """The decode read path in use: "paged", "flex" or "gather"."""
+        if self._kernel is not None:
+            return "paged"
+        return "flex" if self._in_place is not None else "gather"
 
     def begin_step(self, layout: BatchLayout) -> None:
         """Prepare a forward over `layout`; every sequence's pages must already hold room for
@@ -134,7 +179,7 @@ class PagedKVCache:
             for position in range(cached, cached + new):
                 slot_pages.append(pages[position // page_size])
                 slot_offsets.append(position % page_size)
-        slots = self.storage.index_slots(_long(slot_pages), _long(slot_offsets))
+        slots = self._slots(np.asarray(slot_pages), np.asarray(slot_offsets))
         lengths = layout.total_lens
         used = tuple(p[: -(-n // page_size)] for p, n in zip(tables, lengths, strict=True))
         self._step = self._mixed_step(layout, slots, used)
@@ -145,7 +190,10 @@ class PagedKVCache:
         lengths = layout.total_lens
         used = tuple(p[: -(-n // page_size)] for p, n in zip(tables, lengths, strict=True))
         offsets = (np.asarray(lengths, dtype=np.int64) - 1) % page_size
-        slots = self.storage.index_slots(_long([p[-1] for p in used]), torch.from_numpy(offsets))
+        slots = self._slots(np.asarray([p[-1] for p in used]), offsets)
+        if self._kernel is not None:
+            paged = self._paged(used, lengths, range(len(used)))
+            return _StepIndex(layout, slots, (), paged, None, used)
         blocks = None
         rest: Sequence[int] = range(len(used))
         if self._in_place is not None:
@@ -154,17 +202,27 @@ class PagedKVCache:
         gathered = self._gathered(used, lengths, rest) if rest else None
         return _StepIndex(layout, slots, (), gathered, blocks, used)
 
+    def _slots(self, pages: np.ndarray, offsets: np.ndarray) -> SlotIndex | _KernelSlots:
+        """Each new token's slot, in the form the write path takes."""
+        if self._kernel is not None:
+            as_int = [torch.from_numpy(a.astype(np.int32)) for a in (pages, offsets)]
+            return _KernelSlots(*as_int)
+        return self.storage.index_slots(_long(pages), _long(offsets))
+
     def _mixed_step(
-        self, layout: BatchLayout, slots: SlotIndex, used: tuple[list[int], ...]
+        self, layout: BatchLayout, slots: SlotIndex | _KernelSlots, used: tuple[list[int], ...]
     ) -> _StepIndex:
         """A step with several new tokens for some sequence: those are read one by one, and the
         one-token sequences (decoding beside a prompt chunk) in one gathered batch."""
         singles = [i for i, n in enumerate(layout.new_lens) if n == 1]
-        gathered = None
-        if len(singles) > 1:
+        gathered: _Gathered | _PagedRows | None = None
+        if len(singles) > 1 or (singles and self._kernel is not None):
             offsets = layout.offsets
             token_rows = [offsets[i] for i in singles]
-            gathered = self._gathered(used, layout.total_lens, singles, token_rows)
+            if self._kernel is not None:
+                gathered = self._paged(used, layout.total_lens, singles, token_rows)
+            else:
+                gathered = self._gathered(used, layout.total_lens, singles, token_rows)
         batched = set(singles) if gathered is not None else set()
         reads = tuple(
             None if i in batched else self._sequence_read(pages) for i, pages in enumerate(used)
@@ -209,6 +267,26 @@ class PagedKVCache:
         row_index = None if whole else _long(list(token_rows)).to(self.storage.device)
         return _Gathered(row_index, index, valid)
 
+    def _paged(
+        self,
+        tables: Sequence[list[int]],
+        lengths: Sequence[int],
+        rows: Sequence[int],
+        token_rows: Sequence[int] | None = None,
+    ) -> _PagedRows:
+        """The page tables and lengths of the one-token sequences `rows`, for the kernel."""
+        picked = [tables[r] for r in rows]
+        width = max(map(len, picked))
+        padded = np.zeros((len(picked), width), dtype=np.int32)
+        for i, pages in enumerate(picked):
+            padded[i, : len(pages)] = pages
+        counts = np.asarray([lengths[r] for r in rows], dtype=np.int32)
+        whole = len(rows) == len(tables)
+        if token_rows is None:
+            token_rows = rows
+        row_index = None if whole else _long(list(token_rows))
+        return _PagedRows(row_index, torch.from_numpy(padded), torch.from_numpy(counts))
+
     def _ensure_buffers(self, pages: int) -> None:
         if self._buffers is None or self._buffers[0].shape[0] < pages:
             self._buffers = self.storage.gather_buffers(pages)
@@ -218,9 +296,18 @@ class PagedKVCache:
         step = self._step
         if step is None:
             raise RuntimeError("call begin_step(layout) before the forward")
-        self.storage.write(layer, step.slots, None, k, v)
+        slots = step.slots
+        if isinstance(slots, _KernelSlots):
+            assert self._kernel is not None
+            dtype = self.storage.dtype
+            k, v = k.to(dtype), v.to(dtype)  # no-ops when the pages have the model's dtype
+            self._kernel.write_kv(self.storage.segments, layer, slots.pages, slots.offsets, k, v)
+        else:
+            self.storage.write(layer, slots, None, k, v)
         if not step.layout.is_decode:
             return self._attend_each(layer, q, step)
+        if isinstance(step.gathered, _PagedRows):
+            return self._attend_paged(layer, q, step.gathered)
         if step.blocks is None or not step.blocks.tables:
             assert step.gathered is not None
             return self._attend_gathered(layer, q, step.gathered)
@@ -234,6 +321,27 @@ class PagedKVCache:
             gathered = self._gathered(step.tables, step.layout.total_lens, range(len(step.tables)))
             self._step = _StepIndex(step.layout, step.slots, (), gathered, None, step.tables)
             return self._attend_gathered(layer, q, gathered)
+
+    def _attend_paged(self, layer: int, q: Tensor, paged: _PagedRows) -> Tensor:
+        kernel = self._kernel
+        assert kernel is not None
+        rows = q if paged.rows is None else q.index_select(0, paged.rows)
+        if self._scale is None:
+            self._scale = rows.shape[-1] ** -0.5
+        out = kernel.paged_decode_attention(
+            rows.float().contiguous(),
+            self.storage.segments,
+            paged.tables,
+            paged.lengths,
+            layer,
+            self._scale,
+        )
+        return out.to(q.dtype)
+
+    def _attend_rows(self, layer: int, q: Tensor, rows: _Gathered | _PagedRows) -> Tensor:
+        if isinstance(rows, _PagedRows):
+            return self._attend_paged(layer, q, rows)
+        return self._attend_gathered(layer, q, rows)
 
     def _attend_gathered(self, layer: int, q: Tensor, gathered: _Gathered) -> Tensor:
         assert self._buffers is not None
@@ -253,7 +361,7 @@ class PagedKVCache:
             assert table.rows is not None
             out.index_copy_(0, table.rows, reader.attend(layer, q, table))
         if step.gathered is not None:
-            assert step.gathered.rows is not None
+            assert isinstance(step.gathered, _Gathered) and step.gathered.rows is not None
             out.index_copy_(0, step.gathered.rows, self._attend_gathered(layer, q, step.gathered))
         return out
 
@@ -263,7 +371,7 @@ class PagedKVCache:
         queries: Sequence[Tensor] = split_by_sequence(q, layout.new_lens)
         batched = None
         if step.gathered is not None:
-            batched = self._attend_gathered(layer, q, step.gathered)  # [singles, h, d]
+            batched = self._attend_rows(layer, q, step.gathered)  # [singles, h, d]
         per_seq = zip(queries, step.reads, layout.cached_lens, step.masks, strict=True)
         for q_i, read, cached, mask in per_seq:
             if read is None:
@@ -292,6 +400,31 @@ class PagedKVCache:
             if read is not None:
                 out[offset : offset + n] = next(pieces)
         return out
+
+
+def _paged_kernel(
+    storage: KVStorage, read_path: ReadPath, num_heads: int | None
+) -> ModuleType | None:
+    """The CPU kernels when decode reads pages through them: "paged", or "auto" on a CPU where
+    they are built and cover the model's head layout (`num_heads` query heads; unknown: not
+    under "auto") and the pages' dtype; None otherwise. A "paged" that cannot run is a
+    ValueError naming why."""
+    if read_path not in ("auto", "paged"):
+        return None
+    kernels = cpu_ops() if storage.device.type == "cpu" else None
+    if kernels is not None and read_path == "auto":
+        dtype = str(storage.dtype).removeprefix("torch.")
+        group = num_heads // storage.num_kv_heads if num_heads else 0
+        if not group or not kernels.decode_supported(dtype, group, storage.head_dim):
+            kernels = None
+    if kernels is not None:
+        return kernels
+    if read_path == "paged":
+        raise ValueError(
+            "read path 'paged' needs the CPU kernels on a CPU, float32 or bfloat16 pages and a "
+            "head dim of 16, 32, 64 or 128 with at most 8 query heads per KV head"
+        )
+    return None
 
 
 def _long(values: Sequence[int]) -> Tensor:
