@@ -1,4 +1,5 @@
-"""Decode step time of the demo model on the paged pool vs a contiguous per-sequence KV cache.
+"""Decode step time on the paged pool vs a contiguous per-sequence KV cache, and against the
+memory roofline.
 
 Both sides run the same model on the same batch (8 sequences, 512 tokens of context each):
 prefill once, then time decode steps, each adding one token to every sequence. The contiguous
@@ -13,13 +14,18 @@ of their median step times, so drift on a shared machine cancels within a round.
 the median ratio with its min and max, both sides' absolute ms/step and tokens/s, the torch thread
 count and the load average.
 
-`--model llama-1b` swaps the demo model for Llama 3.2 1B shapes (16 layers, 32 query and 8 KV
-heads of 64, hidden 2048, vocab 128256) with random weights, for GPU runs; `--dtype` sets the
-weight and KV dtype (default float32 for the demo model, bfloat16 for llama-1b). `--threads`
-sets torch's CPU thread count (default: torch's own); `--read-path` how paged decode reads K/V
-(`PagedKVCache`: auto, gather or flex).
+Both sides run the model in its serving form (`fused.fuse`: fused products, the CPU kernels
+where they run), as the engine does. The report ends with the roofline: the bytes a step must
+read (weights and the batch's K/V, `roofline.py`) over the bandwidth measured in the same run,
+and the paged step as a multiple of that floor.
 
-    python benchmarks/decode_step.py [--device cpu] [--model demo|llama-1b] [--batch 8]
+`--model 135m` runs SmolLM-135M's shape and `--model llama-1b` Llama 3.2 1B shapes (16 layers,
+32 query and 8 KV heads of 64, hidden 2048, vocab 128256), both with random weights; `--dtype`
+sets the weight and KV dtype (default float32, bfloat16 for llama-1b). `--threads` sets torch's
+CPU thread count (default: torch's own); `--read-path` how paged decode reads K/V
+(`PagedKVCache`: auto, paged, gather or flex).
+
+    python benchmarks/decode_step.py [--device cpu] [--model demo|135m|llama-1b] [--batch 8]
         [--context 512] [--steps 32] [--rounds 9] [--threads N] [--read-path auto]
 """
 
@@ -31,7 +37,9 @@ import sys
 import time
 
 import torch
+from model_shapes import smollm_135m_shape
 from paired import MIN_ROUNDS, command_line, environment, paired_rounds, spread
+from roofline import read_bandwidth, roofline_line
 
 from kvctl.agent.model import (
     BatchLayout,
@@ -40,6 +48,7 @@ from kvctl.agent.model import (
     ModelConfig,
     build_demo_model,
 )
+from kvctl.agent.model.fused import fuse
 from kvctl.agent.pool import PagePool
 from kvctl.agent.pool.storage import KVStorage
 from kvctl.agent.runtime.paged_cache import PagedKVCache, ReadPath
@@ -98,7 +107,7 @@ def paged_steps(
         device,
     )
     pool = PagePool(pages, page_size, bytes_per_page=storage.bytes_per_page)
-    cache = PagedKVCache(pool, storage, read_path)
+    cache = PagedKVCache(pool, storage, read_path, num_heads=config.num_heads)
     seqs = list(range(batch))
     for s in seqs:
         pool.allocate(s, context)
@@ -150,9 +159,14 @@ LLAMA_1B = ModelConfig(
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype | None) -> LlamaModel:
-    """The demo model, or Llama 3.2 1B shapes with random weights (std 0.02, unit norms)."""
-    if name == "demo":
-        return build_demo_model(device, dtype or torch.float32)[1]
+    """The demo model, SmolLM-135M's or Llama 3.2 1B's shapes with random weights, fused."""
+    return fuse(_unfused(name, device, dtype))
+
+
+def _unfused(name: str, device: torch.device, dtype: torch.dtype | None) -> LlamaModel:
+    if name in ("demo", "135m"):
+        config = smollm_135m_shape() if name == "135m" else None
+        return build_demo_model(device, dtype or torch.float32, config=config)[1]
     with torch.device(device):
         model = LlamaModel(LLAMA_1B).to(dtype or torch.bfloat16)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -165,7 +179,7 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype | None) -> L
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--model", choices=("demo", "llama-1b"), default="demo")
+    parser.add_argument("--model", choices=("demo", "135m", "llama-1b"), default="demo")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=512)
@@ -175,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
         "--read-path",
-        choices=("auto", "gather", "flex"),
+        choices=("auto", "paged", "gather", "flex"),
         default="auto",
-        help="how paged decode reads K/V (auto: flex on CUDA, gather elsewhere)",
+        help="how paged decode reads K/V (auto: flex on CUDA, paged where the CPU kernels run)",
     )
     args = parser.parse_args(argv)
     if args.rounds < MIN_ROUNDS:
@@ -220,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"ratio paged/contiguous: {result.ratio_summary()}")
     print("per-round ratios: " + " ".join(f"{r:.2f}" for r in result.ratios))
+    step = statistics.median(result.ours)
+    bandwidth = read_bandwidth(device)
+    print(
+        roofline_line(model.config, args.batch, args.context, prompts_dtype(model), bandwidth, step)
+    )
     return 0
 
 
