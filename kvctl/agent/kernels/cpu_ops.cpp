@@ -421,6 +421,9 @@ constexpr std::array<TileFn, sizeof...(R) + 1> make_tiles(std::integer_sequence<
 constexpr auto TILES = make_tiles(std::make_integer_sequence<int, MAX_ROWS>{});
 
 // x [M, K] float32, packed from pack_linear_weight, bias [N] or none -> [M, N].
+// Row tiles per chunk of packed_linear: 16 tiles of 14 rows of 576 floats is about 500 KB.
+constexpr int64_t CHUNK_TILES = 16;
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, in]");
@@ -444,19 +447,23 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   float* y_data = y.data_ptr<float>();
   const int64_t tiles = (m + MAX_ROWS - 1) / MAX_ROWS;
   const int64_t pairs = (blocks + 1) / 2;
-  // each thread takes a contiguous range of block pairs; they stay in its L2 while the tiles
-  // of x pass over them
+  // Each thread takes a contiguous range of block pairs. Rows go by chunks of CHUNK_TILES tiles
+  // that stay in L2 while the thread's pairs pass over them: x is read from memory once, and
+  // the weights once per chunk (not once per tile, which a wide layer could not keep in cache).
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t b = 2 * pair;
-      const float* first = w_data + b * k * BLOCK;
-      const float* second = b + 1 < blocks ? first + k * BLOCK : nullptr;
-      const int64_t columns = std::min<int64_t>(2 * BLOCK, n - b * BLOCK);
-      const float* bias_at = bias_data != nullptr ? bias_data + b * BLOCK : nullptr;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t r0 = t * m / tiles, r1 = (t + 1) * m / tiles;
-        TILES[r1 - r0](x_data + r0 * k, k, first, second, y_data + r0 * n + b * BLOCK, n,
-                       columns, bias_at);
+    for (int64_t t0 = 0; t0 < tiles; t0 += CHUNK_TILES) {
+      const int64_t t1 = std::min<int64_t>(tiles, t0 + CHUNK_TILES);
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t b = 2 * pair;
+        const float* first = w_data + b * k * BLOCK;
+        const float* second = b + 1 < blocks ? first + k * BLOCK : nullptr;
+        const int64_t columns = std::min<int64_t>(2 * BLOCK, n - b * BLOCK);
+        const float* bias_at = bias_data != nullptr ? bias_data + b * BLOCK : nullptr;
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t r0 = t * m / tiles, r1 = (t + 1) * m / tiles;
+          TILES[r1 - r0](x_data + r0 * k, k, first, second, y_data + r0 * n + b * BLOCK, n,
+                         columns, bias_at);
+        }
       }
     }
   });
