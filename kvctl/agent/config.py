@@ -28,13 +28,18 @@ from kvctl.units import parse_duration, parse_size
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 DEFAULT_MAX_WAITING = 256
-DEFAULT_MAX_BATCHED_TOKENS = 256
+DEFAULT_MAX_BATCHED_TOKENS = 2048
+"""Tokens one engine step computes at most (decode tokens + prompt chunks). A wave of prompts
+computed in one step keeps the matrix products compute-bound and the decode steps free of prompt
+chunks (docs/performance.md, "Scheduling")."""
+DEFAULT_LONG_PROMPT_TOKENS = 512
+"""A prompt with more tokens than this left to compute is long: while other requests decode it is
+computed in capped chunks (`CPU_PREFILL_WHILE_DECODING`) so their streams do not stall."""
 CPU_PREFILL_WHILE_DECODING = 32
-"""Prompt tokens a CPU step computes while other requests decode. A prompt token costs a CPU
-about as much as 1/30 of a whole decode step of a 135M model, so ~32 of them keep the streams'
-gap under 3x (docs/performance.md); a GPU computes hundreds for the price of one decode step."""
-"""Tokens one engine step computes at most (decode tokens + prompt chunks); docs/performance.md,
-chunked prefill, says why 256."""
+"""Prompt tokens a CPU step gives long prompts while other requests decode. A prompt token costs
+a CPU about as much as 1/30 of a whole decode step of a 135M model, so ~32 of them keep the
+streams' gap under 3x (docs/performance.md); a GPU computes hundreds for the price of one decode
+step."""
 
 
 class ConfigError(ValueError):
@@ -120,9 +125,11 @@ class AgentConfig(BaseModel):
     disk_tier_path: Path | None = None  # a directory for page files below the host tier
     disk_tier_size: int | None = None  # bytes the disk tier may use; default 10GiB with a path
     max_batch_seqs: Annotated[int, Field(ge=1, le=4096)] = 64
-    torch_threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # default: cores - 1
+    torch_threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # default: every core
     decode_read_path: Literal["auto", "paged", "gather", "flex"] = "auto"
     max_batched_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = DEFAULT_MAX_BATCHED_TOKENS
+    # prompts with more tokens left to compute are long (capped while requests decode)
+    long_prompt_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = DEFAULT_LONG_PROMPT_TOKENS
     # tokens a step gives long prompts while requests decode; 0: no cap; default: 32 on CPU, else 0
     max_prefill_while_decoding: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
     max_tokens_limit: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] = 1024

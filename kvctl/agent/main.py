@@ -28,6 +28,8 @@ import typer
 
 from kvctl import __version__
 from kvctl.agent.config import (
+    CPU_PREFILL_WHILE_DECODING,
+    DEFAULT_LONG_PROMPT_TOKENS,
     DEFAULT_MAX_BATCHED_TOKENS,
     DEFAULT_MAX_WAITING,
     AgentConfig,
@@ -107,10 +109,14 @@ def log_pool_size(fit: PoolFit) -> None:
 
 
 def default_torch_threads() -> int:
-    """One core fewer than the host has: the HTTP server, the metrics and the alerts get a core
-    of their own, so they never stall torch's parallel kernels (which wait for their slowest
-    thread). On a GPU node the CPU threads matter little either way."""
-    return max(1, (os.cpu_count() or 2) - 1)
+    """Every core the process may run on: decode is bound by memory bandwidth, which one core
+    alone cannot draw. Monitoring stays fast beside it because its routes read the snapshot the
+    engine publishes and hold the GIL for well under a scheduler slice (docs/performance.md,
+    "Torch threads")."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -453,6 +459,7 @@ def _engine(
             max_pool_pages=limits.max_pool_pages,
             max_batch_seqs=config.max_batch_seqs,
             max_batched_tokens=config.max_batched_tokens,
+            long_prompt_tokens=config.long_prompt_tokens,
             max_prefill_while_decoding=config.max_prefill_while_decoding,
             defrag=settings.defrag,
             prefix_cache=config.prefix_cache,
@@ -688,7 +695,7 @@ def main_command(
         str | None, typer.Option(help=_flag_help("--disk-tier-policy"))
     ] = None,
     torch_threads: Annotated[
-        int | None, typer.Option(help="CPU threads of torch (default: cores - 1).")
+        int | None, typer.Option(help="CPU threads of torch (default: every core it may use).")
     ] = None,
     decode_read_path: Annotated[
         str | None,
@@ -711,12 +718,21 @@ def main_command(
             f"prompts (default {DEFAULT_MAX_BATCHED_TOKENS}; at least --max-batch-seqs).",
         ),
     ] = None,
+    long_prompt_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="A prompt with more tokens than this left to compute (after its cached prefix) "
+            "is long: it is computed in capped chunks while other requests decode (default "
+            f"{DEFAULT_LONG_PROMPT_TOKENS}; a prompt longer than --max-batched-tokens is always "
+            "long).",
+        ),
+    ] = None,
     max_prefill_while_decoding: Annotated[
         int | None,
         typer.Option(
-            help="Most tokens a step gives prompts longer than --max-batched-tokens while other "
-            "requests decode, so a long prompt does not stall their streams (default 32 on CPU, "
-            "no cap on a GPU; 0: no cap).",
+            help="Most tokens a step gives long prompts (--long-prompt-tokens) while other "
+            "requests decode, so a long prompt does not stall their streams (default "
+            f"{CPU_PREFILL_WHILE_DECODING} on CPU, no cap on a GPU; 0: no cap).",
         ),
     ] = None,
     max_waiting: Annotated[

@@ -92,6 +92,33 @@ def test_running_streams_get_a_token_in_every_step_while_a_long_prompt_prefills(
     assert steps == math.ceil(120 / 13)
 
 
+def test_a_prompt_within_the_budget_but_long_is_capped_while_streams_decode(make_engine) -> None:
+    """A prompt the budget could hold in one step but with more than `long_prompt_tokens` to
+    compute gets the cap while others decode; once its prefix is cached, the short rest is
+    computed whole."""
+    engine = make_engine(
+        max_batched_tokens=256,
+        max_batch_seqs=8,
+        long_prompt_tokens=40,
+        max_prefill_while_decoding=8,
+    )
+    batches = record_batches(engine)
+    streams = [engine.add_request(prompt(4, i), greedy(60)) for i in range(2)]
+    while not all(s.output_ids for s in streams):
+        engine.step()
+    long = engine.add_request(prompt(96, 7), greedy(2))
+    while not long.output_ids:
+        engine.step()
+    chunks = [n for b in batches for r, _, n in _rows(b) if r is long]
+    assert chunks == [8] * 12  # 96 tokens, 8 a step beside the two streams
+
+    again = engine.add_request(prompt(96, 7) + prompt(20, 8), greedy(2))
+    while not again.output_ids:
+        engine.step()
+    rest = [n for b in batches for r, _, n in _rows(b) if r is again]
+    assert again.cached_tokens >= 80 and rest == [116 - again.cached_tokens]
+
+
 def test_chunked_and_unlimited_budgets_give_the_same_tokens(make_engine) -> None:
     prompts = [prompt(n, i) for i, n in enumerate((70, 5, 33, 1, 48, 17))]
     params = [greedy(n) for n in (9, 20, 4, 12, 7, 15)]
@@ -243,7 +270,7 @@ def test_random_workloads_give_the_same_tokens_with_a_small_budget(make_engine, 
 
 
 def test_max_batched_tokens_flag_key_and_former_name(tmp_path) -> None:
-    assert load_config({}).max_batched_tokens == 256
+    assert load_config({}).max_batched_tokens == 2048
     assert load_config({"max_batched_tokens": 2048}).max_batched_tokens == 2048
     path = tmp_path / "agent.toml"
     path.write_text("max_batch_tokens = 1024\n")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvctl.agent.config import CPU_PREFILL_WHILE_DECODING
+from kvctl.agent.config import CPU_PREFILL_WHILE_DECODING, DEFAULT_LONG_PROMPT_TOKENS
 from kvctl.agent.model.attention import BatchLayout
 from kvctl.agent.model.fused import fuse
 from kvctl.agent.model.llama import LlamaModel
@@ -77,7 +77,9 @@ class EngineConfig:
     min_pool_pages: int | None = None
     max_batch_seqs: int = 64
     max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS  # per step; prompts are cut to fit
-    # prompt tokens per step while requests decode; None: 32 on CPU, no cap elsewhere; 0: no cap
+    # prompts with more tokens than this left to compute are long (and always those over budget)
+    long_prompt_tokens: int = DEFAULT_LONG_PROMPT_TOKENS
+    # tokens per step for long prompts while requests decode; None: 32 on CPU, else no cap; 0: none
     max_prefill_while_decoding: int | None = None
     defrag: DefragSettings = field(default_factory=DefragSettings)
     prefix_cache: bool = True
@@ -308,6 +310,7 @@ class Engine:
             self.prefix_cache,
             clock,
             prefill_while_decoding=prefill_cap(config),
+            long_prompt_tokens=config.long_prompt_tokens,
             tiers=self.tiers,
         )
         self.prefill_rate = PrefillRate()

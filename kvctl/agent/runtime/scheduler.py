@@ -148,11 +148,17 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         prefill_while_decoding: int = 0,
         tiers: TieredStore | None = None,
+        long_prompt_tokens: int | None = None,
     ):
         check_batch_limits(max_batch_seqs, max_batched_tokens)
         if prefill_while_decoding < 0:
             raise ValueError("prefill_while_decoding must be 0 (no cap) or more")
+        if long_prompt_tokens is not None and long_prompt_tokens < 1:
+            raise ValueError("long_prompt_tokens must be 1 or more")
         self.prefill_while_decoding = prefill_while_decoding
+        # more tokens than this left to compute make a prompt long; one the budget cannot hold
+        # in a step always is
+        self.long_prompt_tokens = min(long_prompt_tokens or max_batched_tokens, max_batched_tokens)
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.tiers = tiers if prefix_cache is not None else None
@@ -223,9 +229,10 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch_seqs and step.budget > 0:
             request = self.waiting[0]
             tokens = request.num_tokens
-            if tokens > self.max_batched_tokens and step.long_budget <= 0:
-                break  # a long prompt waits for a step with room for it (arrival order kept)
             match, below = self._match(request)
+            cached = 0 if match is None else match.tokens
+            if tokens - cached > self.long_prompt_tokens and step.long_budget <= 0:
+                break  # a long prompt waits for a step with room for it (arrival order kept)
             if match is not None and not self._fits(tokens, match):
                 match = self._whole_pages_match(request, match)
             if not self._fits(tokens, match):
@@ -365,10 +372,11 @@ class Scheduler:
 
     def _chunk(self, request: Request, left: int, step: _Step) -> int:
         """How much of a prompt this step computes: what the budget leaves, and for a long
-        prompt (one the budget could not hold) at most what is left of the cap while requests
-        decode, so it is spread over steps instead of stalling their streams."""
+        prompt (more than `long_prompt_tokens` beyond its cached prefix) at most what is left of
+        the cap while requests decode, so it is spread over steps instead of stalling their
+        streams."""
         chunk = min(left, step.budget)
-        if request.num_tokens > self.max_batched_tokens:
+        if request.num_tokens - request.cached_tokens > self.long_prompt_tokens:
             chunk = min(chunk, step.long_budget)
             step.long_budget -= chunk
         return chunk
