@@ -100,7 +100,7 @@ def main() -> int:
         else launch_agent("--max-waiting", str(args.requests + 64), *flags)
     )
     idle: dict[str, list[float]] = {route: [] for route in ROUTES}
-    print(f"agent torch threads: {args.torch_threads or 'its default (cores - 1)'}")
+    print(f"agent torch threads: {args.torch_threads or 'its default (every core)'}")
     flooded: dict[str, list[float]] = {route: [] for route in ROUTES}
     queue: list[int] = []
     try:
