@@ -1,12 +1,19 @@
 """Giving memory back to the system after bursts of large requests (glibc hosts).
 
 A burst of large bodies (150 prompts of 1 MB at once) leaves the agent's resident memory tens of
-megabytes higher for good, although every buffer was freed: glibc serves blocks of 128 KiB and
-more with mmap, but raises that threshold each time such a block is freed (up to 32 MiB), after
-which request bodies, parsed JSON strings and token lists come from the heap arenas, and a heap
-fragmented by a burst is rarely returned. So the agent fixes the threshold (which also turns the
-raising off): large blocks stay in mmap and go back to the system when freed. And after a burst,
-once idle, it asks malloc to return the free parts of its arenas (`malloc_trim`).
+megabytes higher for good, although every buffer was freed: glibc serves them from its heap
+arenas once its mmap threshold has risen (it raises it each time an mmapped block is freed, up to
+32 MiB), and a heap fragmented by a burst is rarely returned by itself. So the agent asks malloc
+to return the free parts of its arenas (`malloc_trim`) whenever it is idle, at most once a
+second.
+
+It also fixes the threshold at 64 MiB (which turns the raising off). Blocks under it come from
+the heap and are reused: a forward pass allocates and frees the same activations in every layer
+(25 MB for the gate/up product of a 2,048-token step of a 135M model), and served each from a
+fresh mapping, every one paid its page faults and the kernel's zeroing again: decode steps at
+batch 32 and prefill waves took 15-20 % longer with a 256 KiB threshold (docs/performance.md,
+"Where a decode step goes"). Blocks above it, the pool's segments among them, are mapped on
+their own and go back to the system when freed.
 
 On other C libraries both are no-ops; nothing here is needed for correctness.
 """
@@ -21,7 +28,7 @@ from functools import cache
 log = logging.getLogger(__name__)
 
 M_MMAP_THRESHOLD = -3  # mallopt parameters, from glibc's malloc.h
-MMAP_THRESHOLD_BYTES = 256 * 1024
+MMAP_THRESHOLD_BYTES = 64 << 20
 
 
 @cache

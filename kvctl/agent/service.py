@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ IDLE_TICK_S = 0.05
 # within ARRIVAL_GAP_S. One step then computes the whole wave instead of one prompt, then the rest.
 ARRIVAL_GAP_S = 0.003
 ARRIVAL_WINDOW_S = 0.015
-TRIM_INTERVAL_S = 30.0
+TRIM_INTERVAL_S = 1.0  # idle trims return a burst's freed heap (kvctl.agent.memory)
 PUBLISH_INTERVAL_S = 0.1  # snapshots are at most this old (and fresh after every command)
 RESIZE_CHECK_INTERVAL_S = 1.0  # automatic resize looks at windows of many seconds
 REBALANCE_CHECK_INTERVAL_S = 0.5  # pressure is read this often; moves need it to hold longer
@@ -152,6 +153,9 @@ class AgentService:
         self.rebalancer: Rebalancer | None = None
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        # requests handed to the engine thread and not yet queued there, by pool
+        self._opening: Counter[str] = Counter()
+        self._opening_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._accepting = True
@@ -448,6 +452,9 @@ class AgentService:
         Raises `RequestRefused` (queue full, shutting down, too large) or ValueError (bad
         input) through the future."""
         target = pool or self.first
+        refused = self._refuse_when_full(target)
+        if refused is not None:
+            return refused
 
         def register() -> RequestStream:
             try:
@@ -467,7 +474,33 @@ class AgentService:
             self._streams[request.request_id] = stream
             return stream
 
-        return self.call(register)
+        future = self.call(register)
+        future.add_done_callback(lambda _: self._opened(target))  # also when cancelled
+        return future
+
+    def _opened(self, target: ModelPool) -> None:
+        with self._opening_lock:
+            self._opening[target.name] -= 1
+
+    def _refuse_when_full(self, target: ModelPool) -> Future[RequestStream] | None:
+        """A 429 answered on the server's thread when the queue, counting the requests already
+        on their way to it, is full: a flood is then refused as it arrives, not in one burst of
+        hundreds of answers at the engine's next step boundary (which held every scrape behind
+        them), and the engine thread does not spend its time between steps refusing."""
+        with self._opening_lock:
+            waiting = len(target.engine.scheduler.waiting) + self._opening[target.name]
+            if waiting < self.max_waiting:
+                self._opening[target.name] += 1
+                return None
+        target.rejected.add(QueueFull.reason)
+        future: Future[RequestStream] = Future()
+        future.set_exception(
+            QueueFull(
+                f"{waiting} requests are waiting, the most this agent queues for model "
+                f"{target.name!r} (--max-waiting); retry later"
+            )
+        )
+        return future
 
     def abort(self, request_id: str) -> None:
         """Stop a request whose client went away (no-op if it already finished)."""
