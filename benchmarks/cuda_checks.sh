@@ -20,11 +20,13 @@ for dir in tests/pool tests/model tests/runtime tests/prefix; do
     KVCTL_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider "$dir"
 done
 
-step "decode step benchmarks (paged vs contiguous, paired rounds)"
+step "decode step benchmarks (paged vs contiguous, paired rounds; each prints its roofline: the
+bytes a step reads, weights + the batch's KV, over the measured device copy bandwidth)"
 $PY benchmarks/decode_step.py --device cuda
 $PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 8 --context 512
 $PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 32 --context 512
 $PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 32 --context 2048
+$PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 64 --context 512
 $PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 8 --context 512 --read-path gather
 $PY benchmarks/decode_step.py --device cuda --model llama-1b --batch 32 --context 512 --read-path gather
 

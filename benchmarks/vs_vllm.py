@@ -904,7 +904,7 @@ def main() -> int:
     if args.agent_arg:
         print(f"# NOTE: agent flags beyond its defaults: {' '.join(args.agent_arg)}")
     else:
-        print("# the agent runs with its defaults (torch threads: cores - 1) besides the KV memory")
+        print("# the agent runs with its defaults (every core to torch) besides the KV memory")
     print(
         f"# {plural(args.rounds)}; each round starts each server once, warms it up (16 requests), "
         "runs the three workloads on it in order with `vllm bench serve`, checks greedy outputs, "
