@@ -81,6 +81,13 @@ class QueueFull(RequestRefused):
     reason = "queue_full"
 
 
+def queue_full(waiting: int, target: ModelPool) -> QueueFull:
+    return QueueFull(
+        f"{waiting} requests are waiting, the most this agent queues for model "
+        f"{target.name!r} (--max-waiting); retry later"
+    )
+
+
 class ShuttingDown(RequestRefused):
     """The agent is draining after SIGTERM and takes no new requests (503)."""
 
@@ -462,10 +469,7 @@ class AgentService:
                     raise ShuttingDown("the agent is shutting down; send the request elsewhere")
                 waiting = len(target.engine.scheduler.waiting)
                 if waiting >= self.max_waiting:
-                    raise QueueFull(
-                        f"{waiting} requests are waiting, the most this agent queues for "
-                        f"model {target.name!r} (--max-waiting); retry later"
-                    )
+                    raise queue_full(waiting, target)
                 request = add(target.engine)
             except RequestRefused as refused:
                 target.rejected.add(refused.reason)
@@ -484,9 +488,9 @@ class AgentService:
 
     def _refuse_when_full(self, target: ModelPool) -> Future[RequestStream] | None:
         """A 429 answered on the server's thread when the queue, counting the requests already
-        on their way to it, is full: a flood is then refused as it arrives, not in one burst of
-        hundreds of answers at the engine's next step boundary (which held every scrape behind
-        them), and the engine thread does not spend its time between steps refusing."""
+        on their way to it, is full: a flood is refused as it arrives, not at the end of the
+        engine's step in progress (up to a 2,048-token step later), and the engine thread does
+        not spend its time between steps refusing."""
         with self._opening_lock:
             waiting = len(target.engine.scheduler.waiting) + self._opening[target.name]
             if waiting < self.max_waiting:
@@ -494,12 +498,7 @@ class AgentService:
                 return None
         target.rejected.add(QueueFull.reason)
         future: Future[RequestStream] = Future()
-        future.set_exception(
-            QueueFull(
-                f"{waiting} requests are waiting, the most this agent queues for model "
-                f"{target.name!r} (--max-waiting); retry later"
-            )
-        )
+        future.set_exception(queue_full(waiting, target))
         return future
 
     def abort(self, request_id: str) -> None:
