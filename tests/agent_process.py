@@ -35,15 +35,24 @@ class RunningAgent:
         return self.process.returncode
 
 
-def launch_agent(*args: str, token: str | None = None, tmp: Path | None = None) -> RunningAgent:
-    """Start `kvctl-agent --port 0 ...` and wait for its `listening on` line."""
+def launch_agent(
+    *args: str, token: str | None = None, tmp: Path | None = None, file_limit: int | None = None
+) -> RunningAgent:
+    """Start `kvctl-agent --port 0 ...` and wait for its `listening on` line; `file_limit`
+    sets its soft and hard limit on open files (as a unit's LimitNOFILE= does)."""
     cmd = [sys.executable, "-m", "kvctl.agent.main", "--port", "0", *args]
     if token is not None:
         assert tmp is not None
         token_file = tmp / "token"
         token_file.write_text(token)
         cmd += ["--token-file", str(token_file)]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=None if file_limit is None else lambda: _limit_files(file_limit),
+    )
     agent = RunningAgent(process, "", token)
     ready = threading.Event()
 
@@ -66,6 +75,12 @@ def launch_agent(*args: str, token: str | None = None, tmp: Path | None = None) 
         process.wait(10)
         raise RuntimeError("kvctl-agent exited:\n" + "\n".join(agent.log))
     return agent
+
+
+def _limit_files(count: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (count, count))
 
 
 def refused_at_start(*flags: str) -> str:

@@ -20,11 +20,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture
 def start_agent(tmp_path) -> Iterator[Callable[..., RunningAgent]]:
-    """Factory: `start_agent(*flags, token=None)`; every agent is stopped at teardown."""
+    """Factory: `start_agent(*flags, token=None, file_limit=None)`; every agent is stopped at
+    teardown."""
     started: list[RunningAgent] = []
 
-    def start(*args: str, token: str | None = None) -> RunningAgent:
-        agent = launch_agent(*args, token=token, tmp=tmp_path)
+    def start(*args: str, token: str | None = None, file_limit: int | None = None) -> RunningAgent:
+        agent = launch_agent(*args, token=token, tmp=tmp_path, file_limit=file_limit)
         started.append(agent)
         return agent
 

@@ -6,19 +6,43 @@ sends nothing, or a byte a minute (slowloris), holds a socket and the server's m
 `bounded_protocol` adds two deadlines to uvicorn's HTTP/1.1 protocol (h11): the request's
 headers must arrive within `header_timeout` of the connection opening (or of the first byte
 after an idle keep-alive pause), and its body within `body_timeout` of the headers. A connection
-that misses one is closed. And when a new connection would pass `max_connections`, the oldest
-idle keep-alive connections are closed, so idle clients cannot crowd out working ones.
+that misses one is closed.
+
+And idle clients cannot crowd out working ones. When a new connection takes the count past
+`max_connections`, the oldest connections whose request has not reached the application (idle
+keep-alive ones first, then those still sending a request) are closed to make room, so the
+count never passes the limit while any of them are left. Only then, with every connection
+carrying a request the agent is working on, are new requests answered 503; `/healthz` never is,
+so a liveness probe cannot be failed by a flood. uvicorn's own `limit_concurrency` is not used:
+it counts idle connections too, and answered 503 to everything, probes included, one connection
+before the idle ones were closed.
+
+The limit must also fit the process's file descriptors, or `accept()` fails first (EMFILE) and
+asyncio logs a traceback for every attempt: `fit_connections_to_file_limit` raises the soft
+limit to the hard one and lowers `max_connections` to what is left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import socket
+from collections.abc import Set
 from typing import Any
 
 import h11
+from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("kvctl.agent")
+
+# Paths answered even when every connection is busy: what probes and load balancers ask.
+UNLIMITED_PATHS = frozenset({"/healthz"})
+# File descriptors kept for everything but client connections: checkpoint and tier files,
+# the GPU driver, outgoing HTTP (Alertmanager), logs.
+RESERVED_FILES = 128
 
 
 class BoundedH11Protocol(H11Protocol):
@@ -30,6 +54,8 @@ class BoundedH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.limit_concurrency = None  # uvicorn's check counts idle connections; ours does not
+        self.app = BusyLimit(self.app, self.connections, self.tasks, self.max_connections)
         self._deadline: asyncio.TimerHandle | None = None
         self._phase = ""  # "headers" or "body" while a deadline runs
         self._opened = 0.0
@@ -37,7 +63,7 @@ class BoundedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._opened = self.loop.time()
-        self._close_idle_connections()
+        self._make_room()
         self._arm("headers", self.header_timeout)
 
     def data_received(self, data: bytes) -> None:
@@ -56,6 +82,11 @@ class BoundedH11Protocol(H11Protocol):
     def idle(self) -> bool:
         """No request is being read or answered on this connection."""
         return self.cycle is None or self.cycle.response_complete
+
+    @property
+    def waiting_on_client(self) -> bool:
+        """Idle, or its request still arriving: closing it loses no work the agent has begun."""
+        return self.idle or self._phase == "body"
 
     def _follow_request(self) -> None:
         """Set the deadline that fits where the current request stands."""
@@ -92,17 +123,38 @@ class BoundedH11Protocol(H11Protocol):
             self.conn.send(h11.ConnectionClosed())
         self.transport.close()
 
-    def _close_idle_connections(self) -> None:
+    def _make_room(self) -> None:
+        """Close the oldest idle connections, then the oldest still sending a request, until
+        the count is back at the limit."""
         excess = len(self.connections) - self.max_connections
         if excess <= 0:
             return
-        idle = [
+        others = [
             other
             for other in self.connections
-            if other is not self and isinstance(other, BoundedH11Protocol) and other.idle
+            if other is not self
+            and isinstance(other, BoundedH11Protocol)
+            and other.waiting_on_client
+            and not other.transport.is_closing()
         ]
-        for other in sorted(idle, key=lambda protocol: protocol._opened)[:excess]:
+        others.sort(key=lambda other: (not other.idle, other._opened))
+        for other in others[:excess]:
             other._close()
+
+
+class BusyLimit:
+    """The ASGI application behind a 503 for new requests while every one of `limit`
+    connections carries a request in progress; `UNLIMITED_PATHS` always pass."""
+
+    def __init__(self, app: Any, connections: Set[Any], tasks: Set[Any], limit: int) -> None:
+        self.app, self.connections, self.tasks, self.limit = app, connections, tasks, limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        busy = len(self.connections) > self.limit or len(self.tasks) > self.limit
+        if busy and scope.get("path") not in UNLIMITED_PATHS:
+            await service_unavailable(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def bounded_protocol(
@@ -136,3 +188,75 @@ def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def fit_connections_to_file_limit(max_connections: int) -> tuple[int, int]:
+    """Raise the soft file limit to the hard one; return (max_connections, backlog) that fit
+    the descriptors left after those open now and `RESERVED_FILES`, with a warning if lowered.
+
+    The backlog counts too: asyncio accepts up to `backlog` connections in one go before any
+    it closes to make room have let go of their descriptors."""
+    backlog = min(max_connections, 4096)
+    try:
+        import resource
+    except ImportError:  # not on POSIX: nothing to read or raise
+        return max_connections, backlog
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    room = soft - _open_files() - RESERVED_FILES
+    if soft == resource.RLIM_INFINITY or max_connections + backlog <= room:
+        return max_connections, backlog
+    backlog = max(16, min(backlog, room // 8))
+    fitted = max(1, room - backlog)
+    log.warning(
+        "max_connections %d lowered to %d (backlog %d): the file limit is %d descriptors; "
+        "raise it (systemd LimitNOFILE=, docker --ulimit nofile=) to accept more connections",
+        max_connections,
+        fitted,
+        backlog,
+        soft,
+    )
+    return fitted, backlog
+
+
+def _open_files() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 64  # no /proc: a typical count at start-up
+
+
+class _OnePerInterval(logging.Filter):
+    """Lets asyncio's `accept()` failure through once per `interval` seconds, without its
+    traceback and with the count since: it repeats for every connection attempt while file
+    descriptors are exhausted (tens of thousands of tracebacks a second)."""
+
+    interval = 10.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = float("-inf")
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("socket.accept() out of system resource"):
+            return True
+        if record.created - self.last < self.interval:
+            self.dropped += 1
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        record.msg = f"accepting connections failed: {error}; {self.dropped} more since"
+        record.args, record.exc_info, record.exc_text = (), None, None
+        self.last, self.dropped = record.created, 0
+        return True
+
+
+def quiet_accept_errors() -> None:
+    """Install `_OnePerInterval` on asyncio's logger (once)."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(known, _OnePerInterval) for known in logger.filters):
+        logger.addFilter(_OnePerInterval())

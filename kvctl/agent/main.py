@@ -558,7 +558,12 @@ def serve(config: AgentConfig) -> int:
     """Bind, build, serve; return the exit code."""
     import uvicorn
 
-    from kvctl.agent.connections import bounded_protocol, listening_socket
+    from kvctl.agent.connections import (
+        bounded_protocol,
+        fit_connections_to_file_limit,
+        listening_socket,
+        quiet_accept_errors,
+    )
     from kvctl.agent.memory import keep_large_blocks_in_mmap
     from kvctl.agent.server import create_app
 
@@ -573,6 +578,8 @@ def serve(config: AgentConfig) -> int:
         ) from None
     port = sock.getsockname()[1]
     service = build_service(config)
+    max_connections, backlog = fit_connections_to_file_limit(config.max_connections)
+    quiet_accept_errors()
     host = f"[{config.host}]" if sock.family == socket.AF_INET6 else config.host
     advertised = config.advertised(port)
     service.alerting = alert_loop(service, config, advertised)
@@ -591,12 +598,9 @@ def serve(config: AgentConfig) -> int:
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=int(config.shutdown_grace) + 1,
-            http=bounded_protocol(
-                config.header_timeout, config.body_timeout, config.max_connections
-            ),
+            http=bounded_protocol(config.header_timeout, config.body_timeout, max_connections),
             timeout_keep_alive=max(1, round(config.keep_alive_timeout)),
-            limit_concurrency=config.max_connections,
-            backlog=min(config.max_connections, 4096),
+            backlog=backlog,
         )
     )
     stop = threading.Event()

@@ -6,7 +6,7 @@ import asyncio
 import socket
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from kvctl.agent.connections import bounded_protocol, listening_socket
 
@@ -83,3 +83,72 @@ async def _closed(reader: asyncio.StreamReader) -> bool:
         return await asyncio.wait_for(reader.read(1), 0.05) == b""
     except TimeoutError:
         return False
+
+
+def test_busy_connections_get_503_but_health_probes_never_do() -> None:
+    """With every connection carrying a request the application is working on, new requests
+    are refused, except /healthz; connections still sending a body give way to new ones."""
+    app = FastAPI()
+    release = asyncio.Event()
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get("/work")
+    async def work() -> dict:
+        await release.wait()
+        return {"ok": True}
+
+    @app.post("/upload")
+    async def upload(request: Request) -> dict:
+        return {"size": len(await request.body())}
+
+    sock = listening_socket("127.0.0.1", 0, 64)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        http=bounded_protocol(header_timeout=30, body_timeout=30, max_connections=16),
+        timeout_keep_alive=60,
+    )
+    server = uvicorn.Server(config)
+
+    async def status(path: str) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: agent\r\n\r\n".encode())
+        line = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        return line.split()[1]
+
+    async def run() -> tuple[list[bytes], list[bytes], bool]:
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        uploads = []
+        for _ in range(8):  # headers in, body still to come: no work begun
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /upload HTTP/1.1\r\nHost: agent\r\nContent-Length: 100\r\n\r\nab")
+            uploads.append((reader, writer))
+        await asyncio.sleep(0.1)
+        working = []
+        for _ in range(16):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /work HTTP/1.1\r\nHost: agent\r\n\r\n")
+            working.append((reader, writer))
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        uploads_closed = all([reader.at_eof() or await _closed(reader) for reader, _ in uploads])
+        busy = [await status("/work"), await status("/healthz")]
+        release.set()
+        done = [await asyncio.wait_for(reader.readline(), 5) for reader, _ in working]
+        for _, writer in working + uploads:
+            writer.close()
+        server.should_exit = True
+        await serving
+        return busy, [line.split()[1] for line in done], uploads_closed
+
+    busy, done, uploads_closed = asyncio.run(run())
+    assert busy == [b"503", b"200"]
+    assert done == [b"200"] * 16  # the work in progress was not cut off
+    assert uploads_closed

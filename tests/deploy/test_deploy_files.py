@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 import yaml
 from local_tools import find_binary
 
+from kvctl.agent.config import AgentConfig
+from kvctl.agent.connections import RESERVED_FILES, UNLIMITED_PATHS
 from kvctl.alerts import render_rule_file
 from kvctl.alerts.catalog import AGENT_JOB
 
@@ -221,6 +223,19 @@ def test_the_systemd_unit_starts_the_agent_with_its_config_and_token() -> None:
     assert service["LoadCredential"] == "token:/etc/kvctl/token"
     assert service["KillSignal"] == "SIGTERM"
     assert unit["Install"]["WantedBy"] == "multi-user.target"
+    # room for the default 2,048 connections, the accept backlog and the agent's own files
+    assert int(service["LimitNOFILE"]) >= 2 * AgentConfig().max_connections + RESERVED_FILES
+
+
+def test_the_kubernetes_probes_ask_healthz_with_timeouts_and_wait_for_start_up() -> None:
+    daemonset = yaml.safe_load((K8S / "daemonset.yaml").read_text())
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        check = container[probe]
+        assert check["httpGet"]["path"] in UNLIMITED_PATHS, probe
+        assert 0 < check["timeoutSeconds"] < check["periodSeconds"] + 1, probe
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # a slow checkpoint
 
 
 def test_the_dockerfile_pins_torch_before_installing_kvctl() -> None:
