@@ -1,6 +1,13 @@
 """Checkpoint loading: what a good directory yields, and one clear line per way it can be bad."""
 
 import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -8,7 +15,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvctl.agent.model import CheckpointError, LlamaModel, ModelConfig, load_checkpoint
+from kvctl.agent.model import (
+    CheckpointError,
+    LlamaModel,
+    ModelConfig,
+    checkpoint_files,
+    load_checkpoint,
+)
+from kvctl.agent.model.checkpoint_check import available_memory, expected_tensors
 
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -58,6 +72,30 @@ def _edit_weights(edit_state: Callable[[dict], None]) -> Callable[[Path], None]:
         save_file(state, root / "model.safetensors")
 
     return edit
+
+
+def _write_raw(header: object, data: bytes = b"", length: int | None = None):
+    """A model.safetensors of `header` (JSON) and `data`, its length field `length` if given."""
+
+    def edit(root: Path) -> None:
+        raw = json.dumps(header).encode()
+        prefix = struct.pack("<Q", len(raw) if length is None else length)
+        (root / "model.safetensors").write_bytes(prefix + raw + data)
+
+    return edit
+
+
+def _one_tensor(**entry) -> dict:
+    return {"model.norm.weight": {"dtype": "F32", "shape": [64], "data_offsets": [0, 256], **entry}}
+
+
+def _escaping_index(root: Path) -> None:
+    index = {"weight_map": {name: "../elsewhere.safetensors" for name in _state(HF_CONFIG)}}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _quantized_q_proj(state: dict) -> None:
+    state["model.layers.0.self_attn.q_proj.weight"] = torch.ones(64, 64, dtype=torch.int8)
 
 
 def _shard_with_missing_file(root: Path) -> None:
@@ -138,18 +176,251 @@ BAD = {
         lambda root: (root / "generation_config.json").write_text("nope"),
         "generation_config.json: invalid JSON",
     ),
+    "a million layers": (
+        _edit_config(num_hidden_layers=10**6),
+        "config.json: num_hidden_layers must be an integer from 1 to 1,024, got 1000000",
+    ),
+    "negative size": (
+        _edit_config(intermediate_size=-96),
+        "config.json: intermediate_size must be an integer from 1 to 1,048,576, got -96",
+    ),
+    "fractional size": (
+        _edit_config(vocab_size=32.5),
+        "config.json: vocab_size must be an integer from 1 to 4,194,304, got 32.5",
+    ),
+    "huge context": (
+        _edit_config(max_position_embeddings=10**40),
+        "config.json: max_position_embeddings must be an integer from 1 to 16,777,216, "
+        "got a huge integer",
+    ),
+    "heads wider than the model": (
+        _edit_config(hidden_size=2),
+        "config.json: hidden_size 2 is smaller than num_attention_heads 4, so head_dim would be 0",
+    ),
+    "string flag": (
+        _edit_config(tie_word_embeddings="false"),
+        "config.json: tie_word_embeddings must be true or false, got 'false'",
+    ),
+    "non-numeric epsilon": (
+        _edit_config(rms_norm_eps="tiny"),
+        "config.json: rms_norm_eps must be a positive finite number below 1.0, got 'tiny'",
+    ),
+    "non-numeric rope factor": (
+        _edit_config(rope_scaling={"rope_type": "linear", "factor": [2]}),
+        "config.json: rope factor must be a positive finite number, got [2]",
+    ),
+    "architectures not a list": (
+        _edit_config(architectures=7),
+        "config.json: architectures must be a list of names",
+    ),
+    "config shapes disagree with the weights": (
+        _edit_config(num_key_value_heads=4),
+        "model.safetensors: model.layers.0.self_attn.k_proj.weight has shape [32, 64], "
+        "config.json implies [64, 64]",
+    ),
+    "header length of a terabyte": (
+        _write_raw(_one_tensor(), bytes(256), length=10**12),
+        "model.safetensors: not a readable safetensors file (header length 1,000,000,000,000 "
+        "bytes is over the 16 MiB limit)",
+    ),
+    "header length past the end": (
+        _write_raw(_one_tensor(), length=10**6),
+        "model.safetensors: not a readable safetensors file (header length 1,000,000 bytes "
+        "runs past the",
+    ),
+    "header not an object": (
+        _write_raw([1, 2, 3]),
+        "model.safetensors: not a readable safetensors file (header is not a JSON object)",
+    ),
+    "header not JSON": (
+        lambda root: (root / "model.safetensors").write_bytes(struct.pack("<Q", 5) + b"{nope"),
+        "model.safetensors: not a readable safetensors file (header is not JSON",
+    ),
+    "offsets outside the file": (
+        _write_raw(_one_tensor(data_offsets=[0, 10**15]), bytes(256)),
+        "model.safetensors: not a readable safetensors file (model.norm.weight: data_offsets "
+        "[0, 1000000000000000] lie outside its 256 data bytes)",
+    ),
+    "shape larger than its bytes": (
+        _write_raw(_one_tensor(shape=[10**18, 10**18, 10**18]), bytes(256)),
+        "model.safetensors: not a readable safetensors file (model.norm.weight: shape "
+        "[1000000000000000000, 1000000000000000000, 1000000000000000000] of F32 does not fit",
+    ),
+    "overlapping tensors": (
+        _write_raw(
+            {
+                "a": {"dtype": "F32", "shape": [64], "data_offsets": [0, 256]},
+                "b": {"dtype": "F32", "shape": [32], "data_offsets": [128, 256]},
+            },
+            bytes(256),
+        ),
+        "model.safetensors: not a readable safetensors file (b overlaps a)",
+    ),
+    "quantized weights": (
+        _edit_weights(_quantized_q_proj),
+        "model.safetensors: model.layers.0.self_attn.q_proj.weight has dtype I8; kvctl loads "
+        "float weights",
+    ),
+    "hostile tensor name": (
+        _write_raw({"x\n" * 1000: _one_tensor()["model.norm.weight"]}, bytes(256)),
+        "model.safetensors: unexpected tensor 'x\\nx\\nx\\n",
+    ),
+    "index points outside the directory": (
+        _escaping_index,
+        "model.safetensors.index.json: lists '../elsewhere.safetensors', which is not the name "
+        "of a *.safetensors file in the checkpoint directory",
+    ),
 }
 
 
+def _forbid_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on, fail the test if any torch module is built: a refusal comes before the model."""
+
+    def refuse(self: torch.nn.Module, *args: object, **kwargs: object) -> None:
+        raise AssertionError(f"{type(self).__name__} was built before the checkpoint was checked")
+
+    monkeypatch.setattr(torch.nn.Module, "__init__", refuse)
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_checkpoint_is_one_clear_line(ckpt: Path, case: str):
+def test_bad_checkpoint_is_one_clear_line(ckpt: Path, case: str, monkeypatch: pytest.MonkeyPatch):
     break_it, message = BAD[case]
     break_it(ckpt)
+    _forbid_modules(monkeypatch)
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(ckpt, "cpu")
     text = str(info.value)
     assert message in text
     assert "\n" not in text
+
+
+@pytest.mark.parametrize("layers", [10**6, 1000])
+def test_claimed_layers_without_weights_are_refused_at_once(
+    ckpt: Path, layers: int, monkeypatch: pytest.MonkeyPatch
+):
+    """10^6 layers is over the limit; 1000 is within it, but the file holds weights for 2."""
+    _edit_config(num_hidden_layers=layers)(ckpt)
+    _forbid_modules(monkeypatch)
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        with pytest.raises(CheckpointError) as info:
+            load_checkpoint(ckpt, "cpu")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 2.0
+    assert peak < 16 << 20
+    expected = (
+        "config.json: num_hidden_layers must be an integer from 1 to 1,024"
+        if layers > 1024
+        else "model.safetensors: missing tensor model.layers.2.input_layernorm.weight"
+    )
+    assert expected in str(info.value)
+
+
+def test_weights_larger_than_free_memory_are_refused_with_both_numbers(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+):
+    needed = sum(math.prod(t.shape) for t in _state(HF_CONFIG).values()) * 4
+    _forbid_modules(monkeypatch)
+    asked: list[torch.device] = []
+
+    def free(device: torch.device) -> int:
+        asked.append(device)
+        return needed - 1
+
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(ckpt, "cpu", available=free)
+    assert asked == [torch.device("cpu")]
+    text = str(info.value)
+    assert text.startswith("tiny-llama: the weights need ")
+    assert f"({needed:,} bytes) on cpu, but only " in text
+    assert f"({needed - 1:,} bytes) is available" in text
+    with pytest.raises(CheckpointError, match=f"[(]{needed // 2:,} bytes[)] on cpu"):
+        load_checkpoint(ckpt, "cpu", torch.bfloat16, available=lambda device: needed // 2 - 1)
+
+
+def test_weights_that_fit_load(ckpt: Path):
+    needed = sum(math.prod(t.shape) for t in _state(HF_CONFIG).values()) * 4
+    _, model, _ = load_checkpoint(ckpt, "cpu", available=lambda device: needed)
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == needed
+
+
+def test_truncated_weights_are_refused_from_the_header(ckpt: Path, monkeypatch: pytest.MonkeyPatch):
+    file = ckpt / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-1000])
+    _forbid_modules(monkeypatch)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(ckpt, "cpu")
+    text = str(info.value)
+    assert text.startswith("model.safetensors: not a readable safetensors file (model.")
+    assert text.endswith(
+        f"lie outside its {file.stat().st_size - 8 - _header_length(file):,} data bytes)"
+    )
+
+
+def _header_length(file: Path) -> int:
+    return struct.unpack("<Q", file.read_bytes()[:8])[0]
+
+
+def test_oversized_json_is_not_read(ckpt: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(checkpoint_files, "MAX_JSON_BYTES", 1024)
+    (ckpt / "config.json").write_text(json.dumps({**HF_CONFIG, "padding": "x" * 1024}))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(ckpt, "cpu")
+    assert str(info.value) == "config.json: over 1 KiB, too large for a checkpoint's JSON file"
+
+
+def test_free_memory_is_read_for_the_cpu_and_unknown_elsewhere():
+    free = available_memory(torch.device("cpu"))
+    assert free is None or free > 0
+    assert available_memory(torch.device("meta")) is None
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"tie_word_embeddings": True}, {"attention_bias": True}, {"model_type": "qwen2"}],
+)
+def test_expected_tensors_are_the_models_state_dict(changes: dict):
+    hf = {**HF_CONFIG, **changes}
+    if "model_type" in changes:
+        hf["architectures"] = ["Qwen2ForCausalLM"]
+    config = ModelConfig.from_hf(hf, "m")
+    with torch.device("meta"):
+        state = LlamaModel(config).state_dict()
+    assert list(expected_tensors(config).items()) == [(n, tuple(t.shape)) for n, t in state.items()]
+
+
+# Bound the agent's address space a little above what its imports take, then start it: a loader
+# that built the model before checking would die of MemoryError instead of exiting 2.
+_BOUNDED_AGENT = """
+import resource, sys
+import torch, kvctl.agent.main
+size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size + (2 << 30), resource.RLIM_INFINITY))
+sys.exit(kvctl.agent.main.main(["--port", "0", "--model", sys.argv[1]]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_agent_refuses_a_hostile_config_in_one_line_within_bounded_memory(ckpt: Path):
+    _edit_config(num_hidden_layers=10**6)(ckpt)
+    (ckpt / "model.safetensors").unlink()
+    result = subprocess.run(
+        [sys.executable, "-c", _BOUNDED_AGENT, str(ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MALLOC_ARENA_MAX": "2"},
+    )
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "level=" not in line]
+    assert errors == [
+        f"kvctl-agent: error: --model {ckpt}: config.json: num_hidden_layers must be an integer "
+        "from 1 to 1,024, got 1000000"
+    ]
 
 
 def test_good_checkpoint_loads(ckpt: Path):
@@ -161,6 +432,23 @@ def test_good_checkpoint_loads(ckpt: Path):
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
     assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_sharded_checkpoint_loads(ckpt: Path):
+    state = _state(HF_CONFIG)
+    names = sorted(state)
+    shards = {
+        "model-00001-of-00002.safetensors": names[:5],
+        "model-00002-of-00002.safetensors": names[5:],
+    }
+    (ckpt / "model.safetensors").unlink()
+    for file, part in shards.items():
+        save_file({name: state[name] for name in part}, ckpt / file)
+    index = {"weight_map": {name: file for file, part in shards.items() for name in part}}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    _, model, _ = load_checkpoint(ckpt, "cpu")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
 
 
 def test_rotary_buffers_and_tied_lm_head_are_ignored(ckpt: Path):

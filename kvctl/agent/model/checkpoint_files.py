@@ -1,13 +1,19 @@
-"""Reading a checkpoint directory's JSON files: one place that turns a missing or broken file
-into one `CheckpointError` line naming it."""
+"""Reading a checkpoint directory's JSON files: one place that turns a missing, oversized or
+broken file into one `CheckpointError` line naming it."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from kvctl.agent.model.errors import CheckpointError
+from kvctl.units import format_bytes
+
+# config.json, generation_config.json and shard indexes are kilobytes, tokenizer_config.json at
+# most a few megabytes; a larger file is not one of them and is not read into memory.
+MAX_JSON_BYTES = 64 << 20
 
 
 def read_json(root: Path, name: str, required: bool) -> Any:
@@ -21,6 +27,16 @@ def read_json(root: Path, name: str, required: bool) -> Any:
             )
         return None
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{name}: invalid JSON ({exc})") from exc
+        with file.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            data = b"" if size > MAX_JSON_BYTES else handle.read(size + 1)
+    except OSError as exc:
+        raise CheckpointError(f"{name}: cannot be read ({exc.strerror or exc})") from None
+    if size > MAX_JSON_BYTES or len(data) > MAX_JSON_BYTES:
+        raise CheckpointError(
+            f"{name}: over {format_bytes(MAX_JSON_BYTES)}, too large for a checkpoint's JSON file"
+        )
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, digits
+        raise CheckpointError(f"{name}: invalid JSON ({' '.join(str(exc).split())})") from exc

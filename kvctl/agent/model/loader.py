@@ -2,7 +2,9 @@
 
 Nothing is downloaded. Every problem is one `CheckpointError` line that starts with the file at
 fault, checked before any weight reaches the model: a wrong checkpoint fails fast and says why,
-instead of producing a model that silently computes nonsense.
+instead of producing a model that silently computes nonsense. The checks read only config.json and
+the safetensors headers (`checkpoint_check`), so a hostile checkpoint is refused before the model
+is built or any memory that grows with its claims is taken.
 """
 
 from dataclasses import replace
@@ -14,25 +16,38 @@ from safetensors import safe_open
 from torch import Tensor
 
 from kvctl.agent.model.chat_template import read_chat_template
+from kvctl.agent.model.checkpoint_check import (
+    AvailableMemory,
+    available_memory,
+    check_memory,
+    match_tensors,
+    read_header,
+    weight_bytes,
+)
 from kvctl.agent.model.checkpoint_files import read_json
 from kvctl.agent.model.config import ModelConfig, token_ids
-from kvctl.agent.model.errors import CheckpointError
+from kvctl.agent.model.errors import CheckpointError, brief
 from kvctl.agent.model.llama import LlamaModel
 from kvctl.agent.model.tokenizer import HFTokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_SUFFIX = ".safetensors"
 
 
 def load_checkpoint(
     path: str | Path,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    *,
+    available: AvailableMemory = available_memory,
 ) -> tuple[ModelConfig, LlamaModel, HFTokenizer | None]:
     """(config, model in eval mode on `device`, tokenizer or None when there is no tokenizer.json).
 
     `dtype` defaults to the checkpoint's own (`torch_dtype`/`dtype` in config.json). A path ending
-    in `.gguf` is a llama.cpp GGUF file instead (see `gguf_loader`).
+    in `.gguf` is a llama.cpp GGUF file instead (see `gguf_loader`). Before anything large is
+    allocated, config.json's numbers are bounded, every safetensors header is checked against the
+    shapes they imply, and the weights' size against `available(device)` (free bytes, None when
+    unknown).
     """
     root = Path(path)
     if root.suffix.lower() == ".gguf":
@@ -45,7 +60,10 @@ def load_checkpoint(
             "*.safetensors"
         )
     config = read_config(root)
-    model = _load_model(root, config, torch.device(device), dtype or config.dtype)
+    target, dtype = torch.device(device), dtype or config.dtype
+    files, file_of = _check_weights(root, config)
+    check_memory(root.name, weight_bytes(config, dtype), target, available)
+    model = _load_model(root, config, files, file_of, target, dtype)
     return config, model, read_tokenizer(root, config)
 
 
@@ -70,40 +88,32 @@ def read_tokenizer(root: Path, config: ModelConfig) -> HFTokenizer | None:
         raise CheckpointError(f"tokenizer.json: cannot be read by `tokenizers` ({exc})") from exc
 
 
+def _check_weights(root: Path, config: ModelConfig) -> tuple[list[str], dict[str, str]]:
+    """(the safetensors files, tensor name -> the file holding it), from the headers alone: no
+    tensor is read and no module is built until every name and shape is what config.json
+    implies."""
+    files, owner_of, default_owner = _weight_files(root)
+    headers = {file: read_header(root / file) for file in files}
+    return files, match_tensors(headers, config, owner_of, default_owner)
+
+
 def _load_model(
-    root: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype
+    root: Path,
+    config: ModelConfig,
+    files: list[str],
+    file_of: dict[str, str],
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> LlamaModel:
     with torch.device("meta"):
         model = LlamaModel(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    state = _read_weights(root, config, expected, device, dtype)
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.eval().requires_grad_(False)
-
-
-def _read_weights(
-    root: Path,
-    config: ModelConfig,
-    expected: dict[str, tuple[int, ...]],
-    device: torch.device,
-    dtype: torch.dtype,
-) -> dict[str, Tensor]:
-    """Check every file's header against `expected` first (names and shapes, no tensor data),
-    then read the tensors: a bad checkpoint fails before gigabytes are loaded."""
-    files, owner_of, default_owner = _weight_files(root)
-    file_of: dict[str, str] = {}
-    for file in files:
-        for name in _checked_names(root / file, expected, config, file_of):
-            file_of[name] = file
-    for name in expected:
-        if name not in file_of:
-            raise CheckpointError(f"{owner_of.get(name, default_owner)}: missing tensor {name}")
     state: dict[str, Tensor] = {}
     for file in files:
         with _open(root / file) as handle:
             for name in (n for n, f in file_of.items() if f == file):
                 state[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
-    return state
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
 
 
 def _weight_files(root: Path) -> tuple[list[str], dict[str, str], str]:
@@ -121,6 +131,12 @@ def _weight_files(root: Path) -> tuple[list[str], dict[str, str], str]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{INDEX_FILE}: no weight_map object mapping tensors to files")
+    for file in weight_map.values():
+        if not isinstance(file, str) or Path(file).name != file or not file.endswith(_SUFFIX):
+            raise CheckpointError(
+                f"{INDEX_FILE}: lists {brief(repr(file))}, which is not the name of a "
+                "*.safetensors file in the checkpoint directory"
+            )
     files = sorted(set(weight_map.values()))
     for file in files:
         if not (root / file).is_file():
@@ -128,44 +144,8 @@ def _weight_files(root: Path) -> tuple[list[str], dict[str, str], str]:
     return files, dict(weight_map), INDEX_FILE
 
 
-def _checked_names(
-    file: Path,
-    expected: dict[str, tuple[int, ...]],
-    config: ModelConfig,
-    seen: dict[str, str],
-) -> list[str]:
-    """Names of the tensors in one file that the model takes, each checked against `expected`."""
-    names = []
-    with _open(file) as handle:
-        for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            if _ignored(name, config):
-                continue
-            if name not in expected:
-                raise CheckpointError(
-                    f"{file.name}: unexpected tensor {name}; "
-                    "is config.json from the same checkpoint?"
-                )
-            if name in seen:
-                raise CheckpointError(f"{file.name}: tensor {name} is also in {seen[name]}")
-            shape = tuple(handle.get_slice(name).get_shape())
-            if shape != expected[name]:
-                raise CheckpointError(
-                    f"{file.name}: {name} has shape {list(shape)}, "
-                    f"config.json implies {list(expected[name])}"
-                )
-            names.append(name)
-    return names
-
-
 def _open(file: Path) -> Any:
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except Exception as exc:
         raise CheckpointError(f"{file.name}: not a readable safetensors file ({exc})") from exc
-
-
-def _ignored(name: str, config: ModelConfig) -> bool:
-    """Tensors a checkpoint may carry that the model rebuilds itself."""
-    if name.endswith(_IGNORED_SUFFIXES):
-        return True
-    return config.tie_word_embeddings and name == "lm_head.weight"
