@@ -29,7 +29,7 @@ from kvctl.settings import DefragSettings
 gguf = pytest.importorskip("gguf")
 tokenizers = pytest.importorskip("tokenizers")
 
-QTYPES = {"F32": 0, "F16": 1, "Q8_0": 8}  # GGMLQuantizationType values
+QTYPES = {"F32": 0, "F16": 1, "Q8_0": 8}  # GGMLQuantizationType values; compared with transformers
 SPECIALS = ["<|pad|>", "<|begin_of_text|>", "<|end_of_text|>"]  # ids 0, 1, 2 as in SHAPE
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
@@ -71,9 +71,13 @@ def write_gguf(
     arch: str = "llama",
     tokenizer: dict[str, Any] | None = None,
     extra: dict[str, np.ndarray] | None = None,
+    pre: str = "llama-bpe",
+    add_bos: bool = True,
+    raw: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """A GGUF file as llama.cpp's converter writes it; 1-D tensors stay F32, as llama.cpp keeps
-    norms and biases."""
+    norms and biases. `raw` holds already quantized `qtype` blocks, by GGUF tensor name, for the
+    types the gguf package cannot quantize (K-quants); they are stored as they are."""
     writer = gguf.GGUFWriter(str(path), arch)
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     writer.add_name(path.stem)
@@ -87,16 +91,16 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     writer.add_rope_freq_base(hf["rope_theta"])
     writer.add_vocab_size(hf["vocab_size"])
-    writer.add_file_type(QTYPES[qtype])
+    writer.add_file_type(_file_type(qtype))
     writer.add_bos_token_id(hf["bos_token_id"])
     writer.add_eos_token_id(hf["eos_token_id"])
     if tokenizer is not None:
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("llama-bpe")
+        writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokenizer["tokens"])
         writer.add_token_types([3 if t in SPECIALS else 1 for t in tokenizer["tokens"]])
         writer.add_token_merges(tokenizer["merges"])
-        writer.add_add_bos_token(True)
+        writer.add_add_bos_token(add_bos)
         writer.add_chat_template(CHAT_TEMPLATE)
     for name, tensor in state.items():
         if name.startswith("model.layers."):
@@ -109,7 +113,11 @@ def write_gguf(
             values = permute(values, heads)
         elif arch == "llama" and ".k_proj." in name:
             values = permute(values, kv_heads)
-        _add(writer, target, values, qtype if values.ndim == 2 else "F32")
+        if raw is not None and target in raw:
+            kind = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(target, raw[target], raw_dtype=kind)
+        else:
+            _add(writer, target, values, qtype if values.ndim == 2 else "F32")
     for target, values in (extra or {}).items():
         _add(writer, target, values, "F32")
     writer.write_header_to_file()
@@ -119,8 +127,14 @@ def write_gguf(
     return path
 
 
+def _file_type(qtype: str) -> int:
+    """general.file_type of a file whose matrices are `qtype`."""
+    names = {"F32": "ALL_F32", "Q4_K": "MOSTLY_Q4_K_M"}
+    return int(gguf.LlamaFileType[names.get(qtype, f"MOSTLY_{qtype}")])
+
+
 def _add(writer: Any, name: str, values: np.ndarray, qtype: str) -> None:
-    kind = gguf.GGMLQuantizationType(QTYPES[qtype])
+    kind = gguf.GGMLQuantizationType[qtype]
     data = gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), kind)
     writer.add_tensor(name, data, raw_dtype=kind)
 
@@ -279,6 +293,159 @@ def test_quantized_weights_are_close_to_the_originals(reference, bpe, tmp_path: 
     assert next(ours.parameters()).dtype == torch.float16
     for name, tensor in ours.state_dict().items():
         torch.testing.assert_close(tensor.float(), state[name], atol=0.02, rtol=0.02)
+
+
+# ---- the common quantized types, and a SmolLM2-shaped Q4_1 file ----------------------------
+
+QUANTIZED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"]
+_STEP = {"Q4_0": 8, "Q4_1": 8, "Q5_0": 16, "Q5_1": 16, "Q8_0": 64}  # max |w| / this bounds errors
+_K_BLOCKS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}  # bytes a block, offsets of fp16 scales
+
+
+def _random_state(hf: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Hugging Face named weights of the decoder `hf` describes, drawn from a seeded generator."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inner = hf["hidden_size"], hf["intermediate_size"]
+    kv = hidden // hf["num_attention_heads"] * hf["num_key_value_heads"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (hf["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+    }
+    parts = {
+        "input_layernorm": (hidden,),
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, hidden),
+        "post_attention_layernorm": (hidden,),
+        "mlp.gate_proj": (inner, hidden),
+        "mlp.up_proj": (inner, hidden),
+        "mlp.down_proj": (hidden, inner),
+    }
+    for layer in range(hf["num_hidden_layers"]):
+        for part, shape in parts.items():
+            shapes[f"model.layers.{layer}.{part}.weight"] = shape
+    return {name: 0.1 * torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+
+def _k_blocks(kind: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks (the gguf package cannot quantize to these) with sane fp16 scales."""
+    size, scales = _K_BLOCKS[kind]
+    blocks = rng.integers(0, 256, (shape[0] * shape[1] // 256, size), dtype=np.uint8)
+    for at in scales:
+        values = rng.uniform(1e-3, 1e-2, len(blocks)).astype(np.float16)
+        blocks[:, at : at + 2] = values.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(shape[0], -1)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED)
+def test_common_quantized_types_load(qtype: str, tmp_path: Path):
+    """Q4_1 (SmolLM2's GGUF), Q4_0, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K load, dequantized to what
+    the file holds: exactly what transformers' own dequantizer (not the gguf package kvctl uses)
+    makes of the stored blocks where it has the type, and within the type's precision of the
+    unquantized weights where the gguf package could quantize them."""
+    hf = {
+        **SHAPE,
+        "hidden_size": 256,  # K-quant blocks hold 256 values of a row
+        "intermediate_size": 256,
+        "num_hidden_layers": 1,
+        "vocab_size": 32,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    }
+    state = _random_state(hf, seed=QUANTIZED.index(qtype))
+    try:
+        from transformers.integrations.gguf.dequant import GGML_BLOCK
+        from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+    except ImportError:
+        GGML_BLOCK, hf_dequantize = {}, None
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype not in _STEP and int(kind) not in GGML_BLOCK:
+        pytest.skip(f"no reference for {qtype}: transformers' dequantizer is not installed")
+    raw = None
+    if qtype in _K_BLOCKS:
+        rng = np.random.default_rng(0)
+        matrices = [n for n, tensor in state.items() if tensor.ndim == 2]
+        raw = {_gguf_name(n): _k_blocks(qtype, tuple(state[n].shape), rng) for n in matrices}
+    path = write_gguf(tmp_path / f"{qtype}.gguf", state, hf, qtype, raw=raw)
+    config, ours, _ = load_checkpoint(path, "cpu", torch.float32)
+    assert config.tie_word_embeddings
+    loaded = ours.state_dict()
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for name, original in state.items():
+        if original.ndim == 1:
+            continue
+        values = loaded[name].numpy()
+        if ".q_proj." in name or ".k_proj." in name:  # back to the file's row order
+            heads = hf["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+            values = permute(values, heads)
+        if qtype in _STEP:
+            bound = float(original.abs().max()) / _STEP[qtype]
+            torch.testing.assert_close(loaded[name], original, atol=bound, rtol=0)
+        if hf_dequantize is not None and int(kind) in GGML_BLOCK:
+            data = torch.from_numpy(np.array(stored[_gguf_name(name)].data))
+            want = hf_dequantize(data.reshape(-1), int(kind)).reshape(values.shape)
+            torch.testing.assert_close(torch.from_numpy(values), want, atol=1e-6, rtol=1e-6)
+
+
+def _gguf_name(name: str) -> str:
+    """The GGUF tensor name of a Hugging Face parameter name."""
+    if name in _TOP:
+        return _TOP[name]
+    _, _, layer, *rest = name.split(".")
+    return f"blk.{layer}.{_BLOCK['.'.join(rest[:-1])]}.{rest[-1]}"
+
+
+def test_smollm2_shaped_q4_1_file_loads_and_generates(bpe, generate, tmp_path: Path):
+    """A file shaped like SmolLM2's GGUF, which kvctl used to refuse: architecture llama,
+    tokenizer.ggml.pre "smollm", Q4_1 weights, tied embeddings, no BOS. It loads through the
+    agent's GGUF path; digits are split one by one as llama.cpp's SMOLLM pre-type does (the ids are
+    checked against llama.cpp's rules in test_gguf_pretokenizers.py: transformers knows no
+    "smollm" and would cut "12345678" with GPT-2's regex); logits and greedy tokens, through the
+    model and through the engine, match transformers' model read from the same file."""
+    transformers = pytest.importorskip("transformers")
+    hf = {
+        **SHAPE,
+        "hidden_size": 96,  # SmolLM2-135M: 9 heads over 3 KV heads of 64; here 3 over 1 of 32
+        "num_attention_heads": 3,
+        "num_key_value_heads": 1,
+        "intermediate_size": 256,
+        "vocab_size": len(bpe["tokens"]),
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+    }
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf)).eval()
+    peaked_weights(model, seed=135)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    path = write_gguf(
+        tmp_path / "smol.gguf", state, hf, "Q4_1", "llama", bpe, pre="smollm", add_bos=False
+    )
+    config, ours, tokenizer = load_checkpoint(path, DEVICE, torch.float32)
+    assert tokenizer is not None and config.tie_word_embeddings
+    assert config.torch_dtype == "float16"
+    vocab = {t: i for i, t in enumerate(bpe["tokens"])}
+    assert tokenizer.encode("12345678") == [vocab[d] for d in "12345678"]  # no BOS, one a digit
+    prompts = [tokenizer.encode(t) for t in ["hello world 2024", "the paged kv cache", "42"]]
+    for text, prompt in zip(["hello world 2024", "the paged kv cache", "42"], prompts, strict=True):
+        assert tokenizer.decode(prompt) == text
+    expected = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        want = torch.cat([expected(torch.tensor([p])).logits[0] for p in prompts])
+    torch.testing.assert_close(_logits(ours, prompts), want, atol=1e-4, rtol=1e-4)
+    greedy = generate(ours, prompts, 8)
+    assert _engine_greedy(ours, prompts, 8) == greedy
+    for prompt, tokens in zip(prompts, greedy, strict=True):
+        out = expected.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert out[0, len(prompt) :].tolist() == tokens
 
 
 # ---- Llama 3.1 rope factors ----------------------------------------------------------------

@@ -2,7 +2,11 @@
 
 A GGUF carries no `tokenizer.json`, only the vocabulary, merges (or scores) and special ids under
 llama.cpp's key names. They are turned into the `tokenizers.Tokenizer` that transformers' GGUF
-converter builds for the same file, so the agent and transformers give the same ids.
+converter builds for the same file, with the text cut (and, for Llama 3 style vocabularies,
+whole-word tokens taken) as llama.cpp does for the file's `tokenizer.ggml.pre`
+(gguf_pretokenizers). The ids are transformers' where it knows the pre-tokenizer; for a name it
+does not know it falls back to GPT-2's regex, which would not split SmolLM's digits one by one,
+and kvctl follows llama.cpp.
 """
 
 from collections.abc import Sequence
@@ -12,27 +16,9 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 
 from kvctl.agent.model.errors import CheckpointError
+from kvctl.agent.model.gguf_pretokenizers import PRE_TOKENIZERS, PreTokenizer
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# `tokenizer.ggml.pre` -> the regex that splits text before byte-level BPE; None: GPT-2's own.
-PRE_TOKENIZERS: dict[str, str | None] = {
-    "default": None,
-    "gpt-2": None,
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
 
 
 def gguf_tokenizer(meta: dict[str, Any], file: str, vocab_size: int) -> Tokenizer | None:
@@ -47,8 +33,11 @@ def gguf_tokenizer(meta: dict[str, Any], file: str, vocab_size: int) -> Tokenize
             f"{vocab_size} rows"
         )
     kind = meta.get("tokenizer.ggml.model")
+    add_bos_default = kind == "llama"
     if kind == "gpt2":
-        tokenizer = _byte_level(meta, file, tokens)
+        pre = _pre_tokenizer(meta, file)
+        tokenizer = _byte_level(meta, file, tokens, pre)
+        add_bos_default = pre.add_bos
     elif kind == "llama":
         tokenizer = _sentencepiece(meta, tokens)
     else:
@@ -58,7 +47,7 @@ def gguf_tokenizer(meta: dict[str, Any], file: str, vocab_size: int) -> Tokenize
         )
     _add_special_tokens(tokenizer, tokens, meta.get("tokenizer.ggml.token_type") or ())
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", add_bos_default)
     if add_bos and bos is not None:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]}:0 $A:0",
@@ -68,14 +57,27 @@ def gguf_tokenizer(meta: dict[str, Any], file: str, vocab_size: int) -> Tokenize
     return tokenizer
 
 
-def _byte_level(meta: dict[str, Any], file: str, tokens: Sequence[str]) -> Tokenizer:
-    """GPT-2 style byte-level BPE (Llama 3, Qwen2): tokens are spelled in GPT-2's byte alphabet."""
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
+def _pre_tokenizer(meta: dict[str, Any], file: str) -> PreTokenizer:
+    """The file's pre-tokenizer; llama.cpp, too, takes a file without one as "default"."""
+    name = meta.get("tokenizer.ggml.pre", "default")
+    pre = PRE_TOKENIZERS.get(name)
+    if pre is None:
         raise CheckpointError(
-            f"{file}: tokenizer.ggml.pre {pre!r} is not supported; kvctl knows "
-            f"{', '.join(sorted(PRE_TOKENIZERS))}"
+            f"{file}: tokenizer.ggml.pre {name!r} is not supported; it is none of the "
+            f"{len(PRE_TOKENIZERS)} pre-tokenizers llama.cpp defines"
         )
+    if pre.refused:
+        raise CheckpointError(
+            f"{file}: tokenizer.ggml.pre {name!r} is not supported: {pre.refused}"
+        )
+    return pre
+
+
+def _byte_level(
+    meta: dict[str, Any], file: str, tokens: Sequence[str], pre: PreTokenizer
+) -> Tokenizer:
+    """GPT-2 style byte-level BPE (Llama 3, Qwen2, SmolLM...): tokens are spelled in GPT-2's
+    byte alphabet, and the text is cut by the pre-tokenizer's regexes before merging."""
     merges = meta.get("tokenizer.ggml.merges")
     if not merges:
         raise CheckpointError(f"{file}: a 'gpt2' tokenizer needs tokenizer.ggml.merges")
@@ -86,17 +88,19 @@ def _byte_level(meta: dict[str, Any], file: str, tokens: Sequence[str]) -> Token
         for index, t in enumerate(tokens)
     }
     pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    tokenizer = Tokenizer(BPE(vocab, pairs, continuing_subword_prefix="", end_of_word_suffix=""))
-    split = PRE_TOKENIZERS[pre]
-    if split is None:
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
+    tokenizer = Tokenizer(
+        BPE(
+            vocab,
+            pairs,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            ignore_merges=pre.ignore_merges,
         )
+    )
+    splits = [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in pre.splits]
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
