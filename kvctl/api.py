@@ -9,12 +9,14 @@ here imports torch or the agent, so the CLI stays fast to start.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvctl.settings import AlertSettings as AlertSettings
+from kvctl.settings import ChatSettings as ChatSettings
 from kvctl.settings import DefragSettings as DefragSettings
 from kvctl.settings import PrefixSettings as PrefixSettings
 from kvctl.settings import RebalanceSettings as RebalanceSettings
@@ -41,13 +43,81 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_ALLOWED_TOKEN_IDS = 4096
 """Ids in one `allowed_token_ids` list (a label set, a small vocabulary): each step of the
 request writes them once into its row of the blocked-token table."""
+MAX_JSON_DEPTH = 64
+"""Nesting of arrays and objects in one body. The deepest body the API defines nests 5 levels;
+Python's JSON parser and the validators recurse once per level, so a body nested many thousand
+levels deep would exhaust the stack instead of being refused."""
+
+INVALID_TEXT = "invalid_text"
+"""The validation error type of a string that is not valid Unicode (a lone surrogate): a 400
+naming the field (kvctl.agent.server)."""
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+class BadText(NamedTuple):
+    """Where a parsed JSON value holds text that cannot be encoded, and why, in one line."""
+
+    param: str
+    """The field as a dotted path (`messages.0.content`); `body` for the body itself."""
+    message: str
+
+
+def lone_surrogate(value: object) -> BadText | None:
+    """The first string (or object key) in parsed JSON holding a lone surrogate, None when all
+    are valid Unicode.
+
+    JSON may escape half of a surrogate pair alone (`"\\ud800"`) and Python's parser keeps it,
+    but such a string has no UTF-8 form: tokenizing, matching or echoing it fails far from the
+    request. Refusing it where the body is read gives the client its field and the fix. The walk
+    uses its own stack, so no nesting can exhaust Python's."""
+    pending: list[tuple[object, tuple[str | int, ...]]] = [(value, ())]
+    while pending:
+        item, path = pending.pop()
+        if isinstance(item, str):
+            if (found := _SURROGATE.search(item)) is not None:
+                return _bad_text(path, "text", found)
+        elif isinstance(item, list | tuple):
+            if _SCALARS.issuperset(map(type, item)):
+                continue  # token ids: one pass in C instead of one Python step per id
+            children = [(c, (*path, i)) for i, c in enumerate(item) if type(c) not in _SCALARS]
+            pending.extend(reversed(children))
+        elif isinstance(item, dict):
+            children = []
+            for key, child in item.items():
+                if isinstance(key, str) and (found := _SURROGATE.search(key)) is not None:
+                    return _bad_text(path, "a key", found)
+                if type(child) not in _SCALARS:
+                    children.append((child, (*path, key)))
+            pending.extend(reversed(children))
+    return None
+
+
+def _bad_text(path: tuple[str | int, ...], what: str, found: re.Match[str]) -> BadText:
+    param = ".".join(str(part) for part in path) or "body"
+    escaped = f"\\u{ord(found.group()):04x}"
+    return BadText(
+        param,
+        f"{param}: {what} contains a lone surrogate ({escaped}) at index {found.start()}; "
+        "send valid UTF-8",
+    )
 
 
 class Strict(BaseModel):
     """Request bodies: unknown fields are an error, and types are strict (a boolean is not a
-    number, 2.0 is not an integer, numbers are finite)."""
+    number, 2.0 is not an integer, numbers are finite), and every string is valid Unicode."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        """Refuse a lone surrogate anywhere in the input (fields, list items, object keys), so
+        no route tokenizes, matches or echoes text that has no UTF-8 form."""
+        bad = lone_surrogate(data)
+        if bad is not None:
+            raise PydanticCustomError(INVALID_TEXT, "{message}", bad._asdict())
+        return data
 
 
 class Response(BaseModel):
@@ -62,11 +132,14 @@ class Response(BaseModel):
 class ErrorDetail(Response):
     message: str
     type: str  # "invalid_request_error", "unauthorized", "conflict", "not_found", ...
+    param: str | None = None
+    """The request field the error is about (`prompt`, `messages.0.content`), where one is."""
     code: int
 
 
 class ErrorBody(Response):
-    """Every 4xx/5xx answer: `{"error": {"message", "type", "code"}}`, as OpenAI's API does."""
+    """Every 4xx/5xx answer: `{"error": {"message", "type", "param", "code"}}`, as OpenAI's API
+    does."""
 
     error: ErrorDetail
 
@@ -500,6 +573,7 @@ class RuntimeSettingsPatch(Strict):
     prefix_cache: dict[str, object] | None = None
     alerts: dict[str, object] | None = None
     rebalance: dict[str, object] | None = None
+    chat: dict[str, object] | None = None
 
 
 # ---- completions (OpenAI-compatible) --------------------------------------------------------
@@ -671,7 +745,8 @@ class CompletionRequest(GenerationFields):
     """POST /v1/completions, OpenAI's fields plus vLLM's sampling and output extensions (those it
     does not implement are accepted at a neutral value, else a 400 naming them:
     docs/operations.md). `prompt` is one prompt (text or token ids) or a list of them; each gets
-    `n` choices, numbered prompt by prompt."""
+    `n` choices, numbered prompt by prompt. A text prompt is the client's whole input, tokenized
+    as given: special-token text in it is read as the special token (docs/security.md)."""
 
     unsupported: ClassVar[dict[str, tuple[tuple[object, ...], str]]] = {
         **VLLM_UNSUPPORTED,
@@ -709,7 +784,10 @@ class ChatMessage(Strict):
 class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions: OpenAI's chat fields and vLLM's extensions, rendered with the
     model's chat template. Tool calling, structured output and the vLLM extensions it does not
-    implement (at other than a neutral value) are refused with 400 naming the field."""
+    implement (at other than a neutral value) are refused with 400 naming the field.
+    Special-token text inside a message (`<|im_end|>`) is tokenized as plain text, so only the
+    template writes control tokens, unless `chat.special_tokens_in_content` is `raw`
+    (docs/security.md)."""
 
     unsupported: ClassVar[dict[str, tuple[tuple[object, ...], str]]] = {
         **VLLM_UNSUPPORTED,

@@ -23,9 +23,12 @@ at `GET /openapi.json` (and `GET /docs`). Rules every route keeps:
 
 - With a token (`--token-file` or `KVCTL_TOKEN`), every route but `/healthz` and `/runbook` needs
   `Authorization: Bearer <token>` (401 without it); docs/security.md.
-- Every 4xx and 5xx answer has OpenAI's error shape: `{"error": {"message", "type", "code"}}`.
+- Every 4xx and 5xx answer has OpenAI's error shape: `{"error": {"message", "type", "param",
+  "code"}}`; `param` names the request field at fault, or is null.
 - Request bodies refuse unknown fields and loose types (a boolean is not a number); response
   bodies may gain fields in a later version, and clients ignore what they do not know.
+- Request bodies nest arrays and objects at most 64 levels deep and their strings must be valid
+  Unicode (a lone surrogate escape such as `\\ud800` is refused): 400 naming the field.
 - Ratios are 0..1, sizes are pages or bytes, durations are seconds; `*_total` fields count since
   the agent started.
 """

@@ -4,12 +4,13 @@ passes before a route sees it.
 Routes live in `kvctl.agent.routes`, one module per resource. Handlers validate with the models
 of `kvctl.api`, then either read the service's latest snapshot or hand a function to the engine
 thread and await its future: no handler touches the pool. Bad input gets a 4xx with
-`{"error": {"message", "type", "code"}}` and changes nothing.
+`{"error": {"message", "type", "param", "code"}}` and changes nothing.
 
-Two ASGI layers wrap every route: `BodyLimit` refuses bodies over `--max-body-bytes` before they
-are read, and `TokenGate` requires the bearer token, when one is configured, on every path but
+Three ASGI layers wrap every route: `BodyLimit` refuses bodies over `--max-body-bytes` before they
+are read, `TokenGate` requires the bearer token, when one is configured, on every path but
 `/healthz` and `/runbook` (the static alert runbook): pool statistics and completions say what
-other clients do, so reading them needs the token too.
+other clients do, so reading them needs the token too; and `NestingLimit` refuses a body nested
+deeper than `MAX_JSON_DEPTH` before anything parses it.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -32,7 +35,7 @@ from kvctl import __version__
 from kvctl.agent.audit import Action, AuditLog, Outcome, action_of
 from kvctl.agent.config import AgentConfig
 from kvctl.agent.service import AgentService
-from kvctl.api import UNSUPPORTED, ErrorBody
+from kvctl.api import INVALID_TEXT, MAX_JSON_DEPTH, UNSUPPORTED, ErrorBody
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,7 +57,8 @@ OPEN_PATHS = frozenset({"/healthz", "/runbook"})
 
 class ApiError(HTTPException):
     """An HTTP error whose detail is a one-line message for the client; `error_type` names the
-    case for clients that act on it (`pool_required`, `unknown_pool`), else the status's."""
+    case for clients that act on it (`pool_required`, `unknown_pool`), else the status's;
+    `param` names the request field at fault, where there is one."""
 
     def __init__(
         self,
@@ -62,9 +66,17 @@ class ApiError(HTTPException):
         detail: str,
         headers: dict[str, str] | None = None,
         error_type: str | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(status_code, detail, headers)
         self.error_type = error_type
+        self.param = param
+
+
+def _encodable(text: str) -> str:
+    """`text` with any lone surrogate written as its escape: an error message may quote what
+    the client sent, and a message that cannot be encoded would turn a 4xx into a 500."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(
@@ -72,12 +84,14 @@ def error_response(
     message: str,
     headers: dict[str, str] | None = None,
     error_type: str | None = None,
+    param: str | None = None,
 ) -> JSONResponse:
     body = ErrorBody.model_validate(
         {
             "error": {
-                "message": message,
+                "message": _encodable(message),
                 "type": error_type or _ERROR_TYPES.get(status, "server_error"),
+                "param": None if param is None else _encodable(param),
                 "code": status,
             }
         }
@@ -120,6 +134,61 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted, send)
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
+"""A JSON string, or an unterminated one to the end: every quote starts a match that cannot
+fail, so the scan stays linear whatever the body (a pattern that could fail would rescan the
+rest of the body from every later quote)."""
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+def json_depth(body: bytes) -> int:
+    """How deep arrays and objects nest in `body` (JSON), without parsing it, or 0 when it has
+    too few brackets to nest past `MAX_JSON_DEPTH`: brackets inside strings are skipped, and the
+    depth is the running count of opened minus closed brackets. Linear time in C (a regex, a
+    byte filter and a cumulative sum), whatever the nesting."""
+    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
+        return 0  # no deeper than the limit, whatever the structure
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
+    return int(np.cumsum(steps, dtype=np.int64).max())
+
+
+class NestingLimit:
+    """Refuse a body nested deeper than `MAX_JSON_DEPTH` with 400 as it is read, before any
+    handler parses it: the JSON parser and the validators recurse once per level, and a body of
+    100,000 `[` would exhaust the stack (a RecursionError) wherever it is parsed."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_JSON_DEPTH) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+
+        async def checked() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    body = b"".join(chunks)
+                    chunks.clear()
+                    if json_depth(body) > self.limit:
+                        raise ApiError(
+                            400,
+                            f"the body nests arrays and objects more than {self.limit} levels "
+                            "deep; no request needs that many, so send a flatter body",
+                        )
+            return message
+
+        await self.app(scope, checked, send)
 
 
 class TokenGate:
@@ -182,16 +251,22 @@ class ServerContext:
         self.audit.record(action, outcome, caller_of(request.scope), authenticated, details)
 
 
-def _validation_error(error: RequestValidationError) -> tuple[int, str]:
-    """A refused body's status and one-line message: 400 for a field the API knows and the agent
-    does not implement (its message names it), 422 for a body that breaks the schema."""
-    first = error.errors()[0]
-    if first["type"] == UNSUPPORTED:
-        return 400, first["msg"]
+def _validation_error(error: RequestValidationError) -> tuple[int, str, str | None]:
+    """A refused body's status, one-line message and field: 400 for a field the API knows and
+    the agent does not implement, or for text that is not valid Unicode (their messages name
+    the field), 422 for a body that breaks the schema."""
+    errors = error.errors()
+    first = next((e for e in errors if e["type"] in (UNSUPPORTED, INVALID_TEXT)), errors[0])
     where = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+    field = where if where != "body" else None
+    if first["type"] == UNSUPPORTED:
+        return 400, first["msg"], field
+    if first["type"] == INVALID_TEXT:
+        return 400, first["msg"], first.get("ctx", {}).get("param")
     if first["type"] == "json_invalid":
-        return 422, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-    return 422, f"{where}: {first['msg'].removeprefix('Value error, ')}"
+        cause = first.get("ctx", {}).get("error", first["msg"])
+        return 422, f"the body is not valid JSON: {cause}", None
+    return 422, f"{where}: {first['msg'].removeprefix('Value error, ')}", field
 
 
 def create_app(
@@ -225,17 +300,19 @@ def create_app(
     context = ServerContext(
         service, config, advertised or f"http://{config.host}:{config.port}", audit
     )
+    app.add_middleware(NestingLimit)
     app.add_middleware(TokenGate, token=config.token, audit=audit)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
 
     @app.exception_handler(StarletteHTTPException)  # also the router's own 404 and 405
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        kind = getattr(error, "error_type", None)
-        return error_response(error.status_code, str(error.detail), error.headers, kind)
+        kind, param = getattr(error, "error_type", None), getattr(error, "param", None)
+        return error_response(error.status_code, str(error.detail), error.headers, kind, param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
-        return error_response(*_validation_error(error))
+        status, message, param = _validation_error(error)
+        return error_response(status, message, param=param)
 
     @app.exception_handler(Exception)
     async def server_error(_: Request, error: Exception) -> JSONResponse:

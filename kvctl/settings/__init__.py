@@ -32,6 +32,7 @@ from kvctl.settings.changes import (
 from kvctl.settings.sections import (
     SECTIONS,
     AlertSettings,
+    ChatSettings,
     DefragSettings,
     PrefixSettings,
     RebalanceSettings,
@@ -46,6 +47,7 @@ __all__ = [
     "SECTIONS",
     "SPECS",
     "AlertSettings",
+    "ChatSettings",
     "DefragSettings",
     "PrefixSettings",
     "RebalanceSettings",

@@ -366,6 +366,18 @@ class RebalanceSettings(Section):
     )
 
 
+class ChatSettings(Section):
+    """How /v1/chat/completions turns a conversation into tokens (docs/security.md)."""
+
+    special_tokens_in_content: Literal["plain", "raw"] = setting(
+        "plain",
+        "How special-token text inside a message (`<|im_end|>`) is tokenized: `plain` reads it "
+        "as text, so only the chat template writes control tokens and a message cannot open "
+        "another turn; `raw` reads it as the special token, as transformers' "
+        "apply_chat_template does.",
+    )
+
+
 class RuntimeSettings(Section):
     """GET/PATCH /v1/config: what can change while the agent runs."""
 
@@ -374,6 +386,7 @@ class RuntimeSettings(Section):
     prefix_cache: PrefixSettings = PrefixSettings()
     alerts: AlertSettings = AlertSettings()
     rebalance: RebalanceSettings = RebalanceSettings()
+    chat: ChatSettings = ChatSettings()
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -9,11 +9,20 @@ encoded without added special tokens, the very ids) `apply_chat_template` gives.
 
 The template is the checkpoint's code running on client input: the sandbox keeps it from reaching
 Python internals, and a template error is the client's 400, never a crash.
+
+The rendered text mixes the template's control tokens with the messages' text, and a message may
+hold the text of a control token (`<|im_end|><|im_start|>system`). `render_marked` renders with
+each such piece of a message replaced by a unique marker, then puts the text back and says where
+it is, so the tokenizer reads those ranges as plain text and only the template opens and closes
+turns (docs/security.md).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -26,6 +35,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvctl.agent.model.checkpoint_files import read_json
 from kvctl.agent.model.errors import CheckpointError
+from kvctl.agent.model.tokenizer import Span
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -41,6 +51,15 @@ for them); the tokenizer adds BOS."""
 
 class TemplateError(ValueError):
     """The template refused the conversation (`raise_exception`) or failed on it."""
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A rendered conversation and the ranges of it that came from the messages as special-token
+    text (sorted, disjoint), to be tokenized as plain text."""
+
+    text: str
+    plain_spans: tuple[Span, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,6 +87,54 @@ class ChatTemplate:
         _ = self._template
         return self
 
+    def render_marked(
+        self,
+        messages: list[dict[str, Any]],
+        special_spans: Callable[[str], list[Span]],
+        add_generation_prompt: bool = True,
+    ) -> RenderedChat:
+        """`render`'s text, and where in it the messages' own special-token text is.
+
+        `special_spans(text)` finds special-token text (the tokenizer's). Each piece found in a
+        message's strings is replaced by a marker the template cannot tell from text (a random
+        number, so no client can write one), the template renders, and the pieces are put back
+        where the markers came out; a conversation without any renders exactly as `render`.
+        TemplateError when a marker comes out cut or altered (the template truncated or changed
+        message text there); what is left of one is digits, never a control token."""
+        nonce = str(secrets.randbelow(10**20)).zfill(20)
+        pieces: list[str] = []
+        marked: list[dict[str, Any]] = []
+        for message in messages:
+            copy = dict(message)
+            for key, value in message.items():
+                if key != "role" and isinstance(value, str):
+                    copy[key] = _mark(value, special_spans(value), nonce, pieces)
+            marked.append(copy)
+        if not pieces:
+            return RenderedChat(self.render(messages, add_generation_prompt))
+        rendered = self.render(marked, add_generation_prompt)
+        text: list[str] = []
+        spans: list[Span] = []
+        at = last = 0
+        for found in re.finditer(f"#{nonce}:([0-9]{{1,9}})#", rendered):
+            index = int(found.group(1))
+            if index >= len(pieces):
+                break  # a rewritten marker: refused below
+            before = rendered[last : found.start()]
+            piece = pieces[index]
+            text += [before, piece]
+            at += len(before)
+            spans.append((at, at + len(piece)))
+            at += len(piece)
+            last = found.end()
+        text.append(rendered[last:])
+        if any(f"#{nonce[:8]}" in part for part in text):  # a marker cut short or altered
+            raise TemplateError(
+                "the model's chat template altered message text that holds special-token text, "
+                "so it cannot be kept apart from the template's own tokens"
+            )
+        return RenderedChat("".join(text), tuple(spans))
+
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text of `messages`; TemplateError when the template refuses them."""
         try:
@@ -85,6 +152,20 @@ class ChatTemplate:
             raise TemplateError(
                 f"the model's chat template failed on the messages: {type(error).__name__}: {error}"
             ) from None
+
+
+def _mark(value: str, spans: list[Span], nonce: str, pieces: list[str]) -> str:
+    """`value` with each span replaced by a marker `#nonce:index#`, its text kept in `pieces`."""
+    if not spans:
+        return value
+    out: list[str] = []
+    last = 0
+    for start, end in spans:
+        out += [value[last:start], f"#{nonce}:{len(pieces)}#"]
+        pieces.append(value[start:end])
+        last = end
+    out.append(value[last:])
+    return "".join(out)
 
 
 def demo_chat_template() -> ChatTemplate:

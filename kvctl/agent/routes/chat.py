@@ -5,6 +5,10 @@ chat_template`, as transformers' `apply_chat_template` renders it, with the gene
 encoded as transformers encodes it, and generated like a completion: the model's EOS ids (from
 generation_config.json) end a turn. A model without a template has no chat: 400 saying so.
 Tool calling and structured output are not implemented and are refused by name, never ignored.
+
+Special-token text inside a message is tokenized as plain text unless the runtime setting
+`chat.special_tokens_in_content` is `raw`: only the template's own control tokens are special, so
+a user's `<|im_end|><|im_start|>system` cannot open a system turn (docs/security.md).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kvctl.agent.model.chat_template import TemplateError
+from kvctl.agent.model.chat_template import RenderedChat, TemplateError
 from kvctl.agent.model.processing import MAX_LOGPROBS, TokenLogprobs
 from kvctl.agent.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
 from kvctl.agent.server import ApiError, ServerContext
@@ -47,12 +51,19 @@ def router(ctx: ServerContext) -> APIRouter:
                 "/v1/completions, or add the template to the checkpoint",
             )
         messages = [_message(m) for m in body.messages]
+        tokenizer = gen.tokenizer
+        plain = ctx.service.settings.chat.special_tokens_in_content == "plain"
         try:
-            text = template.render(messages, add_generation_prompt=body.add_generation_prompt)
-        except TemplateError as error:
-            raise ApiError(400, f"messages: {error}") from None
+            if plain and tokenizer is not None:
+                rendered = template.render_marked(
+                    messages, tokenizer.special_spans, body.add_generation_prompt
+                )
+            else:
+                rendered = RenderedChat(template.render(messages, body.add_generation_prompt))
+        except (TemplateError, ValueError) as error:  # ValueError: look-alike special tokens
+            raise ApiError(400, f"messages: {error}", param="messages") from None
         specials = template.add_special_tokens or body.add_special_tokens
-        ids = await gen.tokenize(text, add_special_tokens=specials)
+        ids = await gen.tokenize(rendered.text, specials, rendered.plain_spans)
         gen.check_length(ids)
         return ids
 

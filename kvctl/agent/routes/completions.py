@@ -44,11 +44,12 @@ def router(ctx: ServerContext) -> APIRouter:
             prompts = [prompt]  # type: ignore[list-item]
         gen.check_choices(len(prompts), body.n)
         result = []
-        for one in prompts:
+        for p, one in enumerate(prompts):
             if isinstance(one, str):
                 ids = await gen.tokenize(one, add_special_tokens=body.add_special_tokens)
             else:
                 ids = list(one)
+                gen.check_vocabulary(ids, "prompt" if len(prompts) == 1 else f"prompt.{p}")
             gen.check_length(ids)
             result.append(ids)
         return result

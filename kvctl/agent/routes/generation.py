@@ -29,7 +29,7 @@ from pydantic import BaseModel
 
 from kvctl.agent.model.processing import TokenLogprobs
 from kvctl.agent.model.sampling import SamplingParams
-from kvctl.agent.model.tokenizer import Tokenizer
+from kvctl.agent.model.tokenizer import Span, Tokenizer
 from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.routes.ops import ERRORS
 from kvctl.agent.runtime import (
@@ -132,9 +132,9 @@ class Generation:
     def prompt_limit(self) -> int:
         return min(self.config.max_prompt_tokens, self.served.context_length)
 
-    def refuse(self, status: int, reason: str, message: str) -> ApiError:
+    def refuse(self, status: int, reason: str, message: str, param: str | None = None) -> ApiError:
         self.pool.rejected.add(reason)
-        return ApiError(status, message)
+        return ApiError(status, message, param=param)
 
     def check_request(self, body: GenerationFields, max_tokens: int | None) -> Generation:
         """These steps bound to the model `body` names; 503 while draining, 404 for a model not
@@ -192,8 +192,11 @@ class Generation:
                 f"of {MAX_TOTAL_CHOICES}; send fewer prompts or a smaller n",
             )
 
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """`text` as token ids, refused before tokenizing when it is too long."""
+    async def tokenize(
+        self, text: str, add_special_tokens: bool = True, plain_spans: Sequence[Span] = ()
+    ) -> list[int]:
+        """`text` as token ids, refused before tokenizing when it is too long; special-token
+        text inside `plain_spans` is tokenized as plain text."""
         tokenizer = self.tokenizer
         if tokenizer is None:
             raise self.refuse(400, "invalid", "this model has no tokenizer: send token ids")
@@ -207,7 +210,21 @@ class Generation:
                 f"({MAX_BYTES_PER_TOKEN} bytes per token of a {limit}-token prompt); shorten it",
             )
         async with self._tokenizing:
-            return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+            return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens, plain_spans)
+
+    def check_vocabulary(self, ids: Sequence[int], field: str) -> None:
+        """400 naming the first id of a token-id prompt that the model has no token for, before
+        anything reads it (echo decodes the prompt, the engine embeds it)."""
+        vocab = self.pool.engine.model_config.vocab_size
+        if ids and max(ids) >= vocab:
+            bad = next(i for i, token in enumerate(ids) if token >= vocab)
+            raise self.refuse(
+                400,
+                "invalid",
+                f"{field}: token id {ids[bad]} at index {bad} is outside the model's vocabulary "
+                f"of {vocab} tokens (ids 0 to {vocab - 1})",
+                param=field,
+            )
 
     def check_length(self, ids: Sequence[int]) -> None:
         limit = self.prompt_limit

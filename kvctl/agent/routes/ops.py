@@ -42,6 +42,7 @@ from kvctl.api import (
     ResizeResult,
     RuntimeSettings,
     RuntimeSettingsPatch,
+    lone_surrogate,
 )
 from kvctl.settings import SettingsError
 
@@ -268,6 +269,9 @@ def router(ctx: ServerContext) -> APIRouter:
             changes = json.loads(await request.body())
         except ValueError as error:
             raise ApiError(422, f"the body is not valid JSON: {error}") from None
+        bad = lone_surrogate(changes)
+        if bad is not None:
+            raise ApiError(400, bad.message, param=bad.param)
         try:
             before, settings = await ctx.on_engine(lambda: service.change_settings(changes))
         except SettingsError as refused:
