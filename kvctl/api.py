@@ -361,6 +361,9 @@ class PoolShare(Response):
     """The smallest this pool may become."""
     ceiling_pages: int
     """The largest this pool may become."""
+    share_pages: int = 0
+    """What this pool may always take back when it needs it, however busy the pool it lent to:
+    the pages it started with, or was sized to by an operator."""
     pinned: bool = False
     """Sized by an operator: the agent neither takes memory from it nor gives it any, until
     released (`POST /v1/pools/{name}/release`)."""

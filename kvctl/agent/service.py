@@ -203,6 +203,7 @@ class AgentService:
         for name, pool in self.pools.items():
             pool.member = budget.pools[name]
             pool.member.on_resize = pool.record_resize
+            pool.member.make_room = pool.engine.scheduler.preempt_to_fit
             pool.engine.scheduler.reachable_pages = lambda n=name: budget.reachable_pages(n)
         self.budget = budget
         self.rebalancer = Rebalancer(budget, self.settings.rebalance, self.clock)
@@ -535,9 +536,10 @@ class AgentService:
         pool = self.pool(name)
         pool.engine.owner.check("AgentService.resize")
         result = pool.resize(pages).model_copy(update={"pool": pool.name})
-        if pool.member is None:
+        if pool.member is None or self.budget is None:
             return result
         pool.member.pinned = True
+        self.budget.set_share(pool.name, pool.engine.pool.capacity)
         return result.model_copy(update={"pinned": True})
 
     def release(self, name: str | None = None) -> bool:
@@ -610,6 +612,7 @@ class AgentService:
             assigned_bytes=budget.assigned_bytes,
             floor_pages=member.floor_pages,
             ceiling_pages=member.ceiling_pages,
+            share_pages=member.share_pages,
             pinned=member.pinned,
             under_pressure=seen.pressure.any,
             short_pages=seen.pressure.short_pages,

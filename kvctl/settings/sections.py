@@ -324,7 +324,8 @@ class RebalanceSettings(Section):
     """Moving memory between the pools of one budget (several models on one agent): a pool
     under pressure for `pressure_s` takes segments from the unassigned budget, then from pools
     that have been calm for `calm_s`; after a move neither side moves the other way for
-    `cooldown_s`, so pools do not trade memory back and forth."""
+    `cooldown_s`, so pools do not trade memory back and forth. A pool below its share that
+    stays under pressure for `reclaim_s` takes its memory back from busy borrowers too."""
 
     enabled: bool = setting(True, "Move memory between the pools of one budget.")
     pressure_s: float = setting(
@@ -362,6 +363,15 @@ class RebalanceSettings(Section):
         "How far back a donor's peak use counts: it never gives pages it needed this recently.",
         ge=0.0,
         le=86400.0,
+        unit="seconds",
+    )
+    reclaim_s: float = setting(
+        2.0,
+        "How long a pool below its share (the pages it started with) must stay under pressure "
+        "before it takes back what it lent from pools above theirs, busy or not: they evict "
+        "cached pages and, if they must, preempt their youngest requests.",
+        ge=0.0,
+        le=3600.0,
         unit="seconds",
     )
 

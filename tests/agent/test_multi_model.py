@@ -201,6 +201,8 @@ LEND_ALL_BUT_USED = (
     "--set",
     "rebalance.peak_window_s=0",
 )
+# Long enough to outlast the flood's first move (pressure_s plus a check) on a fast CPU.
+LONG_ANSWER = 1000  # max_tokens_limit is 1024
 UNEVEN_POOLS = """
 [[models]]
 name = "small"
@@ -228,9 +230,9 @@ def test_a_pool_under_pressure_takes_memory_from_a_calm_one_without_changing_its
     )
     filler = "f" * 470  # cached at the lowest page ids, so the long answer lives higher up
     prompt = "a long answer that must not change while its pool shrinks"
-    long_body = {"model": "small", "prompt": prompt, "max_tokens": 700, **GREEDY}
+    long_body = {"model": "small", "prompt": prompt, "max_tokens": LONG_ANSWER, **GREEDY}
     with httpx.Client(base_url=agent.url, timeout=120) as http:
-        reference = tokens(http, "small", prompt, 700, cache_salt="reference")
+        reference = tokens(http, "small", prompt, LONG_ANSWER, cache_salt="reference")
         tokens(http, "small", filler, 1)
 
     async def scenario() -> tuple[list[int], list[int], list[PoolList]]:

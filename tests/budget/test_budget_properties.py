@@ -9,7 +9,9 @@ each pool's leak check must hold, whoever resized it: an operator (grow, shrink)
 under an allocation, or the rebalancer. The budget holds at every step, and a rebalance is held
 to a model of its rules: only pools pressured for `pressure_s` take, only pools calm for
 `calm_s` give, neither turns round within `cooldown_s`, pinned pools keep their size, and a donor
-keeps its floor, its promised pages and its used pages plus headroom.
+keeps its floor, its promised pages and its used pages plus headroom; except that a pool below
+its share, pressured for `reclaim_s`, takes back from pools above theirs whatever their state,
+never below their share, floor, promise or pages in use. No pool takes and gives at one check.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class BudgetMachine(RuleBasedStateMachine):
             calm_s=st.sampled_from([0.0, 1.0, 3.0]),
             cooldown_s=st.sampled_from([0.0, 2.0, 5.0]),
             headroom_ratio=st.sampled_from([0.0, 0.25, 1.0]),
+            reclaim_s=st.sampled_from([0.0, 2.0, 5.0]),
         ),
     )
     def start(self, data: st.DataObject, count: int, batch: int, rebalance: RebalanceSettings):
@@ -408,10 +411,21 @@ class BudgetMachine(RuleBasedStateMachine):
 
     def _may_take(self, member: Member) -> bool:
         s = self.settings
+        return member.pressured_since is not None and (
+            (
+                self.now - member.pressured_since >= s.pressure_s
+                and self.now - member.gave_at >= s.cooldown_s
+            )
+            or self._may_take_back(member)
+        )
+
+    def _may_take_back(self, member: Member) -> bool:
+        """Below its share and under pressure for `reclaim_s`: no cooldown holds it."""
+        share = self.budget.pools[member.name].share_pages
         return (
             member.pressured_since is not None
-            and self.now - member.pressured_since >= s.pressure_s
-            and self.now - member.gave_at >= s.cooldown_s
+            and self.now - member.pressured_since >= self.settings.reclaim_s
+            and member.pool.capacity < share
         )
 
     def _may_give(self, member: Member) -> bool:
@@ -440,6 +454,12 @@ class BudgetMachine(RuleBasedStateMachine):
             and capacity[name] < m.resizer.max_pages
             and unassigned >= m.segment * m.page_bytes
         ]
+        # a pool above its share gives, busy or not, when one below its share takes it back
+        reclaiming = s.enabled and any(
+            not pinned[name] and self._may_take_back(m) for name, m in members.items()
+        )
+        shares = {name: budget.pools[name].share_pages for name in members}
+        may_take = {name: self._may_take(m) for name, m in members.items()}
         moves = self.rebalancer.rebalance()
         if not s.enabled:
             assert moves == []
@@ -462,18 +482,26 @@ class BudgetMachine(RuleBasedStateMachine):
             if pinned[name]:
                 assert delta == 0, f"pinned pool {name} was resized by the rebalancer"
             if delta > 0:
-                assert self._may_take(m), f"{name} took memory without the pressure for it"
+                assert may_take[name], f"{name} took memory without the pressure for it"
                 assert pool.capacity <= m.resizer.max_pages
                 m.took_at = self.now
                 m.bytes_in += delta
                 event("a pool took memory")
             if delta < 0:
-                assert self._may_give(m), f"{name} gave memory without being calm long enough"
-                keep = max(
-                    m.resizer.min_pages,
-                    m.promised,
-                    used[name] + int(used[name] * s.headroom_ratio),
-                )
+                if self._may_give(m):
+                    keep = max(
+                        m.resizer.min_pages,
+                        m.promised,
+                        used[name] + int(used[name] * s.headroom_ratio),
+                    )
+                    if reclaiming and capacity[name] > shares[name]:
+                        keep = min(keep, max(shares[name], m.resizer.min_pages, m.promised))
+                else:
+                    assert reclaiming and capacity[name] > shares[name], (
+                        f"{name} gave memory without being calm long enough"
+                    )
+                    keep = max(shares[name], m.resizer.min_pages, m.promised, used[name])
+                    event("a busy pool gave memory back to a pool below its share")
                 assert pool.capacity >= keep, f"donor {name} shrank below what it must keep"
                 m.gave_at = self.now
                 m.bytes_out -= delta

@@ -179,7 +179,7 @@ def test_after_a_move_the_taker_cannot_give_and_the_donor_cannot_take_within_coo
     add(budget, "a", 16)
     add(budget, "b", 16)
     clock = Clock()
-    rb = rebalancer(budget, clock, cooldown_s=10.0)
+    rb = rebalancer(budget, clock, cooldown_s=10.0, reclaim_s=3600.0)  # cooldown alone
     rb.observe({"a": (short(4), 0), "b": (CALM, 0)})
     assert rb.rebalance() == [Move("a", 400, {"b": 400})]
     for now in (0.5, 5.0, 9.99):
@@ -456,3 +456,72 @@ def test_every_resize_a_move_makes_is_told_to_its_pool_once() -> None:
     assert [move.given for move in moves] == [{"c": 400}, {"c": 400}]
     assert told == [("c", 16), ("a", 16), ("c", 12), ("b", 16)]
     assert capacities(budget) == {"a": 20, "b": 20, "c": 8}
+
+
+# ---- taking back what was lent ------------------------------------------------------------
+
+
+def test_a_pool_below_its_share_takes_it_back_from_a_busy_borrower_within_reclaim_s() -> None:
+    """b lent 8 pages while calm; a then stays under pressure, so it is never a donor. b, under
+    pressure and below its share, takes its pages back after `reclaim_s` despite the cooldown,
+    and no more than its share."""
+    budget = KvBudget(16 * 100 + 16 * 100)
+    add(budget, "a", 16)
+    add(budget, "b", 16)
+    clock = Clock()
+    rb = rebalancer(budget, clock, cooldown_s=60.0, reclaim_s=2.0)
+    rb.observe({"a": (short(8), 0), "b": (CALM, 0)})
+    assert rb.rebalance() == [Move("a", 800, {"b": 800})]
+    assert capacities(budget) == {"a": 24, "b": 8}
+    for now in (0.5, 1.0, 1.5, 2.0):  # both busy now; b waits reclaim_s
+        clock.now = now
+        rb.observe({"a": (short(8), 0), "b": (short(20), 0)})
+        if now < 2.0:
+            assert rb.rebalance() == []
+    clock.now = 2.5
+    rb.observe({"a": (short(8), 0), "b": (short(20), 0)})
+    assert rb.rebalance() == [Move("b", 800, {"a": 800})]
+    assert capacities(budget) == {"a": 16, "b": 16}  # back to the shares, not beyond
+    clock.now = 5.0
+    rb.observe({"a": (short(8), 0), "b": (short(20), 0)})
+    assert rb.rebalance() == []  # a is at its share: nothing more is owed to b
+    budget.check()
+
+
+def test_taking_back_preempts_the_borrowers_youngest_requests_when_their_pages_are_in_the_way():
+    """The borrower's pages in use reach above its share: its shrink can only go ahead once
+    requests have let go of them (the agent preempts its youngest; here a fake frees them)."""
+    budget = KvBudget(16 * 100 + 16 * 100)
+    a = add(budget, "a", 16)
+    add(budget, "b", 16)
+    clock = Clock()
+    rb = rebalancer(budget, clock, cooldown_s=60.0, reclaim_s=0.0)
+    rb.observe({"a": (short(8), 0), "b": (CALM, 0)})
+    rb.rebalance()
+    a.allocate("busy", 22 * PAGE_SIZE)  # a uses 22 of its 24 pages
+    asked: list[int] = []
+
+    def make_room(pages: int) -> int:
+        asked.append(pages)
+        a.free("busy")
+        return 1
+
+    budget.pools["a"].make_room = make_room
+    clock.now = 1.0
+    rb.observe({"a": (short(8), 0), "b": (short(8), 0)})
+    assert rb.rebalance() == [Move("b", 800, {"a": 800})]
+    assert asked == [16]
+    assert capacities(budget) == {"a": 16, "b": 16}
+
+
+def test_taking_back_never_shrinks_a_borrower_below_what_one_request_was_promised() -> None:
+    budget = KvBudget(16 * 100 + 16 * 100)
+    add(budget, "a", 16, promised=lambda: 20)
+    add(budget, "b", 16)
+    clock = Clock()
+    rb = rebalancer(budget, clock, cooldown_s=60.0, reclaim_s=0.0)
+    budget.pools["b"].resizer.resize(8)
+    budget.pools["a"].resizer.resize(24)
+    rb.observe({"a": (short(8), 20), "b": (short(8), 0)})
+    assert rb.rebalance() == [Move("b", 400, {"a": 400})]
+    assert capacities(budget) == {"a": 20, "b": 12}

@@ -195,3 +195,43 @@ def test_random_workloads_on_tiny_pools_always_progress(make_engine, workload):
             assert request.finish_reason is FinishReason.LENGTH
             assert len(request.output_ids) == request.params.max_tokens
     assert engine.pool.used_pages == 0
+
+
+def test_a_request_waiting_for_its_pool_to_grow_does_not_hold_up_smaller_ones(make_engine):
+    """In a budget shared with other pools a request may need more pages than its pool holds
+    now: it waits for memory, and the small requests behind it run meanwhile. Once the pool
+    holds it, it is first again and later arrivals do not pass it."""
+    engine = make_engine(page_size=4, pool_pages=8, segment_pages=8, max_pool_pages=32)
+    engine.scheduler.reachable_pages = lambda: 32  # another pool could give it memory
+    large = engine.add_request(list(range(1, 51)), greedy(10))  # 60 tokens: 15 pages
+    small = engine.add_request([1, 2, 3], greedy(4))
+    for _ in range(8):
+        if not small.finished:
+            step_checked(engine)
+    assert small.finish_reason is FinishReason.LENGTH and len(small.output_ids) == 4
+    assert engine.step() == []  # nothing can run until the pool grows
+    assert not large.finished and large in engine.scheduler.waiting
+    engine.resizer.resize(24)  # the memory arrives
+    later = engine.add_request([5, 6, 7], greedy(2))
+    step_checked(engine)
+    running = engine.scheduler.running
+    assert large in running, "the large request lost its place"
+    while engine.has_work():
+        step_checked(engine)
+    assert large.finish_reason is FinishReason.LENGTH and len(large.output_ids) == 10
+    assert later.finish_reason is FinishReason.LENGTH
+
+
+def test_preempting_to_fit_frees_the_youngest_requests_pages_first(make_engine):
+    engine = make_engine(page_size=4, pool_pages=16, segment_pages=4)
+    first = engine.add_request(list(range(1, 20)), greedy(4))  # 5 pages
+    second = engine.add_request(list(range(30, 49)), greedy(4))
+    step_checked(engine)
+    assert engine.pool.used_pages >= 10
+    assert engine.scheduler.preempt_to_fit(8) == 1
+    assert second in engine.scheduler.waiting and first in engine.scheduler.running
+    assert engine.pool.used_pages <= 8
+    engine.resizer.resize(8)  # the shrink it made room for
+    while engine.has_work():
+        step_checked(engine)
+    assert first.finish_reason is second.finish_reason is FinishReason.LENGTH

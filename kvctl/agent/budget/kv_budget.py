@@ -8,6 +8,10 @@ which are its resizer's `min_pages` and `max_pages`.
 
 Pools of different models have pages of different sizes, so the budget counts bytes, and every
 pool moves in whole segments of its own.
+
+Each pool also has a share: the pages it started with (or an operator gave it), the shares
+together never more than the budget. Memory a pool lends beyond its share stays its own: the
+rebalancer gives it back when the lender needs it, however busy the borrower is.
 """
 
 from __future__ import annotations
@@ -31,9 +35,15 @@ class BudgetedPool:
     name: str
     resizer: PoolResizer
     pinned: bool = False
+    share_pages: int = 0
+    """The pages this pool may always take back: what it started with, or was sized to by an
+    operator (within what the other pools' shares leave)."""
     on_resize: Callable[[int, int], object] | None = None
     """Told (old pages, pages evicted) after each resize the rebalancer makes, so the agent
     counts, logs and accounts for it like any other."""
+    make_room: Callable[[int], int] | None = None
+    """Preempts the pool's youngest requests until at most the given pages are in use, so a
+    shrink back to a lender's share can go ahead; returns how many it preempted."""
 
     def resize(self, pages: int) -> None:
         """Resize through the pool's resizer (`ResizeRefused` changes nothing)."""
@@ -77,7 +87,7 @@ class KvBudget:
         """Put a pool under the budget; BudgetError if the budget cannot hold it as it is."""
         if name in self.pools:
             raise BudgetError(f"two pools are named {name!r}")
-        member = BudgetedPool(name, resizer)
+        member = BudgetedPool(name, resizer, share_pages=resizer.pool.capacity)
         if self.assigned_bytes + member.bytes > self.total_bytes:
             raise BudgetError(
                 f"pool {name!r} of {format_bytes(member.bytes)} does not fit the KV budget of "
@@ -87,6 +97,18 @@ class KvBudget:
         self.pools[name] = member
         resizer.room = lambda: self.unassigned_bytes
         return member
+
+    def set_share(self, name: str, pages: int) -> None:
+        """Make `pages` pool `name`'s share (an operator sized it), as far as the other pools'
+        shares leave room: the shares never promise more than the budget holds."""
+        member = self.pools[name]
+        others = sum(
+            other.share_pages * other.pool.bytes_per_page
+            for other_name, other in self.pools.items()
+            if other_name != name
+        )
+        room = (self.total_bytes - others) // member.pool.bytes_per_page
+        member.share_pages = max(0, min(pages, room))
 
     @property
     def assigned_bytes(self) -> int:
@@ -117,6 +139,10 @@ class KvBudget:
         """AssertionError unless every pool is within its bounds and all fit the budget."""
         assert self.assigned_bytes <= self.total_bytes, (
             f"pools hold {self.assigned_bytes} bytes, over the budget of {self.total_bytes}"
+        )
+        shares = sum(m.share_pages * m.pool.bytes_per_page for m in self.pools.values())
+        assert shares <= self.total_bytes, (
+            f"pool shares add up to {shares} bytes, over the budget of {self.total_bytes}"
         )
         for member in self.pools.values():
             capacity = member.pool.capacity

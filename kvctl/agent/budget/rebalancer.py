@@ -18,6 +18,15 @@ the donor may not take for `cooldown_s`, so two pools whose load alternates do n
 segments back and forth. A pinned pool (sized by an operator) neither gives nor takes until it is
 released. Idle pools keep their memory until someone needs it: moving costs a defragmentation,
 and memory that sits in an idle pool costs nothing.
+
+Lending is not giving away. A pool below its share (the pages it started with) that has been
+under pressure for `reclaim_s` takes memory back from the pools above theirs, busy or not and
+whatever their cooldown: each shrinks toward its share, evicting its cached pages and, when its
+running requests hold the pages, preempting its youngest requests (they are recomputed later,
+as after any preemption) until the shrink fits. It never goes below its share or what one of its
+requests was promised. Without this, a pool that lent memory during a lull could wait as long
+as its borrower stayed busy (a busy pool is never calm, so never a donor), with a request that
+fits its own share neither served nor refused.
 """
 
 from __future__ import annotations
@@ -159,6 +168,29 @@ class Rebalancer:
             and member.pool.capacity < member.ceiling_pages
         )
 
+    def _reclaims(self, name: str) -> bool:
+        """Whether the pool, below its share and under pressure for `reclaim_s`, may take back
+        what it lent (no cooldown holds it)."""
+        member, seen = self.budget.pools[name], self.history[name]
+        return (
+            not member.pinned
+            and seen.pressured_since is not None
+            and self.clock() - seen.pressured_since >= self.settings.reclaim_s
+            and member.pool.capacity < min(member.share_pages, member.ceiling_pages)
+        )
+
+    def excess_pages(self, name: str) -> int:
+        """Whole segments the pool holds beyond its share, its floor and what one of its
+        requests was promised: what a lender may take back from it, busy or not."""
+        member = self.budget.pools[name]
+        if member.pinned:
+            return 0
+        pool, segment = member.pool, member.pool.segment_pages
+        promised = member.resizer.promised() if member.resizer.promised is not None else 0
+        keep = max(member.share_pages, member.floor_pages, promised, 1)
+        keep = -(-keep // segment) * segment
+        return max(0, pool.capacity - keep)
+
     # ---- moving -----------------------------------------------------------------------------
 
     def rebalance(self) -> list[Move]:
@@ -166,9 +198,19 @@ class Rebalancer:
         pages first; the moves carried out."""
         if not self.settings.enabled:
             return []
-        takers = [name for name in self.budget.pools if self._is_taker(name)]
-        takers.sort(key=lambda name: -self.history[name].pressure.short_pages)
-        moves = [move for name in takers if (move := self._feed(self.budget.pools[name]))]
+        takers = [
+            name for name in self.budget.pools if self._is_taker(name) or self._reclaims(name)
+        ]
+        # those taking back what they lent first, then the most short of pages
+        takers.sort(key=lambda n: (not self._reclaims(n), -self.history[n].pressure.short_pages))
+        moves: list[Move] = []
+        took: set[str] = set()  # a pool takes or gives at one check, never both
+        gave: set[str] = set()
+        for name in takers:
+            if name not in gave and (move := self._feed(self.budget.pools[name], took)):
+                moves.append(move)
+                took.add(name)
+                gave.update(move.given)
         if moves:
             self._take_stock()
         return moves
@@ -191,13 +233,17 @@ class Rebalancer:
         wanted = -(-short // segment) * segment
         return min(wanted, taker.ceiling_pages - pool.capacity)
 
-    def _feed(self, taker: BudgetedPool) -> Move | None:
+    def _feed(self, taker: BudgetedPool, took: set[str]) -> Move | None:
+        """Grow `taker` from the unassigned budget, calm donors and (below its share) the pools
+        holding more than theirs; none of `took`, which took memory at this check."""
         budget = self.budget
         segment_bytes = taker.segment_bytes
         wanted_bytes = self._wanted_pages(taker) * taker.pool.bytes_per_page
-        donors = [name for name in budget.pools if name != taker.name and self.is_donor(name)]
+        others = [name for name in budget.pools if name != taker.name and name not in took]
+        donors = [name for name in others if self.is_donor(name)]
         donors.sort(key=self._reclaimable_bytes, reverse=True)
-        reachable = budget.unassigned_bytes + sum(map(self._reclaimable_bytes, donors))
+        borrowers, owed = self._borrowers(taker, [n for n in others if n not in donors])
+        reachable = budget.unassigned_bytes + sum(map(self._reclaimable_bytes, donors)) + owed
         wanted_bytes = min(wanted_bytes, reachable // segment_bytes * segment_bytes)
         if wanted_bytes < segment_bytes:
             return None  # not even one of the taker's segments can be had: move nothing
@@ -208,8 +254,68 @@ class Rebalancer:
                 break
             if gave := self._shrink(budget.pools[name], missing):
                 given[name] = gave
+        for name in borrowers:
+            missing = min(wanted_bytes - budget.unassigned_bytes, owed)
+            if missing <= 0:
+                break
+            if gave := self._take_back(budget.pools[name], missing, taker.name):
+                given[name] = given.get(name, 0) + gave
+                owed -= gave
         taken = self._grow(taker, wanted_bytes)
         return Move(taker.name, taken, given) if taken or given else None
+
+    def _borrowers(self, taker: BudgetedPool, others: list[str]) -> tuple[list[str], int]:
+        """Those of `others` above their share that the taker may take memory back from (most
+        excess first), and how many bytes it may take back: up to its share."""
+        if not self._reclaims(taker.name):
+            return [], 0
+        borrowers = [name for name in others if self.excess_pages(name) > 0]
+        borrowers.sort(key=self._excess_bytes, reverse=True)
+        pool = taker.pool
+        owed = (taker.share_pages - pool.capacity) * pool.bytes_per_page
+        return borrowers, min(owed, sum(map(self._excess_bytes, borrowers)))
+
+    def _excess_bytes(self, name: str) -> int:
+        return self.excess_pages(name) * self.budget.pools[name].pool.bytes_per_page
+
+    def _take_back(self, borrower: BudgetedPool, missing_bytes: int, taker: str) -> int:
+        """Shrink a pool above its share by whole segments covering `missing_bytes` (not below
+        its share), preempting its youngest requests first if their pages are in the way; the
+        bytes given."""
+        pool = borrower.pool
+        segments = min(
+            -(-missing_bytes // borrower.segment_bytes),
+            self.excess_pages(borrower.name) // pool.segment_pages,
+        )
+        if segments < 1:
+            return 0
+        before = pool.capacity
+        target = before - segments * pool.segment_pages
+        preempted = 0
+        try:
+            borrower.resizer.check(target)
+        except ResizeRefused:
+            if borrower.make_room is not None:
+                preempted = borrower.make_room(target)
+        try:
+            borrower.resize(target)
+        except ResizeRefused as refused:
+            log.warning(
+                "rebalance: pool %s could not give back memory to %s: %s",
+                borrower.name,
+                taker,
+                refused,
+            )
+            return 0
+        given = self._gave(borrower, before)
+        log.info(
+            "rebalance: pool %s gave %s bytes back to %s, below its share (%d requests preempted)",
+            borrower.name,
+            f"{given:,}",
+            taker,
+            preempted,
+        )
+        return given
 
     def _reclaimable_bytes(self, name: str) -> int:
         return self.reclaimable_pages(name) * self.budget.pools[name].pool.bytes_per_page
@@ -230,7 +336,11 @@ class Rebalancer:
         except ResizeRefused as refused:
             log.info("rebalance: pool %s could not give memory: %s", donor.name, refused)
             return 0
-        given = (before - pool.capacity) * pool.bytes_per_page
+        return self._gave(donor, before)
+
+    def _gave(self, donor: BudgetedPool, before: int) -> int:
+        """Note that `donor` shrank from `before` pages in a move; the bytes it gave."""
+        given = (before - donor.pool.capacity) * donor.pool.bytes_per_page
         seen = self.history[donor.name]
         seen.gave_at = self.clock()
         seen.moves["out"] += 1

@@ -225,9 +225,16 @@ class Scheduler:
 
     def _admit(self, step: _Step) -> None:
         """Admit waiting requests in arrival order while they fit, each computing as much of its
-        prompt as the budget leaves."""
-        while self.waiting and len(self.running) < self.max_batch_seqs and step.budget > 0:
-            request = self.waiting[0]
+        prompt as the budget leaves. A request that needs more pages than the pool holds waits
+        for it to grow (memory from a shared budget) without holding up those behind it; once
+        the pool holds it, it is first again and nobody passes it, so it is not starved."""
+        passed = 0  # requests at the head that wait for the pool to grow
+        while (
+            len(self.waiting) > passed
+            and len(self.running) < self.max_batch_seqs
+            and step.budget > 0
+        ):
+            request = self.waiting[passed]
             tokens = request.num_tokens
             match, below = self._match(request)
             cached = 0 if match is None else match.tokens
@@ -236,14 +243,31 @@ class Scheduler:
             if match is not None and not self._fits(tokens, match):
                 match = self._whole_pages_match(request, match)
             if not self._fits(tokens, match):
+                if self._waits_for_growth(request):
+                    passed += 1
+                    continue
                 break
-            self.waiting.popleft()
+            del self.waiting[passed]
             step.copies.extend(self._place(request, match))
             if below is not None:
                 self._load(request, below, step)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.add(request, self._chunk(request, tokens - request.num_computed, step))
+
+    def _waits_for_growth(self, request: Request) -> bool:
+        """Whether the request needs more pages than the pool holds, so that nothing finishing
+        in it could make room: only a larger pool can."""
+        return self.pool.pages_for(request.num_tokens + 1) > self.pool.capacity
+
+    def preempt_to_fit(self, pages: int) -> int:
+        """Preempt the youngest running requests until at most `pages` pages are in use, for a
+        shrink that must give memory back; how many were preempted."""
+        preempted = 0
+        while self.running and self.pool.used_pages > pages:
+            self.preempt(self.running[-1])
+            preempted += 1
+        return preempted
 
     def _match(self, request: Request) -> tuple[PrefixMatch | None, TierHit | None]:
         """The device's longest cached prefix, and the whole pages after it that a lower tier

@@ -1,0 +1,81 @@
+"""A pool that lent memory takes it back within a bounded time while the borrower stays busy,
+and one large request waiting for that memory does not hold up the small ones behind it: on a
+real agent with two models under one KV budget."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from kvctl.api import PoolList
+
+pytestmark = pytest.mark.slow
+
+# b (96 pages of 128 KiB) lends all it does not use as soon as it is calm; a is the borrower.
+TWO_MODELS = ("--model", "a=demo", "--model", "b=demo:8x4", "--kv-budget", "24MiB")
+LEND_QUICKLY = (
+    *("--set", "rebalance.pressure_s=0.3", "--set", "rebalance.calm_s=0.5"),
+    *("--set", "rebalance.headroom_ratio=0", "--set", "rebalance.peak_window_s=0"),
+)
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def pools(http: httpx.Client) -> dict[str, int]:
+    listing = PoolList.model_validate(http.get("/v1/pools").json())
+    return {pool.pool: pool.capacity_pages for pool in listing.pools}
+
+
+async def keep_busy(url: str, until: asyncio.Event, streams: int = 16) -> list[int]:
+    """`streams` clients sending a long request to a, one after another, until told."""
+    body = {"model": "a", "prompt": "a" * 400, "max_tokens": 400, **GREEDY}
+    statuses: list[int] = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not until.is_set():
+            statuses.append((await http.post("/v1/completions", json=body)).status_code)
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        await asyncio.gather(*(client(http) for _ in range(streams)))
+    return statuses
+
+
+async def timed(http: httpx.AsyncClient, body: dict) -> tuple[int, float]:
+    started = time.monotonic()
+    answer = await http.post("/v1/completions", json=body)
+    return answer.status_code, time.monotonic() - started
+
+
+def test_a_lender_takes_its_memory_back_from_a_busy_borrower(start_agent) -> None:
+    agent = start_agent(*TWO_MODELS, *LEND_QUICKLY)
+
+    async def scenario() -> tuple[dict[str, int], tuple[int, float], list[tuple[int, float]]]:
+        stop = asyncio.Event()
+        flood = asyncio.ensure_future(keep_busy(agent.url, stop))
+        async with httpx.AsyncClient(base_url=agent.url, timeout=120) as http:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # b lends to a
+                listing = PoolList.model_validate((await http.get("/v1/pools")).json())
+                lent = {pool.pool: pool.capacity_pages for pool in listing.pools}
+                if lent["b"] <= 24:
+                    break
+                await asyncio.sleep(0.1)
+            # 25 pages: more than b holds now, well within the 96 it started with
+            large = {"model": "b", "prompt": "b" * 200, "max_tokens": 190, **GREEDY}
+            small = {"model": "b", "prompt": "hello", "max_tokens": 8, **GREEDY}
+            waiting = asyncio.ensure_future(timed(http, large))
+            await asyncio.sleep(0.2)
+            smalls = [await timed(http, small) for _ in range(3)]
+            answered = await waiting
+        stop.set()
+        await flood
+        return lent, answered, smalls
+
+    lent, (status, seconds), smalls = asyncio.run(scenario())
+    assert lent["b"] <= 24, f"b never lent its memory: {lent}"
+    assert status == 200
+    assert seconds < 20, f"the large request to b waited {seconds:.1f} s"
+    assert all(code == 200 for code, _ in smalls)
+    assert max(wait for _, wait in smalls) < 5, f"small requests queued behind it: {smalls}"
