@@ -391,17 +391,22 @@ class AgentService:
             command()
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
-        """Run `fn` on the engine thread between two steps; the future holds its result."""
+        """Run `fn` on the engine thread between two steps; the future holds its result. The
+        snapshots are published before the future is done, so a caller's next read sees what
+        `fn` did."""
         future: Future[T] = Future()
 
         def run() -> None:
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                future.set_result(fn())
+                result = fn()
             except BaseException as error:
+                self._publish_all()
                 future.set_exception(error)
+                return
             self._publish_all()
+            future.set_result(result)
 
         self._commands.put(run)
         self._wake.set()

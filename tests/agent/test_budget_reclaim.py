@@ -73,7 +73,11 @@ def test_a_lender_takes_its_memory_back_from_a_busy_borrower(start_agent) -> Non
         await flood
         return lent, answered, smalls
 
-    lent, (status, seconds), smalls = asyncio.run(scenario())
+    try:
+        lent, (status, seconds), smalls = asyncio.run(scenario())
+    except httpx.HTTPError as error:
+        log = "\n".join(agent.log[-40:])
+        raise AssertionError(f"the agent stopped answering: {error!r}\n{log}") from error
     assert lent["b"] <= 24, f"b never lent its memory: {lent}"
     assert status == 200
     assert seconds < 20, f"the large request to b waited {seconds:.1f} s"

@@ -44,15 +44,7 @@ def test_idle_keep_alive_connections_give_way_to_new_ones() -> None:
     async def ping() -> dict:
         return {"ok": True}
 
-    sock = listening_socket("127.0.0.1", 0, 64)
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        http=bounded_protocol(header_timeout=30, body_timeout=30, max_connections=16),
-        timeout_keep_alive=60,
-    )
-    server = uvicorn.Server(config)
+    server, sock, port = _bounded_server(app)
 
     async def run() -> list[bool]:
         serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -104,15 +96,7 @@ def test_busy_connections_get_503_but_health_probes_never_do() -> None:
     async def upload(request: Request) -> dict:
         return {"size": len(await request.body())}
 
-    sock = listening_socket("127.0.0.1", 0, 64)
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        http=bounded_protocol(header_timeout=30, body_timeout=30, max_connections=16),
-        timeout_keep_alive=60,
-    )
-    server = uvicorn.Server(config)
+    server, sock, port = _bounded_server(app)
 
     async def status(path: str) -> bytes:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -152,3 +136,16 @@ def test_busy_connections_get_503_but_health_probes_never_do() -> None:
     assert busy == [b"503", b"200"]
     assert done == [b"200"] * 16  # the work in progress was not cut off
     assert uploads_closed
+
+
+def _bounded_server(app: FastAPI) -> tuple[uvicorn.Server, socket.socket, int]:
+    """A uvicorn server for `app` with the agent's protocol at 16 connections, its socket and
+    port (serve it with `server.serve(sockets=[sock])`)."""
+    sock = listening_socket("127.0.0.1", 0, 64)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        http=bounded_protocol(header_timeout=30, body_timeout=30, max_connections=16),
+        timeout_keep_alive=60,
+    )
+    return uvicorn.Server(config), sock, sock.getsockname()[1]

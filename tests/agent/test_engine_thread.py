@@ -61,3 +61,28 @@ def test_after_the_engine_thread_stops_the_caller_owns_it(make_engine) -> None:
     assert service.resize(64).new_pages == 64
     [request] = service.engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     assert len(request.output_ids) == 2
+
+
+def test_a_commands_effect_is_published_before_its_result_is_handed_over(running) -> None:
+    """The routes answer from the latest snapshot, so a read right after a resize's answer must
+    show the new size: the snapshot used to be published just after the result was handed
+    over, and a quick reader could see the old size."""
+    events: list[str] = []
+    publish = running._publish_all
+
+    def publishing() -> None:
+        publish()
+        events.append("published")
+
+    running._publish_all = publishing  # type: ignore[method-assign]  # watch the order only
+
+    def resize() -> object:
+        events.append("ran")
+        return running.resize(64)
+
+    future = running.call(resize)
+    future.add_done_callback(lambda _: events.append("answered"))
+    future.result(timeout=30)
+    ran, answered = events.index("ran"), events.index("answered")
+    assert "published" in events[ran:answered]
+    assert running.pools["demo"].snapshot.capacity_pages == 64

@@ -267,20 +267,7 @@ def test_matches_transformers_gguf_loading(reference, bpe, qtype, generate, tmp_
         assert ids == expected_tok(text).input_ids, text
         assert ids[0] == 1 and tokenizer.decode(ids) == text
     prompts = [tokenizer.encode(t) for t in TEXTS]
-    with torch.no_grad():
-        want = torch.cat([expected(torch.tensor([p])).logits[0] for p in prompts])
-    torch.testing.assert_close(_logits(ours, prompts), want, atol=1e-4, rtol=1e-4)
-    greedy = generate(ours, prompts, 8)
-    assert _engine_greedy(ours, prompts, 8) == greedy
-    for prompt, tokens in zip(prompts, greedy, strict=True):
-        out = expected.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=8,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        assert out[0, len(prompt) :].tolist() == tokens
+    _assert_same_as_transformers(ours, expected, prompts, generate)
 
 
 def test_quantized_weights_are_close_to_the_originals(reference, bpe, tmp_path: Path):
@@ -432,20 +419,7 @@ def test_smollm2_shaped_q4_1_file_loads_and_generates(bpe, generate, tmp_path: P
     expected = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32
     ).eval()
-    with torch.no_grad():
-        want = torch.cat([expected(torch.tensor([p])).logits[0] for p in prompts])
-    torch.testing.assert_close(_logits(ours, prompts), want, atol=1e-4, rtol=1e-4)
-    greedy = generate(ours, prompts, 8)
-    assert _engine_greedy(ours, prompts, 8) == greedy
-    for prompt, tokens in zip(prompts, greedy, strict=True):
-        out = expected.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=8,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        assert out[0, len(prompt) :].tolist() == tokens
+    _assert_same_as_transformers(ours, expected, prompts, generate)
 
 
 # ---- Llama 3.1 rope factors ----------------------------------------------------------------
@@ -655,3 +629,22 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path: Path):
         assert ours.decode(ours.encode(text)) == expected.decode(
             expected(text).input_ids, skip_special_tokens=True
         ), text
+
+
+def _assert_same_as_transformers(ours, expected, prompts: list[list[int]], generate) -> None:
+    """Logits within 1e-4 and 8 greedy tokens equal to transformers' model of the same file,
+    through the model (`generate`, the fixture) and through the engine."""
+    with torch.no_grad():
+        want = torch.cat([expected(torch.tensor([p])).logits[0] for p in prompts])
+    torch.testing.assert_close(_logits(ours, prompts), want, atol=1e-4, rtol=1e-4)
+    greedy = generate(ours, prompts, 8)
+    assert _engine_greedy(ours, prompts, 8) == greedy
+    for prompt, tokens in zip(prompts, greedy, strict=True):
+        out = expected.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert out[0, len(prompt) :].tolist() == tokens

@@ -105,8 +105,11 @@ def test_packed_linear_matches_f_linear(out, inp, rows, bias):
     packed = ops.pack_linear_weight(weight)
     assert packed.shape == (-(-out // 16), inp, 16)
     got = ops.packed_linear(x, packed, b, out)
-    torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(got, F.linear(x.T.contiguous().T, weight, b), atol=1e-4, rtol=1e-5)
+    # fp32 sums of `inp` products, added in another order than torch's: the rounding grows with
+    # the square root of the length (1536 once reached 1.1e-4 under another thread split)
+    atol = 1e-4 * max(1.0, (inp / 576) ** 0.5)
+    torch.testing.assert_close(got, F.linear(x, weight, b), atol=atol, rtol=1e-5)
+    torch.testing.assert_close(got, F.linear(x.T.contiguous().T, weight, b), atol=atol, rtol=1e-5)
 
 
 @needs_kernels

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvctl.agent.config import ConfigError, load_config
 from kvctl.agent.model import SamplingParams
 from kvctl.agent.pool import DefragTrigger, ResizeRefused
-from kvctl.agent.runtime import Engine, EngineConfig, ScheduledBatch
+from kvctl.agent.runtime import Engine, EngineConfig, FinishReason, ScheduledBatch
 
 UNLIMITED = 1 << 20
 
@@ -317,3 +317,32 @@ def test_the_prefill_cap_defaults_to_the_cpu_value_and_zero_turns_it_off(make_en
     assert make_engine(max_prefill_while_decoding=0).scheduler.prefill_while_decoding == 0
     config = EngineConfig(device="cuda", max_prefill_while_decoding=None)
     assert prefill_cap(config) == 0  # an accelerator computes hundreds for one decode step
+
+
+def test_a_preempted_long_prompt_readmitted_from_the_cache_always_gets_tokens(make_engine):
+    """A long prompt preempted after its prefill finds its pages cached when it comes back, so
+    admission judged it short; the step's chunking judged it long by its first admission's cache
+    hit and gave it 0 tokens of a used-up long-prompt budget, and the step failed ("every
+    sequence in a step needs ≥ 1 new token"). Admission and chunking now judge alike."""
+    engine = make_engine(
+        pool_pages=256, long_prompt_tokens=16, max_prefill_while_decoding=8, max_batched_tokens=64
+    )
+    scheduler = engine.scheduler
+    decoding = engine.add_request([1, 2, 3], greedy(60))
+    engine.step()
+    first = engine.add_request(list(range(10, 50)), greedy(6))  # 40 tokens: long
+    for _ in range(20):  # its prefill, 8 tokens a step while `decoding` decodes
+        if first.output_ids:
+            break
+        engine.step()
+    assert first.output_ids and not first.finished
+    second = engine.add_request(list(range(60, 120)), greedy(2))  # long, computed 8 a step
+    engine.step()
+    assert 0 < second.num_computed < second.num_tokens
+    scheduler.preempt(first)  # its computed pages go to the prefix cache
+    for _ in range(200):  # each step: the decode, 8 tokens of `second`, then `first` waits
+        if not engine.has_work():
+            break
+        engine.step()
+    for request in (decoding, first, second):
+        assert request.finish_reason is FinishReason.LENGTH

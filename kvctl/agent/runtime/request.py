@@ -51,6 +51,7 @@ class Request:
     preemptions: int = 0
     cache_salt: str | None = None
     cached_tokens: int = 0
+    admitted_computed: int = 0  # tokens cached or loaded at its last admission
     queued_at: float = 0.0  # when it last entered the waiting queue (engine clock)
     arrived_at: float = 0.0  # when it first entered it (engine clock)
     first_admitted_at: float | None = None  # when it first got pages (engine clock)

@@ -237,9 +237,6 @@ class Scheduler:
             request = self.waiting[passed]
             tokens = request.num_tokens
             match, below = self._match(request)
-            cached = 0 if match is None else match.tokens
-            if tokens - cached > self.long_prompt_tokens and step.long_budget <= 0:
-                break  # a long prompt waits for a step with room for it (arrival order kept)
             if match is not None and not self._fits(tokens, match):
                 match = self._whole_pages_match(request, match)
             if not self._fits(tokens, match):
@@ -247,6 +244,9 @@ class Scheduler:
                     passed += 1
                     continue
                 break
+            cached = 0 if match is None else match.tokens  # what `_chunk` will count from
+            if self._is_long(tokens - cached) and step.long_budget <= 0:
+                break  # a long prompt waits for a step with room for it (arrival order kept)
             del self.waiting[passed]
             step.copies.extend(self._place(request, match))
             if below is not None:
@@ -300,6 +300,7 @@ class Scheduler:
         )
         loaded = load.pages * self.pool.page_size
         request.num_computed += loaded
+        request.admitted_computed += loaded
         if not request.preemptions:
             request.cached_tokens += loaded
 
@@ -329,7 +330,7 @@ class Scheduler:
             copies = []
         else:
             _, copies = self.pool.adopt(request.seq_id, match.pages, match.tokens, tokens)
-        request.num_computed = match.tokens if match else 0
+        request.num_computed = request.admitted_computed = match.tokens if match else 0
         if request.first_admitted_at is None:
             request.first_admitted_at = self.clock()
         if match is not None:
@@ -394,13 +395,20 @@ class Scheduler:
                 if chunk:
                     step.add(request, chunk)
 
+    def _is_long(self, to_compute: int) -> bool:
+        """Whether a prompt with `to_compute` tokens beyond what its admission found computed
+        is long. Admission and chunking both count from that admission (a preempted request
+        is judged by what its return found cached, not by its first admission), so a request
+        admitted as short is never then given no tokens as long."""
+        return to_compute > self.long_prompt_tokens
+
     def _chunk(self, request: Request, left: int, step: _Step) -> int:
         """How much of a prompt this step computes: what the budget leaves, and for a long
-        prompt (more than `long_prompt_tokens` beyond its cached prefix) at most what is left of
-        the cap while requests decode, so it is spread over steps instead of stalling their
-        streams."""
+        prompt (more than `long_prompt_tokens` beyond what it found computed) at most what is
+        left of the cap while requests decode, so it is spread over steps instead of stalling
+        their streams."""
         chunk = min(left, step.budget)
-        if request.num_tokens - request.cached_tokens > self.long_prompt_tokens:
+        if self._is_long(request.num_tokens - request.admitted_computed):
             chunk = min(chunk, step.long_budget)
             step.long_budget -= chunk
         return chunk
