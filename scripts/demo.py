@@ -534,12 +534,15 @@ class Demo:
         return compacted
 
     def alert_resolves(self, alerts: AlertSource, fired: dict) -> dict:
-        self.wait_for(
-            f"{ALERT} resolving {alerts.where}",
-            lambda: not alerts.firing(ALERT),
-            STATS_WINDOW_S + 90,
+        # resolved, and a whole window without a failed allocation to show for it (the alert's
+        # evaluation lags the pool's reading: a failure in between would show 99.9 %)
+        def resolved_and_clean() -> dict | None:
+            reading = self.pool()
+            return reading if window_success(reading) == 1.0 and not alerts.firing(ALERT) else None
+
+        resolved = self.wait_for(
+            f"{ALERT} resolving {alerts.where}", resolved_and_clean, STATS_WINDOW_S + 90
         )
-        resolved = self.pool()
         self.step(
             "alert resolves",
             shown(alerts.list_args),
