@@ -252,7 +252,8 @@ class Rebalancer:
             missing = wanted_bytes - budget.unassigned_bytes
             if missing <= 0:
                 break
-            if gave := self._shrink(budget.pools[name], missing):
+            gave, _ = self._shrink(budget.pools[name], missing, self.reclaimable_pages(name))
+            if gave:
                 given[name] = gave
         for name in borrowers:
             missing = min(wanted_bytes - budget.unassigned_bytes, owed)
@@ -282,70 +283,52 @@ class Rebalancer:
         """Shrink a pool above its share by whole segments covering `missing_bytes` (not below
         its share), preempting its youngest requests first if their pages are in the way; the
         bytes given."""
-        pool = borrower.pool
-        segments = min(
-            -(-missing_bytes // borrower.segment_bytes),
-            self.excess_pages(borrower.name) // pool.segment_pages,
-        )
-        if segments < 1:
-            return 0
-        before = pool.capacity
-        target = before - segments * pool.segment_pages
-        preempted = 0
-        try:
-            borrower.resizer.check(target)
-        except ResizeRefused:
-            if borrower.make_room is not None:
-                preempted = borrower.make_room(target)
-        try:
-            borrower.resize(target)
-        except ResizeRefused as refused:
-            log.warning(
-                "rebalance: pool %s could not give back memory to %s: %s",
+        excess = self.excess_pages(borrower.name)
+        given, preempted = self._shrink(borrower, missing_bytes, excess, preempt=True)
+        if given:
+            log.info(
+                "rebalance: pool %s gave %s bytes back to %s, below its share (%d requests "
+                "preempted)",
                 borrower.name,
+                f"{given:,}",
                 taker,
-                refused,
+                preempted,
             )
-            return 0
-        given = self._gave(borrower, before)
-        log.info(
-            "rebalance: pool %s gave %s bytes back to %s, below its share (%d requests preempted)",
-            borrower.name,
-            f"{given:,}",
-            taker,
-            preempted,
-        )
         return given
 
     def _reclaimable_bytes(self, name: str) -> int:
         return self.reclaimable_pages(name) * self.budget.pools[name].pool.bytes_per_page
 
-    def _shrink(self, donor: BudgetedPool, missing_bytes: int) -> int:
-        """Shrink the donor by whole segments covering `missing_bytes` (as far as it can give);
-        the bytes given, 0 when its shrink was refused."""
+    def _shrink(
+        self, donor: BudgetedPool, missing_bytes: int, givable_pages: int, preempt: bool = False
+    ) -> tuple[int, int]:
+        """Shrink `donor` by whole segments covering `missing_bytes`, at most `givable_pages`;
+        with `preempt`, its youngest requests are preempted first when their pages are in the
+        way. The bytes given (0 when the shrink was refused) and the requests preempted."""
         pool = donor.pool
-        segments = min(
-            -(-missing_bytes // donor.segment_bytes),
-            self.reclaimable_pages(donor.name) // pool.segment_pages,
-        )
+        wanted = -(-missing_bytes // donor.segment_bytes)
+        segments = min(wanted, givable_pages // pool.segment_pages)
         if segments < 1:
-            return 0
+            return 0, 0
         before = pool.capacity
+        target = before - segments * pool.segment_pages
+        preempted = 0
+        if preempt and donor.make_room is not None:
+            try:
+                donor.resizer.check(target)
+            except ResizeRefused:
+                preempted = donor.make_room(target)
         try:
-            donor.resize(before - segments * pool.segment_pages)
+            donor.resize(target)
         except ResizeRefused as refused:
             log.info("rebalance: pool %s could not give memory: %s", donor.name, refused)
-            return 0
-        return self._gave(donor, before)
-
-    def _gave(self, donor: BudgetedPool, before: int) -> int:
-        """Note that `donor` shrank from `before` pages in a move; the bytes it gave."""
-        given = (before - donor.pool.capacity) * donor.pool.bytes_per_page
+            return 0, preempted
+        given = (before - pool.capacity) * pool.bytes_per_page
         seen = self.history[donor.name]
         seen.gave_at = self.clock()
         seen.moves["out"] += 1
         seen.moved_bytes["out"] += given
-        return given
+        return given, preempted
 
     def _grow(self, taker: BudgetedPool, wanted_bytes: int) -> int:
         """Grow the taker by the whole segments of `wanted_bytes` the budget has room for."""
