@@ -73,10 +73,15 @@ def render_rule_file(
     """The rule file for `settings` (the agent's defaults when None), as YAML text."""
     settings = settings or AlertSettings()
     recording = [{"record": name, "expr": expr} for name, expr in RECORDING_RULES]
-    alerts = [_rule(alert, settings, runbook_base, job) for alert in RULE_ONLY]
+    alerts = [alert_rule(alert, settings, runbook_base, job) for alert in RULE_ONLY]
     document = {"groups": [{"name": GROUP, "rules": recording + alerts}]}
-    body = yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=1 << 16, allow_unicode=True)
-    return HEADER.format(job=job, runbook=runbook_base) + body
+    return HEADER.format(job=job, runbook=runbook_base) + dump(document)
+
+
+def dump(document: dict) -> str:
+    """A rule file's YAML: keys in their order, long lines kept whole, expressions with
+    several lines as literal blocks."""
+    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=1 << 16, allow_unicode=True)
 
 
 def duration(seconds: float) -> str:
@@ -92,7 +97,9 @@ def duration(seconds: float) -> str:
     return "".join(parts)
 
 
-def _rule(alert: RuleOnlyAlert, settings: AlertSettings, runbook_base: str, job: str) -> dict:
+def alert_rule(alert: RuleOnlyAlert, settings: AlertSettings, runbook_base: str, job: str) -> dict:
+    """One alerting rule of a rule file: its expression for `job`, `for` and annotations
+    rendered with `settings`."""
     literals = _literals(settings)
     return {
         "alert": alert.name,

@@ -121,13 +121,22 @@ def rules(
             "(any agent serves it at /runbook); default: a placeholder under .invalid.",
         ),
     ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            metavar="ENGINE",
+            help="Whose rule file: kvctl (its agents), vllm or sglang (the alerts on those "
+            "servers' own metrics).",
+        ),
+    ] = "kvctl",
     job: Annotated[
         str | None,
         typer.Option(
             "--job",
             metavar="NAME",
-            help="The Prometheus job that scrapes the agents (their --prometheus-job); "
-            "default: kvctl-agent.",
+            help="The Prometheus job that scrapes the agents (their --prometheus-job) or the "
+            "engine's servers; default: kvctl-agent, vllm, sglang.",
         ),
     ] = None,
     set_: Annotated[
@@ -136,13 +145,15 @@ def rules(
             "--set",
             metavar="alerts.NAME=VALUE",
             help="An alert setting your agents use, e.g. alerts.pressure_high=0.9 (repeatable; "
-            "the file reads alerts.for_s and alerts.pressure_high).",
+            "kvctl's file reads alerts.for_s and alerts.pressure_high, an engine's names those "
+            "it reads in its header).",
         ),
     ] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Print the Prometheus rule file: recording rules, and the alerts only Prometheus can
     raise (an agent down or absent, fleet aggregates); every per-node alert is the agent's own.
+    With --engine vllm or sglang, the alerts on those servers' own metrics instead.
 
     For Prometheus: kvctl alerts rules --runbook-url URL > kvctl-rules.yml, then list it under
     rule_files.
@@ -151,6 +162,12 @@ def rules(
 
     from kvctl.alerts import RULES_RUNBOOK_BASE, render_rule_file
     from kvctl.alerts.catalog import AGENT_JOB
+    from kvctl.alerts.engine_rules import PROFILES, render_engine_rule_file
+    from kvctl.engines import KVCTL
+
+    if engine != KVCTL and engine not in PROFILES:
+        known = ", ".join([KVCTL, *PROFILES])
+        fail(f"--engine {engine!r}: no rule file for it; expected one of {known}", ExitCode.USAGE)
 
     target = resolve(ctx, json_out=json_out)
     base = runbook_url or RULES_RUNBOOK_BASE
@@ -161,7 +178,11 @@ def rules(
             f"http://gpu-node-1:8477/runbook, got {base!r}",
             ExitCode.USAGE,
         )
-    text = render_rule_file(_alert_settings(set_ or []), runbook_base=base, job=job or AGENT_JOB)
+    settings = _alert_settings(set_ or [])
+    if engine == KVCTL:
+        text = render_rule_file(settings, runbook_base=base, job=job or AGENT_JOB)
+    else:
+        text = render_engine_rule_file(engine, settings, runbook_base=base, job=job)
     if target.json:
         import yaml
 
