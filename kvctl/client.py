@@ -174,6 +174,8 @@ MODELS = Endpoint("GET", "/v1/models", ModelList, "models read")
 COMPLETION = Endpoint("POST", "/v1/completions", CompletionResponse, "completion")
 CHAT = Endpoint("POST", "/v1/chat/completions", BaseModel, "chat completion")
 TOKENIZE = Endpoint("POST", "/v1/tokenize", TokenizeResponse, "tokenize")
+METRICS = Endpoint("GET", "/metrics", BaseModel, "metrics read")
+"""Text, not JSON: read by `AsyncAgentClient.metrics_text` for an engine's figures."""
 
 
 def pool_route(single: Endpoint[M], named: Endpoint[M], pool: str | None) -> Endpoint[M]:
@@ -506,6 +508,15 @@ class AsyncAgentClient:
 
     async def health(self) -> Health:
         return await self._call(HEALTH)
+
+    async def metrics_text(self, path: str = METRICS.path) -> str:
+        """The node's exposition at `path`, as text (a kvctl agent's or an engine's)."""
+        try:
+            response = await self._http.get(path, headers={"Accept": "text/plain"})
+        except httpx.TransportError as error:
+            raise transport_error(self.url, error, self.timeout) from None
+        _check(self.url, METRICS, response, self.token)
+        return response.text
 
     async def pools(self) -> PoolList:
         """Every pool of the agent with the budget they share; from an agent older than

@@ -8,13 +8,18 @@ so an unreachable agent is a row in the fleet table rather than an exception.
 An agent serving several models has a pool for each; its reading holds them all and shows one
 (`pool`), and `per_pool()` splits it into one reading per pool, which is how the fleet views get
 one row per agent and pool.
+
+An inference engine (vLLM, SGLang, TensorRT-LLM) is read from its /metrics: named in the URL
+(`vllm+http://node:8000`) or recognised there when a URL answers but not as a kvctl agent. Its
+reading has `figures` (what the engine exports, "–" for the rest) and no pool; a model it
+serves is a row, as a pool is.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvctl.api import Alert, Health, PoolMap, PoolSnapshot
@@ -26,7 +31,12 @@ from kvctl.client import (
     AgentProtocolError,
     AgentRouteMissing,
     AsyncAgentClient,
+    NotAnAgent,
+    normalize_url,
 )
+from kvctl.engines import BY_NAME, KVCTL, METRICS_PATHS, split_engine
+from kvctl.exposition import Exposition, ExpositionError, ModelFigures, between, detect, engine_rows
+from kvctl.figures import Figures, pool_figures
 
 
 @dataclass(frozen=True)
@@ -46,15 +56,52 @@ class Reading:
     """The memory budget the pools share (null without one)."""
     assigned_bytes: int | None = None
     """Bytes the pools hold together, within `budget_bytes`."""
+    engine: str = KVCTL
+    """What answered: "kvctl", or the engine (`kvctl.engines`) whose /metrics was read."""
+    figures: Figures | None = None
+    """The row's figures where there is no pool to take them from (an engine, or a node read
+    from Prometheus)."""
+    models: tuple[ModelFigures, ...] = ()
+    """Every model of an engine; `model` is the one shown."""
+    model: str | None = None
+    source: str = "agent"
+    """Where the figures come from: "agent" (its API), "metrics" (its /metrics), or
+    "prometheus"."""
+    notes: tuple[str, ...] = ()
+    """What the figures do not say (an engine's pitfalls), for the row's detail."""
 
     @property
     def up(self) -> bool:
-        return self.error is None and self.pool is not None
+        return self.error is None and (self.pool is not None or self.figures is not None)
 
     @property
     def several(self) -> bool:
-        """The agent serves several models, so a pool must be named to act on one."""
-        return len(self.pools) > 1
+        """The node serves several models, so a pool must be named to act on one (for an
+        engine: a row each)."""
+        return len(self.pools) > 1 or len(self.models) > 1
+
+    @property
+    def row_figures(self) -> Figures | None:
+        """The figures its row shows: the shown pool's, or those its source exported."""
+        if self.figures is not None:
+            return self.figures
+        return None if self.pool is None else pool_figures(self.pool)
+
+    @property
+    def row_name(self) -> str | None:
+        """The pool (or the engine's model) the row is of."""
+        return self.pool.pool if self.pool is not None else self.model
+
+    @property
+    def alerts_read(self) -> bool:
+        """Whether `alerts` were read at all: an engine's /metrics says nothing of alerts, so
+        its rows show "–", not "none"."""
+        return self.source != "metrics"
+
+    @property
+    def acts(self) -> bool:
+        """Whether its agent's API was read, so defrag and resize can be sent to it."""
+        return self.engine == KVCTL and self.source == "agent" and self.pool is not None
 
     @property
     def every_pool(self) -> tuple[PoolSnapshot, ...]:
@@ -68,6 +115,13 @@ class Reading:
         for a name the agent does not serve."""
         if not self.several:
             return self
+        if self.models:
+            row = next((m for m in self.models if m.model == name), self.models[0])
+            label = "pool" if self.engine == KVCTL else BY_NAME[self.engine].model_label
+            alerts = tuple(
+                a for a in self.alerts if a.labels.get(label or "", row.model) in ("", row.model)
+            )
+            return replace(self, model=row.model, figures=row.figures, alerts=alerts)
         pool = next((p for p in self.pools if p.pool == name), self.pool)
         assert pool is not None
         alerts = tuple(a for a in self.alerts if a.labels.get("pool", pool.pool) == pool.pool)
@@ -79,6 +133,8 @@ class Reading:
         did not answer."""
         if not self.several or not self.up:
             return [self]
+        if self.models:
+            return [self.for_pool(row.model) for row in self.models]
         return [self.for_pool(pool.pool) for pool in self.pools]
 
     @property
@@ -91,9 +147,14 @@ class Reading:
             "agent": self.agent,
             "up": self.up,
             "error": None if self.error is None else str(self.error),
+            "engine": self.engine,
+            "source": self.source,
             "health": _dump(self.health),
             "pool": _dump(self.pool),
+            "model": self.row_name,
+            "figures": None if self.row_figures is None else asdict(self.row_figures),
             "alerts": [alert.model_dump(mode="json") for alert in self.alerts],
+            "notes": list(self.notes),
         }
 
 
@@ -156,33 +217,142 @@ async def _page_map(client: AsyncAgentClient, pool: str | None) -> PoolMap | Non
         return None
 
 
+@dataclass(frozen=True)
+class Node:
+    """A URL to read, and what it is when `--agent` said so (`vllm+http://...`)."""
+
+    url: str
+    engine: str | None = None
+    """None: a kvctl agent, else whatever engine its /metrics shows."""
+
+
+def parse_node(text: str) -> Node:
+    """`vllm+http://node:8000` as that URL read as vLLM; a plain URL as itself (ValueError,
+    one line, for an engine kvctl does not know or a bad URL)."""
+    engine, url = split_engine(text)
+    return Node(normalize_url(url), engine)
+
+
+async def read_node(
+    client: AsyncAgentClient,
+    engine: str | None = None,
+    with_map: bool = False,
+    pool: str | None = None,
+    previous: Reading | None = None,
+) -> Reading:
+    """A kvctl agent through its API, an engine through its /metrics; a URL that answers but
+    not as an agent is read as whichever engine its /metrics shows, if any. `previous` (the
+    node's last reading) lets an engine's prefix ratio be taken between the two."""
+    if engine not in (None, KVCTL):
+        return await read_engine(client, engine, pool, previous)
+    reading = await read_agent(client, with_map, pool)
+    if engine is None and isinstance(reading.error, (NotAnAgent, AgentRouteMissing)):
+        found = await read_engine(client, None, pool, previous)
+        if found.error is None:
+            return found
+    return reading
+
+
+async def read_engine(
+    client: AsyncAgentClient,
+    engine: str | None,
+    model: str | None = None,
+    previous: Reading | None = None,
+) -> Reading:
+    """An engine's figures from its exposition (`engine` None: whichever it shows, looked for
+    where each engine serves it), showing model `model` (None or one it does not serve: its
+    first)."""
+    paths = METRICS_PATHS if engine is None else (BY_NAME[engine].metrics_path,)
+    found: Reading | None = None
+    for path in paths:
+        found = await _read_exposition(client, engine, path, model, previous)
+        if found.error is None or not isinstance(found.error, NotAnAgent):
+            return found
+    assert found is not None
+    return found
+
+
+async def _read_exposition(
+    client: AsyncAgentClient,
+    engine: str | None,
+    path: str,
+    model: str | None,
+    previous: Reading | None,
+) -> Reading:
+    try:
+        exposition = Exposition.parse(await client.metrics_text(path))
+    except AgentError as error:
+        return Reading(agent=client.url, engine=engine or KVCTL, error=error)
+    except ExpositionError as error:
+        what = NotAnAgent(client.url, f"{client.url}{path}: {error}", reason="no exposition")
+        return Reading(agent=client.url, engine=engine or KVCTL, error=what)
+    name = engine or detect(exposition)
+    if name is None or name == KVCTL:
+        what = "shows no known engine" if name is None else "is a kvctl agent's"
+        error = NotAnAgent(client.url, f"{client.url}{path} {what}", reason="no known engine")
+        return Reading(agent=client.url, error=error)
+    spec = BY_NAME[name]
+    if engine is not None and spec.marker not in exposition:
+        message = f"{client.url}{path} has no {spec.marker}; is it {spec.title}?"
+        error = NotAnAgent(client.url, message, reason=f"not {spec.title}")
+        return Reading(agent=client.url, engine=name, error=error)
+    before = {row.model: row for row in previous.models} if previous is not None else {}
+    rows = [between(before.get(row.model), row) for row in engine_rows(spec, exposition)]
+    shown = next((row for row in rows if row.model == model), rows[0])
+    return Reading(
+        agent=client.url,
+        engine=name,
+        figures=shown.figures,
+        models=tuple(rows),
+        model=shown.model or None,
+        source="metrics",
+        notes=spec.pitfalls,
+    )
+
+
 async def read_fleet(
     clients: Sequence[AsyncAgentClient],
     with_map: bool = False,
     pools: Mapping[str, str] | None = None,
+    engines: Mapping[str, str | None] | None = None,
+    previous: Mapping[str, Reading] | None = None,
 ) -> list[Reading]:
-    """One reading per client, in the order given; `pools` names the pool to show (and map)
-    by agent URL."""
-    shown = pools or {}
-    return list(await asyncio.gather(*(read_agent(c, with_map, shown.get(c.url)) for c in clients)))
+    """One reading per client, in the order given; `pools` names the pool (or model) to show
+    and map by URL, `engines` what each URL is where `--agent` said so."""
+    shown, kinds, last = pools or {}, engines or {}, previous or {}
+    return list(
+        await asyncio.gather(
+            *(
+                read_node(c, kinds.get(c.url), with_map, shown.get(c.url), last.get(c.url))
+                for c in clients
+            )
+        )
+    )
 
 
 @dataclass
 class Fleet:
-    """Async clients for a list of agent URLs, opened once and reused between polls."""
+    """Async clients for a list of nodes (`--agent` values), opened once and reused between
+    polls; the last reading of each is kept, so an engine's ratios are taken between polls."""
 
     urls: Sequence[str]
     token: str | None = None
     timeout: float = DEFAULT_TIMEOUT
     clients: list[AsyncAgentClient] = field(init=False)
+    engines: dict[str, str | None] = field(init=False)
+    last: dict[str, Reading] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.clients = [AsyncAgentClient(url, self.token, self.timeout) for url in self.urls]
+        nodes = [parse_node(url) for url in self.urls]
+        self.clients = [AsyncAgentClient(node.url, self.token, self.timeout) for node in nodes]
+        self.engines = {node.url: node.engine for node in nodes}
 
     async def read(
         self, with_map: bool = False, pools: Mapping[str, str] | None = None
     ) -> list[Reading]:
-        return await read_fleet(self.clients, with_map, pools)
+        readings = await read_fleet(self.clients, with_map, pools, self.engines, self.last)
+        self.last.update((r.agent, r) for r in readings if r.up)
+        return readings
 
     async def aclose(self) -> None:
         await asyncio.gather(*(client.aclose() for client in self.clients))
@@ -191,7 +361,7 @@ class Fleet:
 def read_fleet_once(
     urls: Sequence[str], token: str | None = None, timeout: float = DEFAULT_TIMEOUT
 ) -> list[Reading]:
-    """A blocking read of every agent, for commands that print once and exit."""
+    """A blocking read of every node, for commands that print once and exit."""
 
     async def read() -> list[Reading]:
         fleet = Fleet(urls, token, timeout)

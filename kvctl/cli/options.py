@@ -61,6 +61,28 @@ TokenOption = Annotated[
         show_default=False,
     ),
 ]
+PrometheusOption = Annotated[
+    str | None,
+    typer.Option(
+        "--prometheus",
+        metavar="URL",
+        help="Read the fleet from this Prometheus (a few queries for every node it scrapes) "
+        "instead of asking each --agent. \\[env: KVCTL_PROMETHEUS]",
+        envvar="KVCTL_PROMETHEUS",
+        show_envvar=False,
+        show_default=False,
+    ),
+]
+SelectorOption = Annotated[
+    str | None,
+    typer.Option(
+        "--selector",
+        metavar="MATCHERS",
+        help="With --prometheus: only the series these label matchers select, e.g. "
+        "'{job=\"vllm\"}'.",
+        show_default=False,
+    ),
+]
 JsonOption = Annotated[
     bool,
     typer.Option("--json", help="Print JSON (the API's models) instead of tables."),
@@ -120,9 +142,20 @@ class Target:
     timeout: float
 
     def client(self, agent: str) -> AgentClient:
+        """A client of the kvctl agent at `agent`; a usage error for an engine's URL, which
+        `status` and `top` read but nothing acts on."""
         from kvctl.client import AgentClient
+        from kvctl.engines import KVCTL, engine_named, split_engine
 
-        return AgentClient(agent, self.token, self.timeout)
+        engine, url = split_engine(agent)
+        if engine not in (None, KVCTL):
+            title = engine_named(engine).title
+            fail(
+                f"{agent}: {title} is read by `kvctl status` and `kvctl top` only; this "
+                "command acts on kvctl agents",
+                ExitCode.USAGE,
+            )
+        return AgentClient(url, self.token, self.timeout)
 
     @property
     def fleet(self) -> bool:
@@ -140,12 +173,16 @@ def _env_agents() -> list[str]:
 
 
 def _agent_urls(given: list[str]) -> tuple[str, ...]:
+    """Each URL normalised, an engine's prefix (`vllm+http://...`) kept for the readers."""
     from kvctl.client import normalize_url
+    from kvctl.engines import split_engine
 
     urls: list[str] = []
     for text in given:
         try:
-            url = normalize_url(text)
+            engine, plain = split_engine(text)
+            url = normalize_url(plain)
+            url = url if engine is None else f"{engine}+{url}"
         except ValueError as error:
             fail(f"--agent: {error}", ExitCode.USAGE)
         if url not in urls:

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import datetime
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.rule import Rule
@@ -21,14 +21,20 @@ from kvctl.cli.options import (
     AgentOption,
     ExitCode,
     JsonOption,
+    PrometheusOption,
+    SelectorOption,
     Target,
     TimeoutOption,
     TokenOption,
+    fail,
     resolve,
 )
 from kvctl.cli.output import console, print_json
-from kvctl.cli.status import print_status, status_code
+from kvctl.cli.status import print_status, read_once, status_code
 from kvctl.view import render
+
+if TYPE_CHECKING:
+    from kvctl.tui.source import DataSource
 
 
 def top(
@@ -57,6 +63,8 @@ def top(
     token: TokenOption = None,
     json_out: JsonOption = False,
     timeout: TimeoutOption = None,
+    prometheus: PrometheusOption = None,
+    selector: SelectorOption = None,
 ) -> None:
     """Watch the pool live: the four numbers with history, the page map, requests, alerts.
 
@@ -67,24 +75,39 @@ def top(
     pool).
 
     Anywhere: ? help, q quit.
-    """
-    from kvctl.fleet import read_fleet_once
 
+    With --prometheus URL the fleet comes from Prometheus (every node it scrapes, engines
+    too); opening a row reads that node directly where this machine can reach it.
+    """
     target = resolve(ctx, agent, token, json_out, timeout)
     if headless:
-        raise typer.Exit(int(run_headless(target, duration, every)))
+        raise typer.Exit(int(run_headless(target, duration, every, prometheus, selector, agent)))
     if once or target.json or not sys.stdout.isatty():
-        readings = read_fleet_once(target.agents, target.token, target.timeout)
+        readings = read_once(target, prometheus, selector, agent)
         print_status(target, readings)
         raise typer.Exit(int(status_code(readings)))
-    run_dashboard(target, interval, readonly)
+    if prometheus is not None:
+        from kvctl.tui.source import PrometheusSource
+
+        first = read_once(target, prometheus, selector, agent)  # the nodes it starts with
+        wait = min(target.timeout, max(interval, 2.0))
+        source = PrometheusSource(prometheus, selector, target.token, wait, first)
+        run_dashboard(source, interval, readonly)
+        return
+    if selector is not None:
+        fail("--selector narrows --prometheus; give --prometheus URL too", ExitCode.USAGE)
+    run_dashboard(http_source(target, interval), interval, readonly)
 
 
-def run_dashboard(target: Target, interval: float, readonly: bool) -> None:
-    from kvctl.tui.app import TopApp
+def http_source(target: Target, interval: float) -> DataSource:
     from kvctl.tui.source import HttpSource
 
-    source = HttpSource(target.agents, target.token, min(target.timeout, max(interval, 2.0)))
+    return HttpSource(target.agents, target.token, min(target.timeout, max(interval, 2.0)))
+
+
+def run_dashboard(source: DataSource, interval: float, readonly: bool) -> None:
+    from kvctl.tui.app import TopApp
+
     TopApp(source, interval=interval, readonly=readonly).run()
 
 
@@ -92,18 +115,21 @@ def run_headless(
     target: Target,
     duration: float,
     every: float,
+    prometheus: str | None = None,
+    selector: str | None = None,
+    agent: list[str] | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], object] = time.sleep,
 ) -> ExitCode:
     """The fleet table at 0, every, 2·every, … ≤ duration s after the start (no drift)."""
-    from kvctl.fleet import json_entries, read_fleet_once
+    from kvctl.fleet import json_entries
 
     start = clock()
     code = ExitCode.OK
     tick = 0
     while tick * every <= duration:
         sleep(max(0.0, start + tick * every - clock()))
-        readings = read_fleet_once(target.agents, target.token, target.timeout)
+        readings = read_once(target, prometheus, selector, agent)
         code = status_code(readings)
         if target.json:
             entries = json_entries(readings)

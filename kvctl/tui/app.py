@@ -81,7 +81,7 @@ class TopApp(App[None]):
 
     def on_mount(self) -> None:
         self.install_screen(self.fleet, "fleet")
-        if len(self.source.agents) > 1:
+        if len(self.source.agents) > 1 or self.source.fleet_first:
             self.push_screen("fleet")
         self.poll()
         self.set_interval(self.interval, self.poll)
@@ -101,7 +101,9 @@ class TopApp(App[None]):
             self._poll_worker = self.run_worker(self._poll(), group="poll")
 
     async def _poll(self) -> None:
-        readings = await self.source.read(dict(self.pools))
+        on_fleet = not self.screen_stack or self.screen is self.fleet
+        focus = None if on_fleet or not self.source.agents else self.agent
+        readings = await self.source.read(dict(self.pools), focus)
         if not self.screen_stack:  # the app closed while the agents answered
             return
         now = self.clock()
@@ -113,7 +115,7 @@ class TopApp(App[None]):
     def _remember(self, reading: Reading, now: float) -> None:
         previous = self.readings.get(reading.agent)
         self.readings[reading.agent] = reading
-        if reading.up and reading.pool is not None:
+        if reading.up:
             self.last_good[reading.agent] = (now, reading)
             for pool in reading.every_pool:
                 self.history(reading.agent, pool.pool).add(pool, now)
@@ -153,6 +155,8 @@ class TopApp(App[None]):
     def show_current(self) -> None:
         """Fill the detail screen from the shown agent's latest (or last good) reading, as its
         shown pool reads."""
+        if not self.source.agents:  # a Prometheus that knows no node yet
+            return
         agent = self.agent
         whole = self.readings.get(agent)
         if whole is None:

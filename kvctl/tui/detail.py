@@ -1,6 +1,10 @@
 """One agent in detail: the four numbers with their history, requests, alerts, the page map,
 and the tiers below the device when the agent has any.
 
+A node whose agent API was not read (an engine read from its /metrics, a node known only from
+Prometheus) has no page map or history of pools: one panel shows what its source exported,
+"–" for the rest, and its engine's pitfalls; the acting keys are off.
+
 An agent that serves several models shows one pool at a time (`p` the next, `P` the previous),
 under a bar of the memory budget its pools share, split by pool.
 
@@ -12,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from rich.console import Group, RenderableType
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
@@ -28,7 +34,7 @@ from kvctl.tui.widgets.headlines import Headlines
 from kvctl.tui.widgets.pool_map import PoolMapView
 from kvctl.tui.widgets.requests import RequestsPanel
 from kvctl.tui.widgets.tiers import TierPanel
-from kvctl.view import fmt
+from kvctl.view import engine, fmt, render
 from kvctl.view.tiers import TierRates
 
 if TYPE_CHECKING:
@@ -81,6 +87,11 @@ class DetailScreen(Screen[None]):
         self.headlines_panel = self._panel(self.headlines, HEADLINES_TITLE)
         self.tiers_panel = self._panel(self.tiers, "tiers below the device")
         self.tiers_panel.display = False  # until a reading says the agent has tiers
+        self.figures = Static("", id="figures")
+        self.figures_panel = self._panel(self.figures, "what this node exports")
+        self.figures_panel.display = False  # until a reading without a pool is shown
+        self.panels = Horizontal(id="panels")
+        self.bottom = Horizontal(id="bottom")
 
     @property
     def top(self) -> TopApp:
@@ -89,11 +100,12 @@ class DetailScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         yield self.bar
         yield self.budget
+        yield self.figures_panel
         yield self.headlines_panel
-        with Horizontal(id="panels"):
+        with self.panels:
             yield self._panel(self.requests, "requests and memory")
             yield self._panel(self.alerts, "firing alerts")
-        with Horizontal(id="bottom"):  # the map, and the tiers beside it when there are any
+        with self.bottom:  # the map, and the tiers beside it when there are any
             yield self._panel(self.pool_map, "pool map")
             yield self.tiers_panel
         yield self.message
@@ -118,6 +130,13 @@ class DetailScreen(Screen[None]):
         `rates` are the agent's per-second rates for the tier panel."""
         shown = reading if reading.up else good
         pool = shown.pool if shown else None
+        only_figures = shown is not None and pool is None and shown.figures is not None
+        self.figures_panel.display = only_figures
+        for box in (self.headlines_panel, self.panels, self.bottom):
+            box.display = not only_figures
+        if only_figures and shown is not None:
+            self.figures.update(figures_view(shown, stale=not reading.up))
+            return
         self.headlines.show(pool, history, stale=not reading.up, now=now, window=window)
         self.headlines_panel.border_title = (
             f"{HEADLINES_TITLE} · {window_label(window, history, now)}"
@@ -146,7 +165,7 @@ class DetailScreen(Screen[None]):
             if self.top.readonly:
                 return False
             reading = self.top.readings.get(self.top.agent)
-            if reading is None or not reading.up:
+            if reading is None or not reading.up or not reading.acts:
                 return None
         if action in ("fleet", "next_agent"):
             return len(self.top.source.agents) > 1
@@ -174,6 +193,16 @@ class DetailScreen(Screen[None]):
 
     def action_window(self) -> None:
         self.top.next_window()
+
+
+def figures_view(reading: Reading, stale: bool) -> RenderableType:
+    """The figures a node's source exported, its alerts where they were read."""
+    parts: list[RenderableType] = [engine.detail(reading)]
+    if reading.alerts_read:
+        parts.append(render.alerts_table(reading.alerts))
+    if stale:
+        parts.append(Text("no answer now: the last figures it gave", style=fmt.WARN))
+    return Group(*parts)
 
 
 def window_label(window: Window, history: History, now: float) -> str:

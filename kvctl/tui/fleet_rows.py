@@ -37,15 +37,18 @@ class Column:
     worst_high: bool = True
 
 
-def _pool(attribute: str) -> Callable[[Reading], SortValue]:
+def _figure(attribute: str) -> Callable[[Reading], SortValue]:
+    """A figure of the row, None where its node did not answer or does not export it."""
+
     def value(reading: Reading) -> SortValue:
-        return None if reading.pool is None else getattr(reading.pool, attribute)
+        figures = reading.row_figures if reading.up else None
+        return None if figures is None else getattr(figures, attribute)
 
     return value
 
 
 def _pool_name(reading: Reading) -> SortValue:
-    return None if reading.pool is None else reading.pool.pool
+    return reading.row_name
 
 
 def _alerts(reading: Reading) -> SortValue:
@@ -59,12 +62,13 @@ def _alerts(reading: Reading) -> SortValue:
 COLUMNS: tuple[Column, ...] = (
     Column("agent", "agent", None, lambda r: r.agent, right=False, worst_high=False),
     Column("state", "state", 5, lambda r: 0.0 if r.up else 1.0, right=False),
-    Column("alloc", "alloc ok", 8, _pool("alloc_success_ratio"), worst_high=False),
-    Column("frag", "frag", 4, _pool("fragmentation_ratio")),
-    Column("util", "util", 7, _pool("utilization_ratio")),
-    Column("prefix", "prefix", 7, _pool("prefix_hit_ratio"), worst_high=False),
-    Column("run", "run", 3, _pool("requests_running")),
-    Column("wait", "wait", 4, _pool("requests_waiting")),
+    Column("alloc", "alloc ok", 8, _figure("alloc_success_ratio"), worst_high=False),
+    Column("frag", "frag", 4, _figure("fragmentation_ratio")),
+    Column("util", "util", 7, _figure("utilization_ratio")),
+    Column("prefix", "prefix", 7, _figure("prefix_hit_ratio"), worst_high=False),
+    Column("preempt", "preempt", 7, _figure("preemptions")),
+    Column("run", "run", 3, _figure("requests_running")),
+    Column("wait", "wait", 4, _figure("requests_waiting")),
     Column("alerts", "firing alerts", None, _alerts, right=False),
 )
 POOL = Column("pool", "pool", None, _pool_name, right=False, worst_high=False)
@@ -72,9 +76,15 @@ POOL = Column("pool", "pool", None, _pool_name, right=False, worst_high=False)
 BY_KEY = {column.key: column for column in (*COLUMNS, POOL)}
 
 
-def columns(pools: bool) -> tuple[Column, ...]:
-    """The columns of a fleet, with the pool's after the agent's where `pools`."""
-    return (COLUMNS[0], POOL, *COLUMNS[1:]) if pools else COLUMNS
+WIDE = 100
+"""Table width from which the preemptions column is shown (at 80 the agent names keep it)."""
+
+
+def columns(pools: bool, total: int = WIDE) -> tuple[Column, ...]:
+    """The columns of a fleet `total` cells wide, with the pool's after the agent's where
+    `pools`, and preemptions where there is room."""
+    shown = COLUMNS if total >= WIDE else tuple(c for c in COLUMNS if c.key != "preempt")
+    return (shown[0], POOL, *shown[1:]) if pools else shown
 
 
 def several_pools(readings: Sequence[Reading]) -> bool:
@@ -89,8 +99,7 @@ def row_key(agent: str, pool: str | None) -> str:
 
 def key_of(reading: Reading) -> str:
     """The key of a row (one of `Reading.per_pool()`)."""
-    pool = reading.pool.pool if reading.several and reading.pool is not None else None
-    return row_key(reading.agent, pool)
+    return row_key(reading.agent, reading.row_name if reading.several else None)
 
 
 @dataclass(frozen=True)
@@ -141,13 +150,13 @@ def sort_rows(readings: Sequence[Reading], sort: Sort) -> list[Reading]:
 
 
 def matches(reading: Reading, text: str) -> bool:
-    """Whether the filter `text` is in the agent's URL, the name of one of its alerts, or the
-    name of the row's pool where the agent has several."""
+    """Whether the filter `text` is in the agent's URL, its engine ("vllm"), the name of one
+    of its alerts, or the name of the row's pool where the agent has several."""
     needle = text.strip().lower()
     if not needle:
         return True
-    pool = [reading.pool.pool] if reading.several and reading.pool is not None else []
-    names = [reading.agent, *pool, *(alert.name for alert in reading.alerts)]
+    pool = [reading.row_name] if reading.several and reading.row_name else []
+    names = [reading.agent, reading.engine, *pool, *(alert.name for alert in reading.alerts)]
     return any(needle in name.lower() for name in names)
 
 
@@ -169,7 +178,7 @@ def widths(total: int, agents: Sequence[str], pools: Sequence[str] = ()) -> dict
     most 40 % of the rest, the alerts column what remains. With `pools` (the names of the
     pools of agents that serve several models), a pool column as wide as the longest name,
     within 4 to 16 cells."""
-    shown = columns(bool(pools))
+    shown = columns(bool(pools), total)
     fixed = {c.key: c.width for c in shown if c.width is not None}
     if pools:
         fixed["pool"] = max(4, min(16, max(len(name) for name in pools)))
@@ -217,18 +226,25 @@ def cells(reading: Reading, fitted: dict[str, int]) -> list[Text]:
         "alerts": alerts_text(reading, fitted["alerts"]),
         "state": Text("up", style=fmt.OK) if reading.up else Text("down", style=fmt.BAD),
     }
-    pool = reading.pool
-    if "pool" in fitted and pool is not None:
-        texts["pool"] = Text(ellipsize(pool.pool, fitted["pool"]))
-    if reading.up and pool is not None:
-        numbers = zip(("alloc", "frag", "util", "prefix"), fmt.headlines(pool), strict=True)
+    name = reading.row_name
+    if "pool" in fitted and name is not None:
+        texts["pool"] = Text(ellipsize(name, fitted["pool"]))
+    figures = reading.row_figures
+    if reading.up and figures is not None:
+        numbers = zip(
+            ("alloc", "frag", "util", "prefix"), fmt.figure_headlines(figures), strict=True
+        )
         for key, headline in numbers:
             texts[key] = Text(headline.text, style=headline.style)
-        texts["run"] = Text(str(pool.requests_running))
-        texts["wait"] = Text(
-            str(pool.requests_waiting), style=fmt.WARN if pool.requests_waiting else ""
-        )
-    shown = columns("pool" in fitted)
+        texts["preempt"] = Text(fmt.count(figures.preemptions))
+        texts["run"] = Text(fmt.count(figures.requests_running))
+        waiting = figures.requests_waiting
+        texts["wait"] = Text(fmt.count(waiting), style=fmt.WARN if waiting else "")
+        if not reading.alerts_read:
+            texts["alerts"] = Text(
+                ellipsize(f"{reading.engine}: none read", fitted["alerts"]), "dim"
+            )
+    shown = columns("pool" in fitted, WIDE if "preempt" in fitted else 0)
     return [_fit(texts.get(c.key, Text("–", style="dim")), c, fitted[c.key]) for c in shown]
 
 

@@ -56,6 +56,8 @@ class FleetScreen(Screen[None]):
         self.readings: list[Reading] = []
         self.shown: list[Reading] = []
         """The rows, one per agent and pool, in the order shown."""
+        self.total = fleet_rows.WIDE
+        """The table's width at the last rebuild: which columns it shows."""
 
     @property
     def top(self) -> TopApp:
@@ -93,13 +95,14 @@ class FleetScreen(Screen[None]):
             highlight = fleet_rows.key_of(self.shown[table.cursor_row])
         rows = [row for reading in self.readings for row in reading.per_pool()]
         several = fleet_rows.several_pools(self.readings)
-        shown = fleet_rows.columns(several)
+        total = max(20, table.size.width or self.size.width) - 1  # the scrollbar's column
+        self.total = total
+        shown = fleet_rows.columns(several, total)
         if self.sort.key is not None and self.sort.key not in [c.key for c in shown]:
             self.sort = Sort()  # its pool column went with the last agent that had several
         kept = [r for r in rows if fleet_rows.matches(r, self.filter_text)]
         self.shown = fleet_rows.sort_rows(kept, self.sort)
-        total = max(20, table.size.width or self.size.width) - 1  # the scrollbar's column
-        names = [r.pool.pool for r in rows if r.several and r.pool is not None]
+        names = [r.row_name for r in rows if r.several and r.row_name is not None]
         widths = fleet_rows.widths(total, [r.agent for r in self.readings], names)
         table.clear(columns=True)
         for column in shown:
@@ -171,7 +174,7 @@ class FleetScreen(Screen[None]):
 
     def action_sort_next(self) -> None:
         self.sort = self.sort.next_column(
-            fleet_rows.columns(fleet_rows.several_pools(self.readings))
+            fleet_rows.columns(fleet_rows.several_pools(self.readings), self.total)
         )
         self.show(self.readings)
 

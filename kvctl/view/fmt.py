@@ -14,6 +14,7 @@ from kvctl.units import format_bytes
 
 if TYPE_CHECKING:
     from kvctl.api import AlertSettings, PoolSnapshot
+    from kvctl.figures import Figures
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 OK, WARN, BAD, DIM = "green", "yellow", "bold red", "dim"
 
@@ -92,33 +93,48 @@ class Headline:
 
 def headlines(pool: PoolSnapshot) -> tuple[Headline, ...]:
     """Allocation success, fragmentation, utilisation, prefix hit rate, in that order."""
-    prefix_text = percent(pool.prefix_hit_ratio) if pool.prefix_cache_enabled else "off"
+    from kvctl.figures import pool_figures
+
+    return figure_headlines(pool_figures(pool))
+
+
+def figure_headlines(figures: Figures) -> tuple[Headline, ...]:
+    """The four numbers of any node, "–" (dimmed) for those its source does not export."""
+    prefix = figures.prefix_hit_ratio
+    prefix_text = "off" if figures.prefix_span == "off" else percent(prefix)
+    frag = figures.fragmentation_ratio
+    pressure = figures.pressure_ratio
     return (
         Headline(
             "alloc success",
-            percent(pool.alloc_success_ratio, 2),
-            success_style(pool.alloc_success_ratio),
-            pool.alloc_success_ratio,
+            percent(figures.alloc_success_ratio, 2),
+            success_style(figures.alloc_success_ratio),
+            figures.alloc_success_ratio,
         ),
         Headline(
             "fragmentation",
-            f"{pool.fragmentation_ratio:.2f}",
-            fragmentation_style(pool.fragmentation_ratio),
-            pool.fragmentation_ratio,
+            "–" if frag is None else f"{frag:.2f}",
+            DIM if frag is None else fragmentation_style(frag),
+            frag,
         ),
         Headline(
             "utilisation",
-            percent(pool.utilization_ratio),
-            pressure_style(pool.pressure_ratio),
-            pool.utilization_ratio,
+            percent(figures.utilization_ratio),
+            DIM if pressure is None else pressure_style(pressure),
+            figures.utilization_ratio,
         ),
         Headline(
             "prefix hits",
             prefix_text,
-            prefix_style(pool.prefix_hit_ratio, pool.prefix_cache_enabled),
-            pool.prefix_hit_ratio,
+            prefix_style(prefix, figures.prefix_span != "off"),
+            prefix,
         ),
     )
+
+
+def count(value: float | None) -> str:
+    """A count for a cell, "–" where the source exports none."""
+    return "–" if value is None else f"{value:,.0f}"
 
 
 def per_token(seconds: float | None) -> str:

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvctl.units import format_bytes
-from kvctl.view import budget, fmt, tiers
+from kvctl.view import budget, engine, fmt, tiers
 
 if TYPE_CHECKING:
     from kvctl.api import (
@@ -239,7 +239,8 @@ WIDE_FLEET = 120
 """Columns from which the fleet table also shows each pool's name and capacity; below, the four
 numbers keep their room and the agent and alert names give way, cut with an ellipsis."""
 
-_NUMBERS = {"util": 6, "frag": 4, "alloc ok": 8, "prefix": 6, "run/wait": 8}
+_NUMBERS = {"util": 6, "frag": 4, "alloc ok": 8, "prefix": 6, "preempt": 7, "run/wait": 8}
+_NARROW_NUMBERS = {key: width for key, width in _NUMBERS.items() if key != "preempt"}
 _GAP = 2  # spaces between two columns
 
 
@@ -258,34 +259,31 @@ class FleetTable:
 def fleet_table(readings: Sequence[Reading], width: int = WIDE_FLEET) -> Table:
     """One row per agent and pool; an agent that did not answer is a row with the reason.
     Alert names are one a line and never folded: a name cut in two reads as two names and
-    cannot be searched for."""
+    cannot be searched for. The numbers keep their room at any width; the agent and alert
+    columns share what is left, cut with an ellipsis."""
     wide = width >= WIDE_FLEET
     shown = [row for reading in readings for row in reading.per_pool()]
     rows = [fleet_row(reading) for reading in shown]
-    named = not wide and any(reading.several for reading in readings)
-    if not wide:  # no capacity; the pool's name alone, where an agent has several
+    named = wide or len({reading.agent for reading in shown}) < len(shown)
+    if not wide:  # no capacity or preemptions; the pool's name alone, where there are several
         rows = [
-            row[:2] + ((_pool_name(reading),) if named else ()) + row[4:]
+            row[:2] + ((_pool_name(reading),) if named else ()) + row[4:8] + row[9:]
             for row, reading in zip(rows, shown, strict=True)
         ]
+    numbers = {"capacity": 8, **_NUMBERS} if wide else _NARROW_NUMBERS
+    state = 5
+    pool = max((len(str(row[2])) for row in rows), default=4) if named else 0
+    left = width - state - sum(max(w, len(c)) for c, w in numbers.items())
+    left -= _GAP * (len(numbers) + 2 + named) + pool
+    alerts = min(max((len(row[-1]) for row in rows), default=6), max(12, left // 2))
+    longest = max((len(str(row[0])) for row in rows), default=8)
+    agent = max(8, min(longest, left - alerts))
+    rows = [(_cut(row[0], agent), *row[1:-1], _cut(row[-1], alerts)) for row in rows]
     table = Table(box=None, show_edge=False, pad_edge=False, padding=(0, _GAP // 2))
-    numbers = {"capacity": 8, **_NUMBERS} if wide else _NUMBERS
-    if wide:
-        table.add_column("agent", no_wrap=True)
-        table.add_column("state", no_wrap=True)
-        table.add_column("pool", no_wrap=True)
-    else:  # split what the numbers leave between the agent and the alerts
-        state = 5
-        pool = max((len(str(row[2])) for row in rows), default=4) if named else 0
-        left = width - state - sum(max(w, len(c)) for c, w in numbers.items())
-        left -= _GAP * (len(numbers) + 2 + named) + pool
-        alerts = min(max((len(row[-1]) for row in rows), default=6), max(12, left // 2))
-        agent = max(8, left - alerts)
-        rows = [(_cut(row[0], agent), *row[1:-1], _cut(row[-1], alerts)) for row in rows]
-        table.add_column("agent", no_wrap=True, width=agent)
-        table.add_column("state", no_wrap=True, width=state)
-        if named:
-            table.add_column("pool", no_wrap=True, width=max(4, pool))
+    table.add_column("agent", no_wrap=True, width=agent)
+    table.add_column("state", no_wrap=True, width=state)
+    if named:
+        table.add_column("pool", no_wrap=True, width=max(4, pool))
     for column, least in numbers.items():
         table.add_column(column, justify="right", no_wrap=True, min_width=max(least, len(column)))
     table.add_column("alerts", no_wrap=True)
@@ -295,7 +293,7 @@ def fleet_table(readings: Sequence[Reading], width: int = WIDE_FLEET) -> Table:
 
 
 def _pool_name(reading: Reading) -> str:
-    return "–" if reading.pool is None else reading.pool.pool
+    return reading.row_name or "–"
 
 
 def _cut(cell: RenderableType, width: int) -> RenderableType:
@@ -310,25 +308,34 @@ def _cut(cell: RenderableType, width: int) -> RenderableType:
 
 
 def fleet_row(reading: Reading) -> tuple[RenderableType, ...]:
-    """agent, state, pool, capacity, util, frag, alloc ok, prefix, run/wait, alerts."""
-    if not reading.up or reading.pool is None:
+    """agent, state, pool, capacity, util, frag, alloc ok, prefix, preempt, run/wait, alerts;
+    "–" where the node's source exports no such figure."""
+    figures = reading.row_figures
+    if not reading.up or figures is None:
         reason = reading.error.reason if reading.error else "no answer"
-        blank = ("–",) * 7
+        blank = ("–",) * 8
         return (reading.agent, Text("DOWN", style=fmt.BAD), *blank, Text(reason, style=fmt.BAD))
-    pool = reading.pool
-    success, frag, util, prefix = fmt.headlines(pool)
+    success, frag, util, prefix = fmt.figure_headlines(figures)
     return (
         reading.agent,
         Text("up", style=fmt.OK),
-        f"{pool.pool} ({pool.device})",
-        format_bytes(pool.capacity_bytes),
+        engine.row_label(reading),
+        engine.capacity_text(reading),
         Text(util.text, style=util.style),
         Text(frag.text, style=frag.style),
         Text(success.text, style=success.style),
         Text(prefix.text, style=prefix.style),
-        f"{pool.requests_running}/{pool.requests_waiting}",
-        alerts_cell(reading.alerts),
+        fmt.count(figures.preemptions),
+        f"{fmt.count(figures.requests_running)}/{fmt.count(figures.requests_waiting)}",
+        _alerts_of(reading),
     )
+
+
+def _alerts_of(reading: Reading) -> Text:
+    """The node's alerts; "–" where none were read (an engine's /metrics carries none)."""
+    if not reading.alerts_read:
+        return Text("–", style=fmt.DIM)
+    return alerts_cell(reading.alerts)
 
 
 def alerts_cell(alerts: Sequence[Alert]) -> Text:
@@ -351,6 +358,8 @@ def alerts_cell(alerts: Sequence[Alert]) -> Text:
 def status(readings: Sequence[Reading]) -> RenderableType:
     """One agent in detail, or a fleet as a table."""
     if len(readings) == 1 and readings[0].up:
+        if readings[0].pool is None:
+            return engine.detail(readings[0])
         return status_detail(readings[0])
     return FleetTable(readings)
 

@@ -54,8 +54,16 @@ def test_status_json_keys(kvctl, agent) -> None:
     assert result.exit_code == 0
     data = json.loads(result.stdout)
     (entry,) = data["agents"]
-    assert set(entry) == {"agent", "up", "error", "health", "pool", "alerts"}
+    assert set(entry) == {
+        *("agent", "up", "error", "health", "pool", "alerts"),
+        *("engine", "source", "model", "figures", "notes"),
+    }
     assert (entry["agent"], entry["up"], entry["error"]) == (agent.url, True, None)
+    assert (entry["engine"], entry["source"]) == ("kvctl", "agent")
+    assert (
+        entry["figures"]["capacity_tokens"]
+        == entry["pool"]["capacity_pages"] * (entry["pool"]["page_size"])
+    )
     assert set(entry["health"]) == set(Health.model_fields)
     assert set(entry["pool"]) == set(PoolSnapshot.model_fields) | set(
         PoolSnapshot.model_computed_fields

@@ -221,8 +221,12 @@ def test_status_json_has_an_entry_per_pool_of_the_same_shape(kvctl, two_models) 
     entries = data["agents"]
     assert [entry["pool"]["pool"] for entry in entries] == list(POOLS)
     for entry in entries:
-        assert set(entry) == {"agent", "up", "error", "health", "pool", "alerts"}
+        assert set(entry) == {
+            *("agent", "up", "error", "health", "pool", "alerts"),
+            *("engine", "source", "model", "figures", "notes"),
+        }
         assert entry["agent"] == two_models.url and entry["up"]
+        assert entry["model"] == entry["pool"]["pool"]
         assert all(a["labels"]["pool"] == entry["pool"]["pool"] for a in entry["alerts"])
 
 

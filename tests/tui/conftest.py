@@ -166,16 +166,22 @@ class FakeSource:
         """The pools the app asked to be shown, poll by poll."""
         self.acted_on: list[str | None] = []
         """The pool of each defrag and resize (None: the agent's only pool)."""
+        self.focus_asked: list[str | None] = []
+        """The agent on the detail screen at each poll (None: the fleet table)."""
         self.closed = False
+        self.fleet_first = False
 
     @property
     def agents(self) -> Sequence[str]:
         return list(self.readings)
 
-    async def read(self, pools: Mapping[str, str] | None = None) -> list[Reading]:
+    async def read(
+        self, pools: Mapping[str, str] | None = None, focus: str | None = None
+    ) -> list[Reading]:
         index = self.polls
         self.polls += 1
         self.pools_asked.append(dict(pools or {}))
+        self.focus_asked.append(focus)
         return [series[min(index, len(series) - 1)] for series in self.readings.values()]
 
     async def defrag(self, agent: str, pool: str | None = None) -> DefragResult:

@@ -121,6 +121,7 @@ async def test_rows_follow_the_polls_and_the_cursor_its_agent(fakes) -> None:
     app = fakes.make_app(fleet)
     async with app.run_test(size=SIZE) as pilot:
         await fakes.polled(app, pilot)
+        # no preempt column 100 cells wide
         for _ in range("agent state alloc frag util prefix run wait".count(" ") + 1):
             await pilot.press("s")
         assert app.fleet.sort.key == "wait" and rows(app) == [B, A]

@@ -1,0 +1,422 @@
+"""The fleet table from Prometheus: a few PromQL queries, one per column, for every node at once.
+
+A fleet of a thousand nodes is already scraped; asking each node again costs a thousand calls
+and sees only what this machine can reach. Here each column is one instant query over every
+engine's metric for it (`kvctl.engines`), each engine's term tagged with a `kvctl_engine`
+label and its model label copied to `kvctl_model`, so one answer holds kvctl pools and vLLM,
+SGLang and TensorRT-LLM models alike. A row is a (job, instance, model); `up` adds the targets
+Prometheus could not scrape, as down rows. A figure a node's engine does not export is absent
+from its column's answer, so the row shows "–".
+
+Ratios of counters are taken over `WINDOW` (5m), the span Prometheus users read them over; a
+target gone stale has no samples, so its figures vanish instead of freezing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvctl.api import Alert
+from kvctl.client import DEFAULT_TIMEOUT, AgentUnreachable
+from kvctl.engines import ENGINES, KVCTL, Engine
+from kvctl.exposition import ModelFigures
+from kvctl.figures import Figures
+from kvctl.fleet import Reading
+
+WINDOW = "5m"
+ENGINE_LABEL = "kvctl_engine"
+MODEL_LABEL = "kvctl_model"
+KVCTL_POOL_LABEL = "pool"
+KVCTL_PAGE_TOKENS = "kvctl_pool_page_size_tokens"
+AGENT_ALERTS = "kvctl_alerts_active"
+"""The agents' own alerts, which reach Alertmanager from the agent and so are not in ALERTS."""
+ROW_LABELS = ("job", "instance", MODEL_LABEL)
+
+SEVERITIES = ("info", "warning", "critical")
+_NOT_ALERT_LABELS = ("__name__", "alertstate", "state")
+_SELECTOR = re.compile(r"^\{(?P<inner>.*)\}$", re.DOTALL)
+
+
+class PrometheusError(Exception):
+    """Prometheus could not be asked, or refused a query; `str()` is one line with the fix."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
+        """Prometheus answered and refused the query (400: a bad selector)."""
+
+
+def selector_matchers(selector: str | None) -> str:
+    """The matchers inside `{...}` (empty for None), to put in every metric's selector."""
+    if selector is None or not selector.strip():
+        return ""
+    match = _SELECTOR.match(selector.strip())
+    if match is None:
+        raise ValueError(
+            f"--selector {selector!r}: write label matchers in braces, e.g. '{{job=\"vllm\"}}'"
+        )
+    return match.group("inner").strip()
+
+
+@dataclass(frozen=True)
+class Column:
+    """One query: a term per engine that exports the figure."""
+
+    key: str
+    terms: tuple[tuple[str, str], ...]
+    """(engine name, PromQL) pairs; `{S}` in the PromQL is where the selector goes."""
+
+
+def _by(engine: str) -> str:
+    label = KVCTL_POOL_LABEL if engine == KVCTL else _engine(engine).model_label
+    return ", ".join(label for label in ("job", "instance", label) if label)
+
+
+def _engine(name: str) -> Engine:
+    return next(engine for engine in ENGINES if engine.name == name)
+
+
+def _model_label(engine: str) -> str | None:
+    return KVCTL_POOL_LABEL if engine == KVCTL else _engine(engine).model_label
+
+
+def _gauge(engine: str, metric: str | None, how: str = "max") -> str | None:
+    return None if metric is None else f"{how} by ({_by(engine)}) ({metric}{{S}})"
+
+
+def _increase(engine: str, metric: str | None) -> str | None:
+    if metric is None:
+        return None
+    return f"sum by ({_by(engine)}) (increase({metric}{{S}}[{WINDOW}]))"
+
+
+def _rate_ratio(engine: str, hits: str | None, queries: str | None) -> str | None:
+    if hits is None or queries is None:
+        return None
+    rate = f"sum by ({_by(engine)}) (rate({{m}}{{{{S}}}}[{WINDOW}]))"
+    return f"{rate.format(m=hits)} / {rate.format(m=queries)}"
+
+
+def _columns() -> tuple[Column, ...]:
+    kvctl = {
+        "util": _gauge(KVCTL, "kvctl_pool_utilization_ratio"),
+        "pressure": _gauge(KVCTL, "kvctl_pool_pressure_ratio"),
+        "alloc": _gauge(KVCTL, "kvctl_alloc_success_ratio"),
+        "frag": _gauge(KVCTL, "kvctl_pool_fragmentation_ratio"),
+        "prefix": _rate_ratio(
+            KVCTL, "kvctl_prefix_cache_hits_tokens_total", "kvctl_prefix_cache_queries_tokens_total"
+        ),
+        "running": _gauge(KVCTL, "kvctl_requests_running", "sum"),
+        "waiting": _gauge(KVCTL, "kvctl_requests_waiting", "sum"),
+        "preemptions": _increase(KVCTL, "kvctl_preemptions_total"),
+        "blocks": _gauge(KVCTL, "kvctl_pool_capacity_pages", "sum"),
+        "block_tokens": _gauge(KVCTL, KVCTL_PAGE_TOKENS),
+    }
+    per_engine: dict[str, dict[str, str | None]] = {KVCTL: kvctl}
+    for engine in ENGINES:
+        name = engine.name
+        prefix = engine.prefix
+        per_engine[name] = {
+            "util": _gauge(name, engine.utilization),
+            "pressure": _gauge(name, engine.utilization),
+            "prefix": _gauge(name, prefix.gauge)
+            if prefix.gauge
+            else _rate_ratio(name, prefix.hits, prefix.queries),
+            "running": _gauge(name, engine.running, "sum"),
+            "waiting": _gauge(name, engine.waiting, "sum"),
+            "preemptions": _increase(name, engine.preemptions),
+            "blocks": _gauge(name, engine.capacity.blocks, "sum"),
+            "block_tokens": _gauge(name, engine.capacity.block_size),
+            "tokens": _gauge(name, engine.capacity.tokens, "sum"),
+        }
+    keys = dict.fromkeys(key for terms in per_engine.values() for key in terms)
+    columns = []
+    for key in keys:
+        terms = [(engine, expr) for engine, row in per_engine.items() if (expr := row.get(key))]
+        columns.append(Column(key, tuple(terms)))
+    return tuple(columns)
+
+
+COLUMNS = _columns()
+
+
+def _tagged(engine: str, expr: str) -> str:
+    """`expr` with its engine and its model (the pool, for kvctl) as labels of their own."""
+    label = _model_label(engine)
+    inner = f"({expr})"
+    if label is not None:
+        inner = f'label_replace({inner}, "{MODEL_LABEL}", "$1", "{label}", "(.*)")'
+    return f'label_replace({inner}, "{ENGINE_LABEL}", "{engine}", "", "")'
+
+
+def column_query(column: Column, matchers: str) -> str:
+    """The column's PromQL: every engine's term, tagged, joined with `or`."""
+    terms = [_tagged(engine, expr) for engine, expr in column.terms]
+    return " or ".join(terms).replace("{S}", "{" + matchers + "}")
+
+
+def _info_queries(matchers: str) -> dict[str, str]:
+    """Info metrics whose labels carry capacity (vLLM's cache_config_info): read raw."""
+    return {
+        engine.name: f"{engine.capacity.info}{{{matchers}}}"
+        for engine in ENGINES
+        if engine.capacity.info
+    }
+
+
+@dataclass(frozen=True)
+class Series:
+    labels: dict[str, str]
+    value: float | None
+
+
+@dataclass
+class PrometheusFleet:
+    """The fleet as Prometheus at `url` has it, narrowed by `selector` (`{job="vllm"}`)."""
+
+    url: str
+    selector: str | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    token: str | None = None
+    """A bearer token for a Prometheus behind an authenticating proxy."""
+    transport: httpx.AsyncBaseTransport | None = None
+    _http: httpx.AsyncClient = field(init=False)
+    _matchers: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        self._matchers = selector_matchers(self.selector)
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.url, timeout=self.timeout, headers=headers, transport=self.transport
+        )
+
+    def queries(self) -> dict[str, str]:
+        """Every query one read sends, by what it is for."""
+        matchers = self._matchers
+        out = {"up": f"up{{{matchers}}}"}
+        out |= {column.key: column_query(column, matchers) for column in COLUMNS}
+        out |= {f"info:{name}": query for name, query in _info_queries(matchers).items()}
+        rules = f'alertstate="firing", {matchers}' if matchers else 'alertstate="firing"'
+        own = f'state="firing", {matchers}' if matchers else 'state="firing"'
+        out["alerts"] = f"ALERTS{{{rules}}} or {AGENT_ALERTS}{{{own}}}"
+        return out
+
+    async def read(self) -> list[Reading]:
+        """One reading per (job, instance, model), in instance order; down targets too."""
+        queries = self.queries()
+        answers = await asyncio.gather(*(self._query(q) for q in queries.values()))
+        return build_readings(dict(zip(queries, answers, strict=True)))
+
+    async def _query(self, query: str) -> list[Series]:
+        try:
+            response = await self._http.get("/api/v1/query", params={"query": query})
+        except httpx.TransportError as error:
+            reason = str(error) or type(error).__name__
+            raise PrometheusError(
+                f"cannot reach Prometheus at {self.url} ({reason}); check --prometheus URL"
+            ) from None
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or body.get("status") != "success":
+            said = body.get("error") if isinstance(body, dict) else response.reason_phrase
+            raise PrometheusError(
+                f"Prometheus at {self.url} answered {response.status_code}: {said}; "
+                "check --prometheus URL and --selector",
+                refused=response.status_code == 400,
+            )
+        return [_series(item) for item in body.get("data", {}).get("result", [])]
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def _series(item: Mapping[str, Any]) -> Series:
+    raw = item.get("value", [None, "NaN"])[1]
+    try:
+        value: float | None = float(raw)
+    except (TypeError, ValueError):
+        value = None
+    if value is not None and (math.isnan(value) or math.isinf(value)):
+        value = None  # 0/0: nothing was asked over the window
+    return Series(dict(item.get("metric", {})), value)
+
+
+Key = tuple[str, str, str]
+"""(job, instance, model)."""
+
+
+def _key(labels: Mapping[str, str]) -> Key:
+    return (labels.get("job", ""), labels.get("instance", ""), labels.get(MODEL_LABEL, ""))
+
+
+def build_readings(answers: Mapping[str, Sequence[Series]]) -> list[Reading]:
+    """One reading per instance, in instance order, with a row per model (a kvctl pool, an
+    engine's model) some column has; an instance whose scrape fails is a down reading."""
+    engines: dict[Key, str] = {}
+    values: dict[Key, dict[str, float | None]] = {}
+    for column in COLUMNS:
+        for series in answers.get(column.key, ()):
+            key = _key(series.labels)
+            engines.setdefault(key, series.labels.get(ENGINE_LABEL, KVCTL))
+            values.setdefault(key, {})[column.key] = series.value
+    _add_info_capacity(answers, values)
+    down = {s.labels.get("instance", ""): s.labels.get("job", "") for s in answers.get("up", ())}
+    down = {instance: job for instance, job in down.items() if _is_down(answers, instance)}
+    alerts = _alerts(answers.get("alerts", ()))
+    rows: dict[str, list[tuple[Key, str]]] = {}
+    for key in values:
+        rows.setdefault(key[1], []).append((key, engines[key]))
+    readings = []
+    for instance in sorted(set(rows) | set(down)):
+        found = alerts.get(instance, ())
+        if instance in down or instance not in rows:
+            readings.append(_down(down.get(instance, ""), instance, found))
+            continue
+        models = [
+            ModelFigures(key[2], _figures(engine, values[key])) for key, engine in rows[instance]
+        ]
+        models = _first_of_each(models)
+        engine = rows[instance][0][1]
+        readings.append(
+            Reading(
+                agent=_url(instance),
+                engine=engine,
+                figures=models[0].figures,
+                models=tuple(models) if len(models) > 1 else (),
+                model=models[0].model or None,
+                source="prometheus",
+                alerts=found,
+                notes=() if engine == KVCTL else _engine(engine).pitfalls,
+            )
+        )
+    return readings
+
+
+def _is_down(answers: Mapping[str, Sequence[Series]], instance: str) -> bool:
+    """Down when no job scraping the instance succeeded at its last scrape."""
+    ups = [s.value for s in answers.get("up", ()) if s.labels.get("instance") == instance]
+    return bool(ups) and not any(value == 1 for value in ups)
+
+
+def _first_of_each(models: list[ModelFigures]) -> list[ModelFigures]:
+    """One row per model name (an instance scraped by two jobs answers twice)."""
+    seen: dict[str, ModelFigures] = {}
+    for model in models:
+        seen.setdefault(model.model, model)
+    return list(seen.values())
+
+
+def _add_info_capacity(
+    answers: Mapping[str, Sequence[Series]], values: dict[Key, dict[str, float | None]]
+) -> None:
+    """Blocks and tokens per block from info metrics' labels, for the rows they belong to."""
+    for engine in ENGINES:
+        spec = engine.capacity
+        for series in answers.get(f"info:{engine.name}", ()):
+            labels = dict(series.labels)
+            model = labels.get(engine.model_label or "", "")
+            matching = [
+                key
+                for key in values
+                if key[:2] == (labels.get("job", ""), labels.get("instance", ""))
+                and (not model or key[2] == model)
+            ]
+            for key in matching:
+                row = values[key]
+                row["block_tokens"] = _number(labels.get(spec.block_size_label or ""))
+                row["blocks"] = _number(labels.get(spec.blocks_label or ""))
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return None if text is None else float(text)
+    except ValueError:
+        return None
+
+
+def _alerts(series: Sequence[Series]) -> dict[str, tuple[Alert, ...]]:
+    """Firing alerts by the instance they are about."""
+    out: dict[str, list[Alert]] = {}
+    for s in series:
+        labels = s.labels
+        severity = labels.get("severity")
+        alert = Alert(
+            name=labels.get("alertname", "?"),
+            severity=severity if severity in SEVERITIES else "warning",
+            state="firing",
+            value=None,
+            summary="",
+            description="",
+            remediation="",
+            runbook_url="",
+            active_since=0.0,
+            labels={k: v for k, v in labels.items() if k not in _NOT_ALERT_LABELS},
+        )
+        out.setdefault(labels.get("instance", ""), []).append(alert)
+    return {key: tuple(value) for key, value in out.items()}
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else round(value)
+
+
+def _url(instance: str) -> str:
+    return instance if "://" in instance else f"http://{instance}"
+
+
+def _figures(engine: str, row: Mapping[str, float | None]) -> Figures:
+    block_tokens, blocks = _int(row.get("block_tokens")), _int(row.get("blocks"))
+    tokens = _int(row.get("tokens"))
+    if tokens is None and block_tokens is not None and blocks is not None:
+        tokens = block_tokens * blocks
+    preemptions = row.get("preemptions")
+    gauge = engine != KVCTL and _engine(engine).prefix.gauge is not None
+    return Figures(
+        alloc_success_ratio=row.get("alloc"),
+        fragmentation_ratio=row.get("frag"),
+        utilization_ratio=row.get("util"),
+        pressure_ratio=row.get("pressure"),
+        prefix_hit_ratio=row.get("prefix"),
+        prefix_span="engine's own" if gauge else WINDOW,
+        requests_running=_int(row.get("running")),
+        requests_waiting=_int(row.get("waiting")),
+        preemptions=preemptions,
+        preemptions_span=None if preemptions is None else WINDOW,
+        capacity_tokens=tokens,
+        block_tokens=block_tokens,
+        blocks=blocks,
+    )
+
+
+def _down(job: str, instance: str, alerts: tuple[Alert, ...]) -> Reading:
+    what = f"Prometheus could not scrape it (up == 0, job {job})" if job else "no figures"
+    error = AgentUnreachable(_url(instance), f"{_url(instance)}: {what}", reason=_DOWN)
+    return Reading(agent=_url(instance), source="prometheus", alerts=alerts, error=error)
+
+
+_DOWN = "scrape failing (up == 0)"
+
+
+def read_prometheus_once(
+    url: str, selector: str | None = None, timeout: float = DEFAULT_TIMEOUT
+) -> list[Reading]:
+    """A blocking read, for commands that print once and exit."""
+
+    async def read() -> list[Reading]:
+        fleet = PrometheusFleet(url, selector, timeout)
+        try:
+            return await fleet.read()
+        finally:
+            await fleet.aclose()
+
+    return asyncio.run(read())
