@@ -72,12 +72,16 @@ def cpu_ops() -> ModuleType | None:
     import torch
     from torch.utils.cpp_extension import load
 
+    # Two environments with the same torch version but their own headers (two virtualenvs)
+    # must not share a build: each would rebuild it for the other, and race.
     identity = [SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode()]
     identity += [_cpu_model().encode(), " ".join(sorted(_cpu_flags())).encode()]
+    identity.append(str(Path(torch.__file__).resolve().parent).encode())
     key = hashlib.sha256(b"\0".join(identity)).hexdigest()[:16]
     name = f"kvctl_cpu_ops_{key}"
     directory = cache_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(directory / "lock")
     if not any(directory.glob(f"{name}*.so")):
         log.info("building the CPU kernels once (about 30 s) into %s", directory)
     try:
@@ -93,6 +97,28 @@ def cpu_ops() -> ModuleType | None:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         log.warning("CPU kernels off: building %s failed (%s)", SOURCE.name, first_line)
         return None
+
+
+BUILD_LOCK_STALE_S = 600.0
+"""A build takes about 30 s; a lock this old was left by a build that was killed."""
+
+
+def clear_stale_lock(lock: Path, now: float | None = None) -> None:
+    """Remove the build lock a killed build left behind, which would make every later start
+    wait for it forever; say so when a fresh one means another process is building."""
+    import time
+
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > BUILD_LOCK_STALE_S:
+        log.warning(
+            "removing %s, left %.0f s ago by a CPU kernel build that did not finish", lock, age
+        )
+        lock.unlink(missing_ok=True)
+    else:
+        log.info("another process is building the CPU kernels (%s); waiting for it", lock)
 
 
 def _cpuinfo(field: str) -> str:
