@@ -34,7 +34,7 @@ from kvctl.client import (
     NotAnAgent,
     normalize_url,
 )
-from kvctl.engines import BY_NAME, KVCTL, METRICS_PATHS, split_engine
+from kvctl.engines import BY_NAME, ENGINES, KVCTL, METRICS_PATHS, split_engine
 from kvctl.exposition import Exposition, ExpositionError, ModelFigures, between, detect, engine_rows
 from kvctl.figures import Figures, pool_figures
 
@@ -248,8 +248,11 @@ async def read_node(
     reading = await read_agent(client, with_map, pool)
     if engine is None and isinstance(reading.error, (NotAnAgent, AgentRouteMissing)):
         found = await read_engine(client, None, pool, previous)
-        if found.error is None:
+        if found.error is None or not isinstance(found.error, NotAnAgent):
             return found
+        known = ", ".join(e.title for e in ENGINES)
+        message = f"{reading.error}; nor is it an engine kvctl reads ({known})"
+        return replace(reading, error=NotAnAgent(client.url, message, reading.error.reason))
     return reading
 
 

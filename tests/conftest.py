@@ -1,5 +1,7 @@
-"""Shared pytest setup: a hypothesis profile sized for a 2-core CI machine, and real agent
-processes for the integration tests.
+"""Shared pytest setup: a hypothesis profile sized for a 2-core CI machine, real agent
+processes for the integration tests, and `kvctl(*args)`: one command run in-process (typer's
+CliRunner) with a clean environment (no KVCTL_AGENT, KVCTL_TOKEN or KVCTL_PROMETHEUS from the
+developer's shell), returning the result with `stdout`, `stderr` and `exit_code`.
 
 Set HYPOTHESIS_PROFILE to pick another registered profile (hypothesis has `default`).
 """
@@ -12,6 +14,21 @@ import pytest
 from agent_process import SMALL_POOL, RunningAgent, launch_agent
 from hypothesis import settings
 from kv_device import DEVICE
+from typer.testing import CliRunner, Result
+
+
+@pytest.fixture
+def kvctl() -> Callable[..., Result]:
+    from kvctl.cli.main import app
+
+    def run(*args: str, input: str | None = None, env: dict[str, str] | None = None) -> Result:
+        clean: dict[str, str | None] = {"KVCTL_AGENT": None, "KVCTL_TOKEN": None, "COLUMNS": "160"}
+        clean["KVCTL_PROMETHEUS"] = None
+        clean.update(env or {})
+        return CliRunner().invoke(app, list(args), input=input, env=clean)
+
+    return run
+
 
 # No deadline: timing on shared CI machines is noisy, and pytest-timeout bounds each test anyway.
 settings.register_profile("ci", deadline=None, max_examples=100)

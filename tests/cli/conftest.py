@@ -1,30 +1,13 @@
-"""Running `kvctl` in-process (typer's CliRunner) against real agents.
-
-`kvctl(*args)` runs one command with a clean environment (no KVCTL_AGENT or KVCTL_TOKEN from the
-developer's shell) and returns the result with `stdout`, `stderr` and `exit_code`.
-"""
+"""Agents for the CLI tests (`kvctl(*args)`, the in-process runner, is in tests/conftest.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from agent_process import SMALL_POOL, RunningAgent, launch_agent
-from typer.testing import CliRunner, Result
-
-from kvctl.cli.main import app
 
 TOKEN = "s3cret-token"
-
-
-@pytest.fixture
-def kvctl() -> Callable[..., Result]:
-    def run(*args: str, input: str | None = None, env: dict[str, str] | None = None) -> Result:
-        clean: dict[str, str | None] = {"KVCTL_AGENT": None, "KVCTL_TOKEN": None, "COLUMNS": "160"}
-        clean.update(env or {})
-        return CliRunner().invoke(app, list(args), input=input, env=clean)
-
-    return run
 
 
 @pytest.fixture(scope="session")
