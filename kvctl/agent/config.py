@@ -27,6 +27,8 @@ from kvctl.api import DEFAULT_PORT, MAX_COMPLETION_TOKENS
 from kvctl.units import parse_duration, parse_size
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
+KV_EVENTS_TOPIC = "kv@{hostname}@{model}"
+"""The KV events' default topic: llm-d subscribes to `kv@` and reads `kv@POD@MODEL`."""
 DEFAULT_MAX_WAITING = 256
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 """Tokens one engine step computes at most (decode tokens + prompt chunks). A wave of prompts
@@ -144,6 +146,9 @@ class AgentConfig(BaseModel):
     prometheus_job: str = "kvctl-agent"  # the `job` label of the agent's alerts
     runbook_url: str | None = None  # base of alerts' runbook_url; default <advertise>/runbook
     report_cached_tokens: bool = False  # usage.prompt_tokens_details.cached_tokens
+    kv_events_endpoint: str | None = None  # ZMQ PUB of the prefix cache's page events
+    kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER answering replay requests
+    kv_events_topic: str = KV_EVENTS_TOPIC  # {model} and {hostname} are filled in
     token_file: Path | None = None
     alertmanager_url: str | None = None
     alertmanager_bearer_token_file: Path | None = None
@@ -270,6 +275,25 @@ class AgentConfig(BaseModel):
             raise ValueError("must be cpu, cuda or cuda:N")
         return value
 
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value is not None:
+            zmq_endpoint_binds(value)  # ValueError names what to write
+        return value
+
+    @field_validator("kv_events_topic")
+    @classmethod
+    def _kv_events_topic(cls, value: str) -> str:
+        try:
+            value.format(model="m", hostname="h")
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(
+                "only {model} and {hostname} are filled in (write {{ and }} for braces), "
+                f"got {value!r}"
+            ) from None
+        return value
+
     def model_specs(self) -> list[ModelSpec]:
         """The models to serve: the `[[models]]` tables, or the `--model` flags."""
         if self.models:
@@ -339,6 +363,7 @@ class AgentConfig(BaseModel):
             raise ValueError("--disk-tier-size needs --disk-tier-path DIR")
         if self.disk_tier_path is not None and self.disk_tier_bytes < 1:
             raise ValueError("--disk-tier-size must be more than 0 bytes")
+        self._check_kv_events()
         if self.alertmanager_bearer_token_file and self.alertmanager_basic_auth_user:
             raise ValueError("give Alertmanager a bearer token or basic auth, not both")
         if bool(self.alertmanager_basic_auth_user) != bool(
@@ -348,6 +373,36 @@ class AgentConfig(BaseModel):
                 "alertmanager_basic_auth_user and alertmanager_basic_auth_password_file go together"
             )
         return self
+
+    def _check_kv_events(self) -> None:
+        """Refuse event flags that cannot work together (the token rule is `load_config`'s)."""
+        endpoint, replay = self.kv_events_endpoint, self.kv_events_replay_endpoint
+        if replay is not None and endpoint is None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if endpoint is None:
+            return
+        if not self.prefix_cache:
+            raise ValueError(
+                "--kv-events-endpoint publishes the prefix cache's pages: it needs the prefix "
+                "cache (drop --no-prefix-cache)"
+            )
+        if replay is not None and not zmq_endpoint_binds(replay):
+            raise ValueError(
+                f"--kv-events-replay-endpoint {replay}: the replay socket binds; give "
+                "tcp://*:PORT, tcp://127.0.0.1:PORT or ipc://PATH"
+            )
+        if replay == endpoint and not endpoint.endswith(":0"):  # port 0: two free ports
+            raise ValueError("--kv-events-endpoint and --kv-events-replay-endpoint must differ")
+        if len(self.model_specs()) > 1 and "{model}" not in self.kv_events_topic:
+            raise ValueError(
+                "with several models, --kv-events-topic needs {model}: each pool's events go "
+                "out under its model's topic"
+            )
+
+    def kv_events_public(self) -> list[str]:
+        """The event endpoints that bind an address other hosts can reach."""
+        given = (self.kv_events_endpoint, self.kv_events_replay_endpoint)
+        return [e for e in given if e is not None and zmq_endpoint_binds(e) and not _local(e)]
 
     def advertised(self, port: int) -> str:
         """The URL other machines reach this agent at: `--advertise-url`, or the host name
@@ -366,6 +421,42 @@ class AgentConfig(BaseModel):
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:
             return False
+
+
+def zmq_endpoint_binds(endpoint: str) -> bool:
+    """Whether a KV-events endpoint is bound (True) or connected to (False), as vLLM decides,
+    but loopback addresses bind too: `tcp://*:PORT`, `tcp://127.0.0.1:PORT`, `tcp://[::1]:PORT`,
+    `tcp://localhost:PORT` and `ipc://PATH` bind; `tcp://HOST:PORT` connects to a consumer
+    that binds (llm-d's global socket). ValueError for anything else."""
+    scheme, sep, rest = endpoint.partition("://")
+    if scheme == "ipc" and sep and rest:
+        return True
+    host, colon, port = rest.rpartition(":")
+    if scheme != "tcp" or not sep or not colon or not host or not port.isdigit():
+        raise ValueError(
+            f"{endpoint!r}: write tcp://HOST:PORT (tcp://*:5557 binds every address, "
+            "tcp://127.0.0.1:5557 this node only, tcp://consumer:5557 connects) or ipc://PATH"
+        )
+    if int(port) > 65535:
+        raise ValueError(f"{endpoint!r}: the port must be 0 to 65535")
+    binds = host in ("*", *WILDCARD_HOSTS) or _local(endpoint)
+    if not binds and int(port) == 0:
+        raise ValueError(f"{endpoint!r}: port 0 only binds (give the consumer's port)")
+    return binds
+
+
+def _local(endpoint: str) -> bool:
+    """An ipc endpoint, or a tcp one on a loopback address."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "ipc":
+        return True
+    host = rest.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -473,5 +564,12 @@ def load_config(
         raise ConfigError(
             f"refusing to listen on {config.host} without a token: anyone who can reach it could "
             "drive the pool; set --token-file FILE or KVCTL_TOKEN, or bind 127.0.0.1"
+        )
+    public = config.kv_events_public()
+    if public and token is None:
+        raise ConfigError(
+            f"refusing to publish KV events on {public[0]} without a token: they carry the "
+            "tokens of every cached prompt; set --token-file FILE or KVCTL_TOKEN, or bind "
+            "tcp://127.0.0.1:PORT"
         )
     return config.model_copy(update={"token": token})

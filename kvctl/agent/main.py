@@ -578,6 +578,8 @@ def serve(config: AgentConfig) -> int:
         ) from None
     port = sock.getsockname()[1]
     service = build_service(config)
+    kv_events = start_kv_events(config, service)
+    service.kv_events = kv_events
     max_connections, backlog = fit_connections_to_file_limit(config.max_connections)
     quiet_accept_errors()
     host = f"[{config.host}]" if sock.family == socket.AF_INET6 else config.host
@@ -614,8 +616,36 @@ def serve(config: AgentConfig) -> int:
     service.run(lambda: stop.is_set() or not http.is_alive(), config.shutdown_grace)
     server.should_exit = True
     http.join(timeout=config.shutdown_grace + 5)
+    if kv_events is not None:
+        kv_events.close()
     log.info("stopped")
     return 0
+
+
+def start_kv_events(config: AgentConfig, service: Any) -> Any:
+    """The KV-events publisher of `--kv-events-endpoint`, following every pool's prefix cache
+    and tiers under its model's topic (None when the flag is not given)."""
+    if config.kv_events_endpoint is None:
+        return None
+    from kvctl.agent.kv_events import KVEventPublisher
+
+    try:
+        publisher = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    hostname = socket.gethostname()
+    for pool in service.pools.values():
+        topic = config.kv_events_topic.format(model=pool.served.name, hostname=hostname)
+        publisher.attach(pool.engine, topic)
+    publisher.start(service.call)
+    replay = publisher.replay_endpoint
+    log.info(
+        "kv events: publishing on %s%s, topics %s",
+        publisher.endpoint,
+        f", replay on {replay}" if replay else "",
+        ", ".join(publisher.topics),
+    )
+    return publisher
 
 
 @app.command()
@@ -772,6 +802,28 @@ def main_command(
             "--report-cached-tokens/--no-report-cached-tokens",
             help="Report usage.prompt_tokens_details.cached_tokens (default off: it tells one "
             "client whether others sent the same prefix).",
+        ),
+    ] = None,
+    kv_events_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="Publish the prefix cache's page events in vLLM's KV-events format on this "
+            "ZMQ endpoint: tcp://127.0.0.1:5557 or tcp://*:5557 bind (every address needs a "
+            "token), tcp://HOST:PORT connects to a consumer (docs/kv-events.md; default off)."
+        ),
+    ] = None,
+    kv_events_replay_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="ZMQ ROUTER endpoint that replays recent event batches from a sequence "
+            "number, e.g. tcp://127.0.0.1:5558 (default none)."
+        ),
+    ] = None,
+    kv_events_topic: Annotated[
+        str | None,
+        typer.Option(
+            help="Topic of the KV events; {model} and {hostname} are filled in (default "
+            "kv@{hostname}@{model}, what llm-d reads)."
         ),
     ] = None,
     token_file: Annotated[

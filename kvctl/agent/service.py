@@ -39,6 +39,7 @@ from kvctl.agent.budget import KvBudget, Rebalancer
 from kvctl.agent.config import DEFAULT_MAX_WAITING
 from kvctl.agent.gpu import GpuProbe
 from kvctl.agent.memory import release_free_memory
+from kvctl.agent.metrics import KvEventCounters
 from kvctl.agent.model_pool import AgentReadings, ModelPool
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.runtime import Engine, Request, RequestRefused, RequestSummary, TokenEvent
@@ -155,6 +156,7 @@ class AgentService:
         self.started = clock()
         self.window = window
         self.alerting: AlertLoop | None = None  # set by the agent when it serves
+        self.kv_events: KvEventCounters | None = None  # set when it publishes KV events
         self.pools: dict[str, ModelPool] = {}
         self.budget: KvBudget | None = None
         self.rebalancer: Rebalancer | None = None

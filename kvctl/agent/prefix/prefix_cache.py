@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from kvctl.agent.pool import PagePool, PageState
 from kvctl.agent.pool.page_pool import PoolCorrupted
@@ -102,6 +102,17 @@ Spill = Callable[[list[Spilled]], None]
 """Where one eviction's pages go instead of being dropped (see `PrefixCache.spill`)."""
 
 
+class PageEvents(Protocol):
+    """Told of the pages the trees take and free, for the agent's KV events
+    (kvctl/agent/kv_events.py); unset, the cache pays one None check per insert and eviction."""
+
+    def stored(self, key: IsolationKey, tokens: Sequence[int], first_page: int, pages: int) -> None:
+        """Pages `first_page ... pages - 1` of `tokens` entered `key`'s tree."""
+
+    def removed(self, runs: list[Spilled]) -> None:
+        """One eviction's pages left the device (after `spill` has kept them)."""
+
+
 class PrefixCacheCorrupted(PoolCorrupted):
     """The trees disagree with the pool's holds: a bug, never a user error."""
 
@@ -136,6 +147,7 @@ class PrefixCache:
         self.hits_tokens = 0
         self.evictions: Counter[str] = Counter({name: 0 for name in EVICTION_POLICIES})
         self.spill: Spill | None = None  # where evicted pages go instead of being dropped
+        self.events: PageEvents | None = None  # told of pages taken and freed (KV events)
         pool.set_evictor(self.evict)
         pool.add_relocation_listener(self._follow_moves)
 
@@ -207,6 +219,8 @@ class PrefixCache:
         if taken:
             self.pool.hold_cached(taken)
             self._held_pages += len(taken)
+            if self.events is not None:  # the tree took the last pages of the `whole`
+                self.events.stored(key, tokens, whole - len(taken), whole)
         return len(taken)
 
     # ---- pins -----------------------------------------------------------------------------
@@ -236,7 +250,7 @@ class PrefixCache:
             if not count:
                 set_aside.append(first)
                 continue
-            if self.spill is not None:
+            if self.spill is not None or self.events is not None:
                 start = leaf.end // self.page_size - count
                 key = self._key_of(tree)
                 spilled.append(Spilled(key, _path_tokens(leaf), start, leaf.pages[-count:]))
@@ -251,6 +265,8 @@ class PrefixCache:
             order.add(leaf, tree)
         if spilled and self.spill is not None:  # freed pages keep their K/V until reallocated
             self.spill(spilled)
+        if spilled and self.events is not None:  # after the spill: the tiers hold them first
+            self.events.removed(spilled)
         self.evictions[self._policy.name] += freed
         self._held_pages -= freed
         return freed

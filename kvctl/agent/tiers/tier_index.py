@@ -14,7 +14,7 @@ outnumber live ones, so eviction costs O(log n) per page.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from kvctl.agent.prefix.eviction import EvictionPolicy, make_policy
@@ -52,6 +52,8 @@ class TierIndex:
         self._heap: list[tuple[tuple[int, ...], int, TierEntry]] = []
         self._clock = 0
         self._serial = 0
+        # told `(digests, stored)` of every page taken or let go (the agent's KV events)
+        self.on_change: Callable[[list[bytes], bool], None] | None = None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -91,6 +93,8 @@ class TierIndex:
             self.entries[digest] = entry
             entries.append(entry)
             self._push(entry)
+        if self.on_change is not None:
+            self.on_change(digests, True)
         return entries
 
     def touch(self, entries: list[TierEntry], hit: bool = True) -> None:
@@ -109,6 +113,8 @@ class TierIndex:
             entry.version += 1
             if entry.slot < self.capacity:
                 heapq.heappush(self._free, entry.slot)
+            if self.on_change is not None:
+                self.on_change([entry.digest], False)
 
     def victims(self, count: int, spare: Collection[TierEntry] = ()) -> list[TierEntry]:
         """Take up to `count` entries out of the tier in eviction order and return them (their
