@@ -6,7 +6,8 @@ is generated from it (`python -m kvctl.agent.metrics_docs`), and the alert rules
 
 Nothing is updated on the hot path. A scrape takes one immutable `PoolSnapshot` (whose pool
 statistics the pool keeps incrementally, so reading them is O(1) at any pool size) plus a copy of
-the defrag-duration histogram, and turns them into families. Hence the rules of docs/metrics.md
+the defrag-duration histogram (and the alert loop's current list and the KV-events publisher's
+counters, each a plain read), and turns them into families. Hence the rules of docs/metrics.md
 hold by construction: every series carries `pool`; a getter that returns None (a window with
 nothing in it, no GPU, no limit set) leaves its series out instead of exporting a sentinel;
 counters are built without a creation time, so no `_created` series appear."""
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from operator import attrgetter
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -40,6 +41,7 @@ from kvctl.agent.pool.defrag import DefragTrigger
 from kvctl.agent.tiers import LOAD_FAILURES, STORE_FAILURES, TIER_NAMES
 from kvctl.api import (
     AdminAction,
+    Alert,
     FinishReasonName,
     PoolShare,
     PoolSnapshot,
@@ -181,12 +183,38 @@ class Histograms:
 # ---- the table --------------------------------------------------------------------------------
 
 
+class KvEventCounters(Protocol):
+    """What the KV-events publisher counts (`KVEventPublisher`), read without its lock."""
+
+    published_batches: int
+    dropped_batches: int
+    dropped_events: int
+
+
+@dataclass(frozen=True)
+class KvEventsReading:
+    """The publisher's counters, copied once per scrape so every pool's series agree."""
+
+    published_batches: int
+    dropped_batches: int
+    dropped_events: int
+
+    @classmethod
+    def of(cls, publisher: KvEventCounters | None) -> KvEventsReading | None:
+        if publisher is None:
+            return None
+        return cls(publisher.published_batches, publisher.dropped_batches, publisher.dropped_events)
+
+
 @dataclass(frozen=True)
 class Reading:
-    """What one scrape reads; every getter takes it."""
+    """What one scrape reads; every getter takes it. `alerts` are the pool's current alerts
+    (agent-wide ones included); `kv_events` is None when the agent publishes no KV events."""
 
     snapshot: PoolSnapshot
     histograms: HistogramReadings
+    alerts: tuple[Alert, ...] = ()
+    kv_events: KvEventsReading | None = None
 
 
 LabelledValues = Mapping[tuple[str, ...], float]
@@ -325,11 +353,31 @@ def _tier_failures(name: str, reasons: Sequence[str]) -> Callable[[Reading], Lab
     return values
 
 
+def _alerts_active(reading: Reading) -> LabelledValues:
+    """1 per (alertname, severity, state) held: alerts of one name told apart by a further
+    label (tier, gpu, reason) are one series, so the family's labels stay fixed."""
+    return {(alert.name, alert.severity, alert.state): 1 for alert in reading.alerts}
+
+
+def _kv_events(name: str) -> Callable[[Reading], Value]:
+    def read(reading: Reading) -> Value:
+        events = reading.kv_events
+        return None if events is None else getattr(events, name)
+
+    return read
+
+
+def _alerts_of(alerts: Sequence[Alert], pool: str) -> tuple[Alert, ...]:
+    """The pool's alerts, and those without a pool (agent-wide: on every pool's series)."""
+    return tuple(alert for alert in alerts if alert.labels.get("pool", "") in (pool, ""))
+
+
 _SHARED = "when the agent serves several models (their pools share one budget)"
 _IN_WINDOW = "over the last `window_seconds` (default 300 s)"
 _TIER_NAMES = ", ".join(TIER_NAMES)
 _PER_TIER = f"per tier the agent has ({_TIER_NAMES})"
 _TRIGGERS = ", ".join(trigger.value for trigger in DefragTrigger)
+_KV_EVENTS = "when the agent publishes KV events (--kv-events-endpoint)"
 
 METRICS: tuple[MetricDef, ...] = (
     MetricDef(
@@ -345,6 +393,13 @@ METRICS: tuple[MetricDef, ...] = (
         "gauge",
         "Pages in the pool (free + used + cached).",
         _field("capacity_pages"),
+    ),
+    MetricDef(
+        "kvctl_pool_page_size_tokens",
+        "gauge",
+        "Tokens one page holds (--page-size): the block size a router sizes prefix matches by, "
+        "with kvctl_pool_capacity_pages as the block count (docs/gateway.md).",
+        _field("page_size"),
     ),
     MetricDef(
         "kvctl_pool_used_pages",
@@ -801,6 +856,46 @@ METRICS: tuple[MetricDef, ...] = (
         "the queue full, or the update rejected.",
         _field("alert_notifications_dropped_total"),
     ),
+    MetricDef(
+        "kvctl_alerts_active",
+        "gauge",
+        "1 for each alert the agent holds now (what GET /v1/alerts returns), by `alertname`, "
+        "`severity` and `state` (pending, firing); gone at the first scrape after it resolves. "
+        "The agent evaluates these alerts itself and sends them to Alertmanager, so "
+        "Prometheus' ALERTS never has them: this is how Prometheus, and `kvctl status "
+        '--prometheus` (which reads `state="firing"`), sees them. Alerts of one name told '
+        "apart by `tier`, `gpu` or `reason` are one series; an alert without a pool is on "
+        "each pool's series.",
+        _alerts_active,
+        labels=("alertname", "severity", "state"),
+        presence="while the alert is pending or firing",
+    ),
+    # ---- KV events (--kv-events-endpoint)
+    MetricDef(
+        "kvctl_kv_events_published_batches_total",
+        "counter",
+        "Batches of KV events (one per engine step with events) handed to the publisher's "
+        "socket; the same on each pool's series (one publisher serves every pool).",
+        _kv_events("published_batches"),
+        presence=_KV_EVENTS,
+    ),
+    MetricDef(
+        "kvctl_kv_events_dropped_batches_total",
+        "counter",
+        "Batches of KV events dropped because the publisher's queue was full: each leaves a "
+        "gap in the sequence numbers that replay cannot fill, so a router's view of the "
+        "prefix cache goes stale; the same on each pool's series.",
+        _kv_events("dropped_batches"),
+        presence=_KV_EVENTS,
+    ),
+    MetricDef(
+        "kvctl_kv_events_dropped_total",
+        "counter",
+        "KV events (pages stored or removed) in the dropped batches; the same on each pool's "
+        "series.",
+        _kv_events("dropped_events"),
+        presence=_KV_EVENTS,
+    ),
     # ---- GPUs
     MetricDef(
         "kvctl_gpu_memory_used_bytes",
@@ -867,6 +962,18 @@ def _with_pools(family: Metric, pools: Sequence[str]) -> Metric:
 
 PoolReadings = Callable[[], Sequence[tuple[PoolSnapshot, Histograms]]]
 """Every pool's latest snapshot and histograms (one pair per served model)."""
+AlertsFn = Callable[[], Sequence[Alert]]
+"""The alert loop's latest evaluation (replaced whole by each one, so read without a lock)."""
+KvEventsFn = Callable[[], KvEventCounters | None]
+"""The KV-events publisher, or None when the agent publishes none."""
+
+
+def _no_alerts() -> Sequence[Alert]:
+    return ()
+
+
+def _no_kv_events() -> KvEventCounters | None:
+    return None
 
 
 class PoolCollector(Collector):
@@ -877,9 +984,17 @@ class PoolCollector(Collector):
     agent serves can be joined on `pool`.
     """
 
-    def __init__(self, readings_fn: PoolReadings, runtime: Iterable[Collector] = ()) -> None:
+    def __init__(
+        self,
+        readings_fn: PoolReadings,
+        runtime: Iterable[Collector] = (),
+        alerts_fn: AlertsFn = _no_alerts,
+        kv_events_fn: KvEventsFn = _no_kv_events,
+    ) -> None:
         self._readings_fn = readings_fn
         self._runtime = tuple(runtime)
+        self._alerts_fn = alerts_fn
+        self._kv_events_fn = kv_events_fn
 
     def describe(self) -> Iterator[Metric]:
         """The families' names, without reading a snapshot (the registry checks clashes)."""
@@ -889,7 +1004,12 @@ class PoolCollector(Collector):
             yield from collector.collect()
 
     def collect(self) -> Iterator[Metric]:
-        readings = [Reading(snapshot, h.read()) for snapshot, h in self._readings_fn()]
+        alerts = self._alerts_fn()
+        kv_events = KvEventsReading.of(self._kv_events_fn())
+        readings = [
+            Reading(snapshot, h.read(), _alerts_of(alerts, snapshot.pool), kv_events)
+            for snapshot, h in self._readings_fn()
+        ]
         for metric in METRICS:
             family = _family(metric, readings)
             if family is not None:
@@ -900,22 +1020,29 @@ class PoolCollector(Collector):
 
 
 def build_registry(
-    snapshot_fn: Callable[[], PoolSnapshot], histograms: Histograms
+    snapshot_fn: Callable[[], PoolSnapshot],
+    histograms: Histograms,
+    alerts_fn: AlertsFn = _no_alerts,
+    kv_events_fn: KvEventsFn = _no_kv_events,
 ) -> CollectorRegistry:
     """A fresh registry of one pool (never the process-global one, so two agents in one test
     process and repeated builds do not clash) serving the kvctl families and the process
     metrics."""
-    return pools_registry(lambda: [(snapshot_fn(), histograms)])
+    return pools_registry(lambda: [(snapshot_fn(), histograms)], alerts_fn, kv_events_fn)
 
 
-def pools_registry(readings_fn: PoolReadings) -> CollectorRegistry:
+def pools_registry(
+    readings_fn: PoolReadings,
+    alerts_fn: AlertsFn = _no_alerts,
+    kv_events_fn: KvEventsFn = _no_kv_events,
+) -> CollectorRegistry:
     """A fresh registry serving every pool of an agent (`build_registry` for one)."""
     registry = CollectorRegistry()
     runtime = (
         ProcessCollector(registry=None),
         PlatformCollector(registry=None),
     )
-    registry.register(PoolCollector(readings_fn, runtime))
+    registry.register(PoolCollector(readings_fn, runtime, alerts_fn, kv_events_fn))
     return registry
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from kvctl.agent.metrics import (
     render,
 )
 from kvctl.agent.metrics_docs import metrics_markdown
-from kvctl.api import GpuMemory, PoolShare, PoolSnapshot, TierReading
+from kvctl.api import Alert, GpuMemory, PoolShare, PoolSnapshot, TierReading
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -152,9 +153,35 @@ def make_snapshot(**overrides: Any) -> PoolSnapshot:
     return pool_snapshot(**fields)
 
 
+def firing_alert(**labels: str) -> Alert:
+    return Alert(
+        name="KvctlPoolNearlyFull",
+        severity="critical",
+        state="firing",
+        value=0.97,
+        summary="",
+        description="",
+        remediation="",
+        runbook_url="",
+        active_since=1_700_000_000.0,
+        labels={"alertname": "KvctlPoolNearlyFull", "pool": "llama-3-8b", **labels},
+    )
+
+
+@dataclass
+class KvEventCounts:
+    """The counters of a KV-events publisher."""
+
+    published_batches: int = 900
+    dropped_batches: int = 4
+    dropped_events: int = 37
+
+
 def scrape(snapshot: PoolSnapshot, durations: DurationHistogram | None = None) -> str:
     histograms = Histograms() if durations is None else Histograms(defrag=durations)
-    registry = build_registry(lambda: snapshot, histograms)
+    registry = build_registry(
+        lambda: snapshot, histograms, lambda: [firing_alert()], lambda: KvEventCounts()
+    )
     body, content_type = render(registry)
     assert content_type.startswith("text/plain; version=0.0.4")
     return body.decode()
@@ -218,6 +245,7 @@ def expected_for_full_snapshot() -> Samples:
     expected = {
         series("kvctl_build_info", version=__version__): 1,
         series("kvctl_pool_capacity_pages"): 1024,
+        series("kvctl_pool_page_size_tokens"): 16,
         series("kvctl_pool_used_pages"): 600,
         series("kvctl_pool_cached_pages"): 100,
         series("kvctl_pool_free_pages"): 324,
@@ -278,6 +306,15 @@ def expected_for_full_snapshot() -> Samples:
         series("kvctl_pool_under_pressure"): 1,
         series("kvctl_pool_reclaimable_pages"): 0,
         series("kvctl_alertmanager_notifications_dropped_total"): 2,
+        series(
+            "kvctl_alerts_active",
+            alertname="KvctlPoolNearlyFull",
+            severity="critical",
+            state="firing",
+        ): 1,
+        series("kvctl_kv_events_published_batches_total"): 900,
+        series("kvctl_kv_events_dropped_batches_total"): 4,
+        series("kvctl_kv_events_dropped_total"): 37,
         series("kvctl_gpu_memory_used_bytes", gpu="0"): 70 * GIB,
         series("kvctl_gpu_memory_used_bytes", gpu="1"): 5 * GIB,
         series("kvctl_gpu_memory_total_bytes", gpu="0"): 141 * GIB,

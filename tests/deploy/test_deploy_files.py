@@ -188,6 +188,25 @@ def test_service_and_podmonitor_find_the_agent_pods() -> None:
     assert labels[monitor["spec"]["jobLabel"]] == AGENT_JOB  # KvctlAgentDown's job
 
 
+def test_the_commented_inference_pool_is_the_documented_one_and_selects_the_agent_pods() -> None:
+    """The InferencePool example at the end of daemonset.yaml, uncommented, is the one in
+    docs/gateway.md and selects the agent pods on their port; the pods carry the engine label
+    whose engine config the picker applies to them."""
+    text = (K8S / "daemonset.yaml").read_text()
+    example = text[text.index("# ---\n") :]
+    commented = "\n".join(re.sub(r"^# ?", "", line) for line in example.splitlines())
+    [pool] = [d for d in yaml.safe_load_all(commented) if d]
+    doc = (ROOT / "docs" / "gateway.md").read_text()
+    documented = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", doc, re.S)]
+    assert pool in documented
+    assert pool["kind"] == "InferencePool"
+    pod = k8s("daemonset.yaml")["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    ports = {p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert {p["number"] for p in pool["spec"]["targetPorts"]} <= ports
+    assert pod["metadata"]["labels"]["llm-d.ai/engine-type"] == "kvctl"
+
+
 def test_kustomization_lists_every_manifest() -> None:
     listed = set(k8s("kustomization.yaml")["resources"])
     assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}

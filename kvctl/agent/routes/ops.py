@@ -57,7 +57,9 @@ def router(ctx: ServerContext) -> APIRouter:
     api = APIRouter()
     service = ctx.service
     registry = pools_registry(
-        lambda: [(p.snapshot, p.histograms) for p in service.pools.values() if p.snapshot]
+        lambda: [(p.snapshot, p.histograms) for p in service.pools.values() if p.snapshot],
+        lambda: service.alerts,
+        lambda: service.kv_events,
     )
     started_wall = time.time()
 
