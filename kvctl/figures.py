@@ -35,6 +35,8 @@ class Figures:
     preemptions_span: str | None = None
     capacity_tokens: int | None = None
     """Tokens of KV the node can hold (blocks × tokens per block)."""
+    capacity_bytes: int | None = None
+    """Its KV memory, where the source says (kvctl does; the engines report blocks)."""
     block_tokens: int | None = None
     blocks: int | None = None
 
@@ -53,6 +55,7 @@ def pool_figures(pool: PoolSnapshot) -> Figures:
         preemptions=pool.preemptions_total,
         preemptions_span="since start",
         capacity_tokens=pool.capacity_pages * pool.page_size,
+        capacity_bytes=pool.capacity_bytes,
         block_tokens=pool.page_size,
         blocks=pool.capacity_pages,
     )

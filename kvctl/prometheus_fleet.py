@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from kvctl.api import Alert
-from kvctl.client import DEFAULT_TIMEOUT, AgentUnreachable
+from kvctl.client import DEFAULT_TIMEOUT, AgentUnreachable, tls_context
 from kvctl.engines import ENGINES, KVCTL, Engine
 from kvctl.exposition import ModelFigures
 from kvctl.figures import Figures
@@ -117,6 +117,7 @@ def _columns() -> tuple[Column, ...]:
         "waiting": _gauge(KVCTL, "kvctl_requests_waiting", "sum"),
         "preemptions": _increase(KVCTL, "kvctl_preemptions_total"),
         "blocks": _gauge(KVCTL, "kvctl_pool_capacity_pages", "sum"),
+        "bytes": _gauge(KVCTL, "kvctl_pool_capacity_bytes", "sum"),
         "block_tokens": _gauge(KVCTL, KVCTL_PAGE_TOKENS),
     }
     per_engine: dict[str, dict[str, str | None]] = {KVCTL: kvctl}
@@ -164,11 +165,15 @@ def column_query(column: Column, matchers: str) -> str:
 
 def _info_queries(matchers: str) -> dict[str, str]:
     """Info metrics whose labels carry capacity (vLLM's cache_config_info): read raw."""
-    return {
-        engine.name: f"{engine.capacity.info}{{{matchers}}}"
-        for engine in ENGINES
-        if engine.capacity.info
-    }
+    queries = {}
+    for engine in ENGINES:
+        spec = engine.capacity
+        if spec.info is None:
+            continue
+        labels = ["job", "instance", engine.model_label, spec.block_size_label, spec.blocks_label]
+        by = ", ".join(label for label in labels if label)
+        queries[engine.name] = f"max by ({by}) ({spec.info}{{{matchers}}})"  # not its 40 labels
+    return queries
 
 
 @dataclass(frozen=True)
@@ -195,7 +200,11 @@ class PrometheusFleet:
         self._matchers = selector_matchers(self.selector)
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self._http = httpx.AsyncClient(
-            base_url=self.url, timeout=self.timeout, headers=headers, transport=self.transport
+            base_url=self.url,
+            timeout=self.timeout,
+            headers=headers,
+            transport=self.transport,
+            verify=tls_context(),
         )
 
     def queries(self) -> dict[str, str]:
@@ -270,8 +279,7 @@ def build_readings(answers: Mapping[str, Sequence[Series]]) -> list[Reading]:
             engines.setdefault(key, series.labels.get(ENGINE_LABEL, KVCTL))
             values.setdefault(key, {})[column.key] = series.value
     _add_info_capacity(answers, values)
-    down = {s.labels.get("instance", ""): s.labels.get("job", "") for s in answers.get("up", ())}
-    down = {instance: job for instance, job in down.items() if _is_down(answers, instance)}
+    down = _down_instances(answers.get("up", ()))
     alerts = _alerts(answers.get("alerts", ()))
     rows: dict[str, list[tuple[Key, str]]] = {}
     for key in values:
@@ -302,10 +310,16 @@ def build_readings(answers: Mapping[str, Sequence[Series]]) -> list[Reading]:
     return readings
 
 
-def _is_down(answers: Mapping[str, Sequence[Series]], instance: str) -> bool:
-    """Down when no job scraping the instance succeeded at its last scrape."""
-    ups = [s.value for s in answers.get("up", ()) if s.labels.get("instance") == instance]
-    return bool(ups) and not any(value == 1 for value in ups)
+def _down_instances(ups: Sequence[Series]) -> dict[str, str]:
+    """The instances no job could scrape at its last scrape, with one of their jobs."""
+    jobs: dict[str, str] = {}
+    scraped: set[str] = set()
+    for series in ups:
+        instance = series.labels.get("instance", "")
+        jobs.setdefault(instance, series.labels.get("job", ""))
+        if series.value == 1:
+            scraped.add(instance)
+    return {instance: job for instance, job in jobs.items() if instance not in scraped}
 
 
 def _first_of_each(models: list[ModelFigures]) -> list[ModelFigures]:
@@ -319,22 +333,21 @@ def _first_of_each(models: list[ModelFigures]) -> list[ModelFigures]:
 def _add_info_capacity(
     answers: Mapping[str, Sequence[Series]], values: dict[Key, dict[str, float | None]]
 ) -> None:
-    """Blocks and tokens per block from info metrics' labels, for the rows they belong to."""
+    """Blocks and tokens per block from info metrics' labels, for the rows of their target
+    (and model, where the info names one)."""
+    by_target: dict[tuple[str, str], list[Key]] = {}
+    for key in values:
+        by_target.setdefault(key[:2], []).append(key)
     for engine in ENGINES:
         spec = engine.capacity
         for series in answers.get(f"info:{engine.name}", ()):
-            labels = dict(series.labels)
+            labels = series.labels
             model = labels.get(engine.model_label or "", "")
-            matching = [
-                key
-                for key in values
-                if key[:2] == (labels.get("job", ""), labels.get("instance", ""))
-                and (not model or key[2] == model)
-            ]
-            for key in matching:
-                row = values[key]
-                row["block_tokens"] = _number(labels.get(spec.block_size_label or ""))
-                row["blocks"] = _number(labels.get(spec.blocks_label or ""))
+            target = (labels.get("job", ""), labels.get("instance", ""))
+            for key in by_target.get(target, ()):
+                if not model or key[2] == model:
+                    values[key]["block_tokens"] = _number(labels.get(spec.block_size_label or ""))
+                    values[key]["blocks"] = _number(labels.get(spec.blocks_label or ""))
 
 
 def _number(text: str | None) -> float | None:
@@ -393,6 +406,7 @@ def _figures(engine: str, row: Mapping[str, float | None]) -> Figures:
         preemptions=preemptions,
         preemptions_span=None if preemptions is None else WINDOW,
         capacity_tokens=tokens,
+        capacity_bytes=_int(row.get("bytes")),
         block_tokens=block_tokens,
         blocks=blocks,
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from rich.text import Text
 
+from kvctl.engines import BY_NAME, KVCTL
 from kvctl.fleet import Reading
 from kvctl.tui.widgets.alerts import ORDER
 from kvctl.view import fmt
@@ -88,8 +89,21 @@ def columns(pools: bool, total: int = WIDE) -> tuple[Column, ...]:
 
 
 def several_pools(readings: Sequence[Reading]) -> bool:
-    """Whether some agent serves several models (so rows need the pool column)."""
+    """Whether some agent serves several models."""
     return any(reading.several for reading in readings)
+
+
+def pool_column(readings: Sequence[Reading]) -> bool:
+    """Whether rows need the pool column: some agent serves several models, or some node is an
+    engine (the column names it)."""
+    return any(reading.several or reading.engine != KVCTL for reading in readings)
+
+
+def pool_label(reading: Reading) -> str | None:
+    """The pool column of a row: the pool's name, or an engine's name and its model's."""
+    if reading.engine == KVCTL:
+        return reading.row_name
+    return f"{BY_NAME[reading.engine].title} {reading.row_name or ''}".rstrip()
 
 
 def row_key(agent: str, pool: str | None) -> str:
@@ -226,7 +240,7 @@ def cells(reading: Reading, fitted: dict[str, int]) -> list[Text]:
         "alerts": alerts_text(reading, fitted["alerts"]),
         "state": Text("up", style=fmt.OK) if reading.up else Text("down", style=fmt.BAD),
     }
-    name = reading.row_name
+    name = pool_label(reading)
     if "pool" in fitted and name is not None:
         texts["pool"] = Text(ellipsize(name, fitted["pool"]))
     figures = reading.row_figures

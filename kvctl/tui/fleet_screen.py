@@ -94,7 +94,7 @@ class FleetScreen(Screen[None]):
         if highlight is None and self.shown and 0 <= table.cursor_row < len(self.shown):
             highlight = fleet_rows.key_of(self.shown[table.cursor_row])
         rows = [row for reading in self.readings for row in reading.per_pool()]
-        several = fleet_rows.several_pools(self.readings)
+        several = fleet_rows.pool_column(self.readings)
         total = max(20, table.size.width or self.size.width) - 1  # the scrollbar's column
         self.total = total
         shown = fleet_rows.columns(several, total)
@@ -102,7 +102,7 @@ class FleetScreen(Screen[None]):
             self.sort = Sort()  # its pool column went with the last agent that had several
         kept = [r for r in rows if fleet_rows.matches(r, self.filter_text)]
         self.shown = fleet_rows.sort_rows(kept, self.sort)
-        names = [r.row_name for r in rows if r.several and r.row_name is not None]
+        names = [label for r in rows if several and (label := fleet_rows.pool_label(r))]
         widths = fleet_rows.widths(total, [r.agent for r in self.readings], names)
         table.clear(columns=True)
         for column in shown:
@@ -174,7 +174,7 @@ class FleetScreen(Screen[None]):
 
     def action_sort_next(self) -> None:
         self.sort = self.sort.next_column(
-            fleet_rows.columns(fleet_rows.several_pools(self.readings), self.total)
+            fleet_rows.columns(fleet_rows.pool_column(self.readings), self.total)
         )
         self.show(self.readings)
 

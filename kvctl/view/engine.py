@@ -25,17 +25,21 @@ def title_of(engine: str) -> str:
 
 
 def row_label(reading: Reading) -> str:
-    """The pool column: the pool and its device for an agent, else the model and engine."""
+    """The pool column: the pool and its device for an agent, else the engine and its model
+    (first, so a long model name cut to the column keeps the engine)."""
     if reading.pool is not None and reading.source == "agent":
         return f"{reading.pool.pool} ({reading.pool.device})"
-    return f"{reading.row_name or '–'} ({title_of(reading.engine)})"
+    if reading.engine == KVCTL:
+        return f"{reading.row_name or '–'} (kvctl)"
+    return f"{title_of(reading.engine)} {reading.row_name or ''}".rstrip()  # cut: the model
 
 
 def capacity_text(reading: Reading) -> str:
-    """An agent's pool in bytes; an engine's KV in tokens, as it reports it; "–" without."""
-    if reading.pool is not None and reading.source == "agent":
-        return format_bytes(reading.pool.capacity_bytes)
+    """An agent's pool in bytes, however it was read; an engine's KV in tokens, as it reports
+    it; "–" without."""
     figures = reading.row_figures
+    if figures is not None and figures.capacity_bytes is not None:
+        return format_bytes(figures.capacity_bytes)
     return tokens(None if figures is None else figures.capacity_tokens)
 
 
@@ -101,6 +105,8 @@ def figures_table(figures: Figures, model: str | None = None, engine: str = KVCT
     running, waiting = fmt.count(figures.requests_running), fmt.count(figures.requests_waiting)
     table.add_row("requests", f"{running} running, {waiting} waiting")
     capacity = tokens(figures.capacity_tokens)
+    if figures.capacity_bytes is not None:
+        capacity += f", {format_bytes(figures.capacity_bytes)}"
     if figures.blocks is not None and figures.block_tokens is not None:
         capacity += f" ({figures.blocks:,} blocks of {figures.block_tokens} tokens)"
     table.add_row("KV capacity", capacity)

@@ -270,12 +270,15 @@ def fleet_table(readings: Sequence[Reading], width: int = WIDE_FLEET) -> Table:
             row[:2] + ((_pool_name(reading),) if named else ()) + row[4:8] + row[9:]
             for row, reading in zip(rows, shown, strict=True)
         ]
-    numbers = {"capacity": 8, **_NUMBERS} if wide else _NARROW_NUMBERS
+    numbers = {"capacity": 9, **_NUMBERS} if wide else _NARROW_NUMBERS
     state = 5
-    pool = max((len(str(row[2])) for row in rows), default=4) if named else 0
+    pool = 0
+    if named:  # an engine's model name can be long: at most a sixth of the width
+        pool = min(max((len(str(row[2])) for row in rows), default=4), max(12, width // 6))
+        rows = [(row[0], row[1], _cut(row[2], pool), *row[3:]) for row in rows]
     left = width - state - sum(max(w, len(c)) for c, w in numbers.items())
     left -= _GAP * (len(numbers) + 2 + named) + pool
-    alerts = min(max((len(row[-1]) for row in rows), default=6), max(12, left // 2))
+    alerts = max(6, min(max((len(row[-1]) for row in rows), default=6), max(12, left // 2)))
     longest = max((len(str(row[0])) for row in rows), default=8)
     agent = max(8, min(longest, left - alerts))
     rows = [(_cut(row[0], agent), *row[1:-1], _cut(row[-1], alerts)) for row in rows]

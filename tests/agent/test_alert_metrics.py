@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from agent_process import SMALL_POOL, RunningAgent
+from metric_samples import Samples, kvctl_samples
 from pool_readings import pool_snapshot
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,7 +34,7 @@ KV_EVENT_FAMILIES = (
     "kvctl_kv_events_dropped_total",
 )
 
-Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
+Series = Samples
 
 
 def alert(name: str, severity: str, state: str, **labels: str) -> api.Alert:
@@ -58,19 +59,7 @@ def scrape(
 ) -> Series:
     """Every `kvctl_*` sample of one scrape of pools `pools`."""
     readings = [(pool_snapshot(pool=pool), Histograms()) for pool in pools]
-    return parsed(render(pools_registry(lambda: readings, alerts, kv_events))[0].decode())
-
-
-def parsed(body: str) -> Series:
-    """Every `kvctl_*` sample of an exposition; a duplicate series fails."""
-    samples: Series = {}
-    for family in text_string_to_metric_families(body):
-        for s in family.samples:
-            if s.name.startswith("kvctl_"):
-                key = (s.name, frozenset(s.labels.items()))
-                assert key not in samples, f"duplicate series {key}"
-                samples[key] = s.value
-    return samples
+    return kvctl_samples(render(pools_registry(lambda: readings, alerts, kv_events))[0].decode())
 
 
 def active(samples: Series) -> dict[tuple[str, str, str, str], float]:
@@ -127,7 +116,7 @@ def test_each_scrape_reads_the_current_list_so_resolved_alerts_disappear() -> No
     registry = pools_registry(lambda: readings, lambda: current)
 
     def shown() -> dict[tuple[str, str, str, str], float]:
-        return active(parsed(render(registry)[0].decode()))
+        return active(kvctl_samples(render(registry)[0].decode()))
 
     assert shown() == {("a", "KvctlQueueStalled", "warning", "pending"): 1}
     current = [alert("KvctlQueueStalled", "warning", "firing", pool="a")]
@@ -221,7 +210,7 @@ def test_a_scrape_takes_no_lock_the_engine_thread_holds() -> None:
 
 
 def metrics_of(agent: RunningAgent) -> Series:
-    return parsed(httpx.get(f"{agent.url}/metrics", timeout=10).text)
+    return kvctl_samples(httpx.get(f"{agent.url}/metrics", timeout=10).text)
 
 
 def wait_for(agent: RunningAgent, what: str, done: Callable[[Series], bool]) -> Series:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from metric_samples import Samples, kvctl_samples
 from pool_readings import pool_snapshot, tier_reading
 from prometheus_client.parser import text_string_to_metric_families
 from promised_metrics import PROMISED_METRICS
@@ -36,8 +37,6 @@ from kvctl.agent.metrics_docs import metrics_markdown
 from kvctl.api import Alert, GpuMemory, PoolShare, PoolSnapshot, TierReading
 
 ROOT = Path(__file__).resolve().parents[2]
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def host_tier(**changes: Any) -> TierReading:
@@ -185,17 +184,6 @@ def scrape(snapshot: PoolSnapshot, durations: DurationHistogram | None = None) -
     body, content_type = render(registry)
     assert content_type.startswith("text/plain; version=0.0.4")
     return body.decode()
-
-
-def kvctl_samples(text: str) -> Samples:
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.startswith("kvctl_"):
-                key = (s.name, frozenset(s.labels.items()))
-                assert key not in samples, f"duplicate series {key}"
-                samples[key] = s.value
-    return samples
 
 
 def series(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:

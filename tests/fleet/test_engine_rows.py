@@ -123,7 +123,7 @@ def test_the_fleet_row_of_an_engine_shows_dashes_for_what_it_does_not_export() -
     )  # fmt: skip
     (line,) = [ln for ln in rendered(FleetTable([reading])).splitlines() if "vllm-1" in ln]
     cells = line.split()
-    assert "smollm" in cells and "(vLLM)" in cells
+    assert "vLLM" in cells and "smollm" in cells
     assert "59.0" in cells and "33.3" in cells  # utilisation, prefix (768 of 2,304)
     assert cells[-1] == "–"  # alerts: none were read, which is not "none"
     assert cells.count("–") == 3  # frag, alloc ok, alerts

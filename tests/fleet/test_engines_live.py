@@ -145,6 +145,7 @@ def test_the_fleet_from_prometheus_has_every_node_with_its_engines_figures(
     figures = row["figures"]
     assert (row["engine"], row["source"], row["model"]) == ("kvctl", "prometheus", pool["pool"])
     assert figures["capacity_tokens"] == pool["capacity_pages"] * pool["page_size"]
+    assert figures["capacity_bytes"] == pool["capacity_bytes"]  # as its API says
     assert figures["fragmentation_ratio"] == pytest.approx(pool["fragmentation_ratio"])
     for n in (1, 2, 3):
         (vllm,) = found[f"http://vllm-{n}:8000"]
@@ -167,7 +168,7 @@ def test_a_selector_narrows_every_query(kvctl, prometheus) -> None:
     assert result.exit_code == 0, result.output
     assert {e["engine"] for rows in entries(result).values() for e in rows} == {"vllm"}
     table = kvctl("status", *only_vllm)
-    assert table.stdout.count("(vLLM)") == 3
+    assert table.stdout.count("vLLM smollm") == 3
 
 
 def test_a_selector_prometheus_refuses_is_a_usage_error(kvctl, prometheus) -> None:
