@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Installed first, pinned, so that the package's `torch>=2.4` is already met: a bare `torch`
-# can resolve to a multi-gigabyte CUDA build on a host with no GPU.
+# The torch the tests run on, the CPU build, pinned and installed first. The package's own floor
+# (`torch>=2.7` in pyproject.toml) is what the code needs; installing this first meets it, where
+# a bare `torch` can resolve to a multi-gigabyte CUDA build on a host with no GPU.
 TORCH := torch==2.13.0
 
 .PHONY: setup test test-quick demo lint clean

@@ -16,13 +16,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvctl.view.fmt import percent
+
 if TYPE_CHECKING:
     from rich.table import Table
 
 
 class Scenario(StrEnum):
-    """The three benchmark scenarios of the vLLM fragmentation write-up, the tiered one and the
-    shared budget."""
+    """The three allocation scenarios (`kvctl.simulate.workloads`), the tiered one and the shared
+    budget."""
 
     HIGH_CONCURRENCY = "high-concurrency"
     RANDOM_LENGTHS = "random-lengths"
@@ -37,10 +39,6 @@ class Mix(StrEnum):
     ONE_HOT = "one-hot"
     MOVING = "moving"
     ALL_BUSY = "all-busy"
-
-
-def _percent(value: float) -> str:
-    return f"{100 * value:.1f} %"
 
 
 def _ratio(value: float) -> str:
@@ -62,10 +60,10 @@ def _field(key: str, fmt: Callable[[float], str]) -> Callable[[dict[str, Any]], 
 ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("requests", _field("requests", _count)),
     ("completed", _field("completed", _count)),
-    ("OOM failure rate (admitted, then no memory)", _field("failure_rate", _percent)),
+    ("OOM failure rate (admitted, then no memory)", _field("failure_rate", percent)),
     ("preemptions (recomputed later)", _field("preemptions", _count)),
-    ("utilisation: budget holding real tokens", _field("utilization_mean", _percent)),
-    ("reserved: budget held by ranges or pages", _field("reserved_mean", _percent)),
+    ("utilisation: budget holding real tokens", _field("utilization_mean", percent)),
+    ("reserved: budget held by ranges or pages", _field("reserved_mean", percent)),
     ("fragmentation of free space, mean", _field("fragmentation_mean", _ratio)),
     ("fragmentation of free space, peak", _field("fragmentation_peak", _ratio)),
     ("free extents, mean", _field("free_extents_mean", _count)),
@@ -104,7 +102,7 @@ def render_table(result: dict[str, Any]) -> Table:
 def _pages(key: str) -> Callable[[dict[str, Any]], str]:
     def read(side: dict[str, Any]) -> str:
         pages = side[key]
-        return f"{pages:,} ({_percent(pages / side['working_set_pages'])})" if pages else "none"
+        return f"{pages:,} ({percent(pages / side['working_set_pages'])})" if pages else "none"
 
     return read
 
@@ -116,10 +114,10 @@ TIERED_ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ),
     ("device pool, pages (of the working set)", _pages("device_pages")),
     ("host tier, pages (of the working set)", _pages("host_pages")),
-    ("prefix hit rate (reused ÷ looked-up)", _field("hit_rate", _percent)),
-    ("  from the device", lambda s: _percent(s["hit_rate_by_tier"]["device"])),
-    ("  from the host tier", lambda s: _percent(s["hit_rate_by_tier"]["host"])),
-    ("  with unbounded memory", _field("ideal_hit_rate", _percent)),
+    ("prefix hit rate (reused ÷ looked-up)", _field("hit_rate", percent)),
+    ("  from the device", lambda s: percent(s["hit_rate_by_tier"]["device"])),
+    ("  from the host tier", lambda s: percent(s["hit_rate_by_tier"]["host"])),
+    ("  with unbounded memory", _field("ideal_hit_rate", percent)),
     ("prompt tokens computed", _field("computed_prompt_tokens", _count)),
     (
         "host pages stored / loaded",
@@ -142,7 +140,7 @@ BUDGET_ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("finished by the last arrival", _field("finished_in_load", _count)),
     (
         "allocation failure rate (failed ÷ attempted)",
-        lambda s: f"{100 * s['alloc_failure_rate']:.2f} %",
+        lambda s: percent(s["alloc_failure_rate"], 2),
     ),
     (
         "allocation attempts / failures",
@@ -150,14 +148,14 @@ BUDGET_ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ),
     ("preemptions (recomputed later)", _field("preemptions", _count)),
     ("KV the preempted requests dropped", _field("recomputed_bytes", _gib)),
-    ("utilisation: budget holding real tokens", _field("utilization_mean", _percent)),
+    ("utilisation: budget holding real tokens", _field("utilization_mean", percent)),
     (
         "queue time p99 / mean, steps",
         lambda s: f"{s['queue_p99_steps']:,} / {s['queue_mean_steps']:,.1f}",
     ),
     (
         "per model (70B / 7B / 2B): share of the budget",
-        _per_model("share_mean", lambda v: f"{100 * v:.0f} %"),
+        _per_model("share_mean", lambda v: percent(v, 0)),
     ),
     ("  preemptions", _per_model("preemptions", _count)),
     ("  queue time p99, steps", _per_model("queue_p99_steps", _count)),
@@ -195,7 +193,8 @@ def simulate(
     scenario: Annotated[
         Scenario,
         typer.Option(
-            help="Workload to replay: the write-up's three scenarios, tiered-prefix "
+            help="Workload to replay: three allocation scenarios (a burst, random lengths, "
+            "three models on one device), tiered-prefix "
             "(multi-turn chat on a pool holding a quarter of it, without and with a host tier), "
             "or budget (three models sharing one KV budget, static split against rebalancing)."
         ),
@@ -233,7 +232,7 @@ def simulate(
     tiered-prefix: multi-turn chat on the agent's scheduler, without and with a host tier.
     budget: three models' pools sharing one budget, a static split against the rebalancer.
     """
-    from kvctl.simulate import run_scenario
+    from kvctl.simulate.scenarios import run_scenario
 
     overrides: dict[str, Any] = {"requests": requests, "budget_fraction": budget_fraction}
     if mix is not None:

@@ -9,10 +9,11 @@ report it), output}, output_tokens_per_s, requests_per_s, errors {message: count
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,19 @@ def _cached(done: Sequence[RequestResult]) -> int | None:
     return None if counts and all(c is None for c in counts) else sum(c or 0 for c in counts)
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation; None for no values."""
+def percentile(
+    values: Sequence[float], q: float, method: Literal["linear", "nearest"] = "linear"
+) -> float | None:
+    """The q-th percentile (0..100); None for no values.
+
+    `linear` interpolates between the two nearest values (the load report's latencies);
+    `nearest` is the nearest rank, always one of the values (`kvctl simulate`'s queue times in
+    whole steps)."""
     if not values:
         return None
     ordered = sorted(values)
+    if method == "nearest":
+        return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
     position = (len(ordered) - 1) * q / 100
     low = int(position)
     high = min(low + 1, len(ordered) - 1)

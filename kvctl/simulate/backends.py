@@ -144,8 +144,9 @@ class ContiguousSide:
 
 
 @dataclass
-class _ModelPool:
-    """One model's pool with its defragmenter, resizer and low-utilisation streak."""
+class ManagedPool:
+    """One model's pool with its defragmenter, resizer and low-utilisation streak: what a paged
+    side keeps per model (`PagedSide.pools`), and what the budget scenario builds its own from."""
 
     pool: PagePool
     auto: AutoDefrag
@@ -191,7 +192,7 @@ class PagedSide:
                 f"pools one segment of {self.segment_bytes} bytes; raise the budget"
             )
         self.unassigned_bytes = budget_bytes
-        self.pools: dict[str, _ModelPool] = {}
+        self.pools: dict[str, ManagedPool] = {}
         for model in workload.models:
             page_bytes = model.kv_bytes_per_token * page_size
             share = self.segment_bytes if self.elastic else budget_bytes
@@ -199,7 +200,7 @@ class PagedSide:
             pool = PagePool(pages, page_size, pages, page_bytes)
             defrag = Defragmenter(pool, batch_pages=policy.step_max_pages, clock=clock)
             auto = AutoDefrag(defrag, policy, clock=clock)
-            self.pools[model.name] = _ModelPool(pool, auto, PoolResizer(pool, defrag), page_bytes)
+            self.pools[model.name] = ManagedPool(pool, auto, PoolResizer(pool, defrag), page_bytes)
             self.unassigned_bytes -= pages * page_bytes
         self.grows = 0
         self.shrinks = 0
@@ -266,7 +267,7 @@ class PagedSide:
 
     # ---- segments -----------------------------------------------------------------------
 
-    def _make_room(self, mp: _ModelPool, pages: int) -> bool:
+    def _make_room(self, mp: ManagedPool, pages: int) -> bool:
         """Ensure `pages` free pages in `mp`, growing it by whole segments if the budget allows."""
         short = pages - mp.pool.free_pages
         if short <= 0:
@@ -281,7 +282,7 @@ class PagedSide:
             return False
         return self._resize(mp, mp.pool.capacity + segments * mp.pool.segment_pages)
 
-    def _reclaim(self, segments: int, exclude: _ModelPool) -> None:
+    def _reclaim(self, segments: int, exclude: ManagedPool) -> None:
         """Shrink other pools by whole free segments, the emptiest first, until enough are back."""
         others = sorted(
             (mp for mp in self.pools.values() if mp is not exclude),
@@ -297,7 +298,7 @@ class PagedSide:
             if segments <= 0:
                 return
 
-    def _maybe_shrink(self, mp: _ModelPool) -> None:
+    def _maybe_shrink(self, mp: ManagedPool) -> None:
         pool = mp.pool
         seg = pool.segment_pages
         if pool.capacity > seg and pool.used_pages < LOW_UTILIZATION * pool.capacity:
@@ -312,7 +313,7 @@ class PagedSide:
         if target < pool.capacity:
             self._resize(mp, target)
 
-    def _resize(self, mp: _ModelPool, pages: int) -> bool:
+    def _resize(self, mp: ManagedPool, pages: int) -> bool:
         """Resize `mp` and move the difference between it and the unassigned budget."""
         old = mp.pool.capacity
         try:

@@ -1,6 +1,6 @@
-"""`kvctl simulate --scenario budget`: the write-up's three models (Llama-2-70B, Mistral-7B,
-Gemma-2B) serve from one KV memory budget, once with a static split and once with the agent's
-rebalancer, on the same seeded request stream.
+"""`kvctl simulate --scenario budget`: the three models of the multi-model scenario
+(`kvctl.simulate.workloads`: Llama-2-70B, Mistral-7B, Gemma-2B) serve from one KV memory budget,
+once with a static split and once with the agent's rebalancer, on the same seeded request stream.
 
 What is real and what is modelled:
 
@@ -29,16 +29,16 @@ What is real and what is modelled:
 
 **The stream** (one `random.Random(seed)`): 600 steps of Poisson arrivals (5 minutes), in three
 phases of 200 steps; prompts uniform 256–4K tokens, the cap and the actual output drawn as in
-the write-up's scenarios (8K context). A model's *load* is its share of the KV memory demand,
-not of the requests: a Llama-2-70B token costs 320 KiB and a Gemma-2B token 18 KiB, so with
-equal request rates the equal-byte split would be wrong for every mix and the static side a
-straw man. A model with load share s gets s × 2 × (320 KiB ÷ its bytes per token) requests a
-step: the stream always carries the memory demand of 2 Llama-2-70B requests a step (35–39 GiB of
-live KV on average), whichever model carries it. The mixes:
+the allocation scenarios of `kvctl.simulate.workloads` (8K context). A model's *load* is its
+share of the KV memory demand, not of the requests: a Llama-2-70B token costs 320 KiB and a
+Gemma-2B token 18 KiB, so with equal request rates the equal-byte split would be wrong for every
+mix and the static side a straw man. A model with load share s gets s × 2 × (320 KiB ÷ its bytes
+per token) requests a step: the stream always carries the memory demand of 2 Llama-2-70B requests
+a step (35–39 GiB of live KV on average), whichever model carries it. The mixes:
 
 - `one-hot`: Llama-2-70B carries 80 % of the load all along, the two others 10 % each;
 - `moving`: the same 80/10/10, the hot model changing every phase (Llama-2-70B, Mistral-7B,
-  Gemma-2B), the write-up's multi-model phases;
+  Gemma-2B), as the phases of the multi-model scenario;
 - `all-busy`: a third each, so the static split is the right one.
 
 `requests` scales the rates so that about that many arrive over the same 600 steps (the
@@ -62,7 +62,6 @@ and mean share of the budget.
 
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -71,15 +70,11 @@ from typing import Any
 
 from kvctl.agent.budget import KvBudget, Pressure, Rebalancer
 from kvctl.agent.pool import AutoDefrag, Defragmenter, PagePool, PoolExhausted, PoolResizer
+from kvctl.load.report import percentile
 from kvctl.settings import RebalanceSettings
-from kvctl.simulate.backends import PagedSide, RequestState, _ModelPool, segment_bytes
-from kvctl.simulate.runner import (
-    BUDGET,
-    Simulation,
-    SimulationConfig,
-    StepClock,
-    step_defrag_policy,
-)
+from kvctl.simulate.backends import ManagedPool, PagedSide, RequestState, segment_bytes
+from kvctl.simulate.names import BUDGET
+from kvctl.simulate.runner import Simulation, SimulationConfig, StepClock, step_defrag_policy
 from kvctl.simulate.workloads import (
     DECODE_CHUNK,
     GEMMA_2B,
@@ -88,8 +83,8 @@ from kvctl.simulate.workloads import (
     Model,
     Request,
     Workload,
-    _cap,
-    _output_tokens,
+    draw_cap,
+    draw_output_tokens,
     lifetime_steps,
 )
 
@@ -185,8 +180,8 @@ def build_stream(mix: str, seed: int, requests: int | None = None) -> list[Reque
         while (t := t + rng.expovariate(sum(rates))) < end:
             model = rng.choices(MODELS, rates)[0]
             prompt = rng.randint(256, 4096)
-            cap = _cap(rng, prompt, CONTEXT)
-            out = _output_tokens(rng, cap)
+            cap = draw_cap(rng, prompt, CONTEXT)
+            out = draw_output_tokens(rng, cap)
             stream.append(Request(len(stream), int(t), prompt, cap, out, model.name))
         t = end  # memoryless: the next phase's arrivals start afresh at its start
     return stream
@@ -254,7 +249,7 @@ class BudgetSide(PagedSide):
         segments = workload.budget_bytes // self.segment_bytes
         self.budget = KvBudget(segments * self.segment_bytes)
         policy = step_defrag_policy(config.simulation())
-        self.pools: dict[str, _ModelPool] = {}
+        self.pools: dict[str, ManagedPool] = {}
         self.running: dict[str, dict[int, RequestState]] = {}
         self.waiting: Iterable[RequestState] = ()  # the simulation's queue, set by `attach`
         for model in workload.models:
@@ -271,7 +266,7 @@ class BudgetSide(PagedSide):
                 promised=lambda name=model.name: self.promised[name],
             )
             auto = AutoDefrag(defrag, policy, clock=clock)
-            self.pools[model.name] = _ModelPool(pool, auto, resizer, page_bytes)
+            self.pools[model.name] = ManagedPool(pool, auto, resizer, page_bytes)
             self.running[model.name] = {}
             self.budget.add(model.name, resizer)
         self.unassigned_bytes = self.budget.unassigned_bytes
@@ -395,12 +390,6 @@ class BudgetSide(PagedSide):
 # ---- running ------------------------------------------------------------------------------
 
 
-def p99(values: Iterable[int]) -> int:
-    """The 99th percentile, nearest rank; 0 for no values."""
-    ordered = sorted(values)
-    return ordered[math.ceil(0.99 * len(ordered)) - 1] if ordered else 0
-
-
 def build_run(config: BudgetConfig, seed: int, rebalance: bool) -> tuple[Simulation, BudgetSide]:
     """One side's simulation of the mix, ready to `run` or to `advance` step by step."""
     workload = build_workload(config, seed)
@@ -451,7 +440,7 @@ def run_side(
         "preemptions": result.preemptions,
         "recomputed_bytes": sum(side.recomputed_bytes.values()),
         "utilization_mean": round(result.utilization_mean, 6),
-        "queue_p99_steps": p99(queue),
+        "queue_p99_steps": percentile(queue, 99, method="nearest") or 0,
         "queue_mean_steps": round(sum(queue) / max(1, len(queue)), 3),
         "rebalances": side.rebalances,
         "moved_bytes": side.moved_bytes,
@@ -468,7 +457,7 @@ def run_side(
                 "preemptions": side.preemptions[name],
                 "recomputed_bytes": side.recomputed_bytes[name],
                 "alloc_failures": mp.pool.alloc_failures,
-                "queue_p99_steps": p99(side.queue_steps[name]),
+                "queue_p99_steps": percentile(side.queue_steps[name], 99, method="nearest") or 0,
                 "share_mean": round(shares[name], 6),
             }
             for name, mp in side.pools.items()

@@ -1,4 +1,7 @@
-"""Discrete-step replay of one workload against the contiguous and the paged allocator.
+"""Discrete-step replay of one workload against the contiguous and the paged allocator: the
+library every scenario steps with (`Simulation`, its config, clock and result) and the run of the
+three allocation scenarios (`run_allocators`). Which scenario a name runs is decided by
+`kvctl.simulate.scenarios`, which imports this module and never the other way round.
 
 Both sides see the same requests, the same budget and the same scheduler; only the memory differs.
 One step reads as the story of a serving engine:
@@ -70,14 +73,6 @@ Progress = Callable[[int, int], None]
 Lane = Callable[[RequestState], str]
 """Which queue a request waits in and which running requests it may preempt."""
 
-TIERED = "tiered-prefix"
-"""The scenario of `kvctl.simulate.tiered` (multi-turn chat without and with a host tier); it
-drives the agent's scheduler and tiers, which need torch, so it is imported only when run."""
-
-BUDGET = "budget"
-"""The scenario of `kvctl.simulate.budget` (three models' pools sharing one budget, a static
-split against the agent's rebalancer), imported only when run; its own sides and fields."""
-
 
 @dataclass(frozen=True)
 class SimulationConfig:
@@ -138,7 +133,7 @@ class StepClock:
 
 
 def one_lane(state: RequestState) -> str:
-    """Every request in one queue: the scenarios of the write-up."""
+    """Every request in one queue: the three allocation scenarios of `kvctl.simulate.workloads`."""
     return ""
 
 
@@ -316,25 +311,16 @@ class Simulation:
         )
 
 
-def run_scenario(
+def run_allocators(
     name: str, seed: int, progress: Progress | None = None, **overrides: Any
 ) -> dict[str, Any]:
-    """Run scenario `name` with `seed` on both allocators under the same budget.
+    """Run allocation scenario `name` (`kvctl.simulate.workloads.SCENARIOS`) with `seed` on both
+    allocators under the same budget.
 
     `overrides` are `SimulationConfig` fields (`requests`, `budget_fraction`, `page_size`,
     `decode_chunk`, `max_steps`). Returns exactly
     `{"scenario": name, "seed": seed, "results": {"contiguous": {...}, "paged": {...}}}`.
-    `TIERED` runs `kvctl.simulate.tiered.run_tiered` instead, `BUDGET`
-    `kvctl.simulate.budget.run_budget` (each with its own sides and fields).
     """
-    if name == TIERED:
-        from kvctl.simulate.tiered import run_tiered
-
-        return run_tiered(seed, progress, **overrides)
-    if name == BUDGET:
-        from kvctl.simulate.budget import run_budget
-
-        return run_budget(seed, progress, **overrides)
     unknown = set(overrides) - {f.name for f in fields(SimulationConfig)}
     if unknown:
         raise TypeError(f"unknown simulation settings: {', '.join(sorted(unknown))}")

@@ -42,7 +42,7 @@ from kvctl.agent.prefix import PrefixCache
 from kvctl.agent.runtime.request import FinishReason, Request
 from kvctl.agent.runtime.scheduler import Scheduler
 from kvctl.agent.tiers import TieredStore
-from kvctl.simulate.runner import TIERED
+from kvctl.simulate.names import TIERED
 
 SIDES = ("device only", "device + host")
 SYSTEM_TOKENS = 64

@@ -1,4 +1,6 @@
-"""Seeded synthetic workloads: the three benchmark scenarios of the vLLM fragmentation write-up.
+"""Seeded synthetic workloads: three benchmark scenarios of contiguous against paged allocation
+(one model under a burst, one model with random lengths, three models sharing a device), whose
+claimed figures docs/performance.md, "Against the claimed figures", sets the results against.
 
 Every draw comes from one `random.Random(seed)`, so a seed names one workload exactly, on every
 machine. A request has an arrival step, prompt tokens, the maximum output the
@@ -104,13 +106,15 @@ class Scenario:
     budget_fraction: float
 
 
-def _output_tokens(rng: random.Random, cap: int) -> int:
-    """Log-normal, median 256, σ 1, truncated at the cap (see the module docstring)."""
+def draw_output_tokens(rng: random.Random, cap: int) -> int:
+    """An answer's actual length: log-normal, median 256, σ 1, truncated at the cap (see the
+    module docstring); the budget scenario draws its outputs with it too."""
     return max(1, min(cap, round(rng.lognormvariate(math.log(256), 1.0))))
 
 
-def _cap(rng: random.Random, prompt: int, context: int) -> int:
-    """The client's max_tokens, or the server default: the rest of the context window."""
+def draw_cap(rng: random.Random, prompt: int, context: int) -> int:
+    """The client's max_tokens, or the server default: the rest of the context window (see the
+    module docstring); the budget scenario draws its caps with it too."""
     room = context - prompt
     if rng.random() < 0.5:
         return min(rng.choice((512, 1024, 2048)), room)
@@ -131,8 +135,8 @@ def _high_concurrency(rng: random.Random, count: int) -> tuple[tuple[Model, ...]
     requests = []
     for i in range(count):
         prompt = rng.randint(1024, 6144)
-        cap = _cap(rng, prompt, 8192)
-        out = _output_tokens(rng, cap)
+        cap = draw_cap(rng, prompt, 8192)
+        out = draw_output_tokens(rng, cap)
         requests.append(Request(i, 0, prompt, cap, out, LLAMA_70B.name))
     return (LLAMA_70B,), requests
 
@@ -143,7 +147,7 @@ def _random_lengths(rng: random.Random, count: int) -> tuple[tuple[Model, ...], 
         length = rng.randint(1024, 16384)
         prompt = round(length * rng.uniform(0.5, 0.9))
         cap = length - prompt
-        out = _output_tokens(rng, cap)
+        out = draw_output_tokens(rng, cap)
         requests.append(Request(i, arrival, prompt, cap, out, LLAMA_70B.name))
     return (LLAMA_70B,), requests
 
@@ -156,8 +160,8 @@ def _multi_model(rng: random.Random, count: int) -> tuple[tuple[Model, ...], lis
         weights = [0.6 if k == phase else 0.2 for k in range(3)]
         model = rng.choices(models, weights)[0]
         prompt = rng.randint(256, 4096)
-        cap = _cap(rng, prompt, 8192)
-        out = _output_tokens(rng, cap)
+        cap = draw_cap(rng, prompt, 8192)
+        out = draw_output_tokens(rng, cap)
         requests.append(Request(i, arrival, prompt, cap, out, model.name))
     return models, requests
 

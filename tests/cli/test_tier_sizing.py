@@ -5,7 +5,7 @@ tier holds, so the confirmation shows what will really happen."""
 from __future__ import annotations
 
 import pytest
-from pool_readings import pool_snapshot
+from pool_readings import pool_snapshot, tier_reading
 
 from kvctl.api import TierReading
 from kvctl.cli.pool import plan_tier_resize
@@ -15,13 +15,8 @@ PAGE = 64 << 10
 
 
 def tier(name: str = "host", **fields) -> TierReading:
-    base = dict(
-        tier=name, policy="lru", capacity_pages=1024, used_pages=256, page_bytes=PAGE,
-        hits_tokens_total=0, stored_pages_total=0, stored_bytes_total=0, loaded_pages_total=0,
-        loaded_bytes_total=0, store_seconds_total=0.0, load_seconds_total=0.0,
-        evicted_pages_total=0, store_failures_total={}, load_failures_total={},
-    )  # fmt: skip
-    return TierReading(**{**base, **fields})
+    """The shared idle tier of 1,024 pages of 64 KiB, 256 of them held."""
+    return tier_reading(name, **{"page_bytes": PAGE, "used_pages": 256, **fields})
 
 
 def tiered(tiers: list[TierReading]):

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app, main
+from kvctl.load.report import percentile
 from kvctl.settings import RebalanceSettings
-from kvctl.simulate import run_scenario
 from kvctl.simulate.budget import (
     MIXES,
     MODELS,
@@ -22,9 +22,9 @@ from kvctl.simulate.budget import (
     build_stream,
     live_demand,
     load_shares,
-    p99,
     run_side,
 )
+from kvctl.simulate.scenarios import run_scenario
 
 MOVING = BudgetConfig(mix="moving")
 """The scenario as `kvctl simulate` and the benchmark run it (about 4 s a side here): a
@@ -134,10 +134,14 @@ def test_each_model_carries_its_share_of_the_memory_demand(mix: str) -> None:
             assert demand[model.name] / total == pytest.approx(share, abs=0.12), (phase, model)
 
 
-def test_p99_is_the_nearest_rank() -> None:
-    assert p99([]) == 0
-    assert p99(range(1, 101)) == 99
-    assert p99([5]) == 5
+def test_queue_p99_is_the_nearest_rank() -> None:
+    """The queue times' p99 (`percentile(..., method="nearest")`) is one that happened."""
+    assert percentile([], 99, method="nearest") is None  # reported as 0
+    assert percentile(range(1, 101), 99, method="nearest") == 99
+    assert percentile([5], 99, method="nearest") == 5
+    assert percentile([1, 2, 3, 4], 0, method="nearest") == 1
+    assert percentile([1, 2, 3, 4], 50, method="nearest") == 2
+    assert percentile([1, 2, 3, 4], 50) == 2.5  # the load report's interpolation
 
 
 def test_bad_settings_are_refused() -> None:

@@ -5,7 +5,8 @@ import json
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app, main
-from kvctl.simulate import RESULT_KEYS, run_scenario
+from kvctl.simulate.runner import RESULT_KEYS
+from kvctl.simulate.scenarios import run_scenario
 
 
 def test_json_output_is_exactly_the_run_result() -> None:

@@ -4,9 +4,15 @@ import json
 
 import pytest
 
-from kvctl.simulate import RESULT_KEYS, run_scenario
 from kvctl.simulate.backends import ContiguousSide, PagedSide, usable_budget
-from kvctl.simulate.runner import Simulation, SimulationConfig, StepClock, paged_side
+from kvctl.simulate.runner import (
+    RESULT_KEYS,
+    Simulation,
+    SimulationConfig,
+    StepClock,
+    paged_side,
+)
+from kvctl.simulate.scenarios import run_scenario
 from kvctl.simulate.workloads import Request, Workload, build_workload
 
 SCENARIOS = ["high-concurrency", "random-lengths", "multi-model"]

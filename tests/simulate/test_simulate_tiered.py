@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app
-from kvctl.simulate import TIERED, run_scenario
+from kvctl.simulate.names import TIERED
+from kvctl.simulate.scenarios import run_scenario
 from kvctl.simulate.tiered import build_trace, ideal_hits, working_set_pages
 
 TURNS = 96  # 16 conversations of 6 turns: about a second for both sides

@@ -1,4 +1,5 @@
-"""Workload generators: seeded, shaped as the write-up's scenarios, budgets that pressure memory."""
+"""Workload generators: seeded, shaped as the three allocation scenarios say, budgets that
+pressure memory."""
 
 from collections import Counter
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pool_readings import tier_reading
 
 from kvctl.api import TierReading
 from kvctl.tui.detail import DetailScreen
@@ -29,15 +30,12 @@ def tier(
     """A tier that loaded `hits` tokens (pages of 16) at `seconds_per_token`."""
     pages = hits // 16
     fields: dict[str, Any] = dict(
-        tier=name, policy="lru", capacity_pages=capacity, used_pages=used,
-        page_bytes=PAGE if name == "host" else PAGE + 48, hits_tokens_total=hits,
+        capacity_pages=capacity, used_pages=used, hits_tokens_total=hits,
         stored_pages_total=used + 100, stored_bytes_total=(used + 100) * PAGE,
         loaded_pages_total=pages, loaded_bytes_total=pages * PAGE,
         store_seconds_total=0.5, load_seconds_total=hits * seconds_per_token,
-        evicted_pages_total=0, store_failures_total={"full": 0, "io": 0},
-        load_failures_total={"missing": 0, "truncated": 0, "checksum": 0, "io": 0},
     )  # fmt: skip
-    return TierReading(**{**fields, **more})
+    return tier_reading(name, **{**fields, **more})
 
 
 def tiered(fakes, i: int, **numbers: Any):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 
 import pytest
-from pool_readings import pool_snapshot
+from pool_readings import pool_snapshot, tier_reading
 from rich.console import Console
 
 from kvctl.api import TierReading
@@ -19,14 +19,13 @@ PAGE = 64 << 10
 
 
 def tier(name: str = "host", **fields) -> TierReading:
-    base = dict(
-        tier=name, policy="lru", capacity_pages=1024, used_pages=256, page_bytes=PAGE,
-        hits_tokens_total=1600, stored_pages_total=300, stored_bytes_total=300 * PAGE,
-        loaded_pages_total=100, loaded_bytes_total=100 * PAGE, store_seconds_total=0.01,
-        load_seconds_total=0.0064, evicted_pages_total=0, store_failures_total={"full": 0},
-        load_failures_total={"checksum": 0},
+    """The shared tier of 1,024 pages of 64 KiB with 256 held, 1,600 tokens loaded from it."""
+    busy = dict(
+        page_bytes=PAGE, used_pages=256, hits_tokens_total=1600, stored_pages_total=300,
+        stored_bytes_total=300 * PAGE, loaded_pages_total=100, loaded_bytes_total=100 * PAGE,
+        store_seconds_total=0.01, load_seconds_total=0.0064,
     )  # fmt: skip
-    return TierReading(**{**base, **fields})
+    return tier_reading(name, **{**busy, **fields})
 
 
 def tiered(**fields):
