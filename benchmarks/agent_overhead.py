@@ -34,9 +34,11 @@ from paired import MIN_ROUNDS, command_line, environment, load_average, paired_r
 from kvctl.agent.config import AgentConfig
 from kvctl.agent.main import alert_loop, default_torch_threads
 from kvctl.agent.model import SamplingParams, build_demo_model
+from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.runtime import Engine, EngineConfig
 from kvctl.agent.server import create_app
 from kvctl.agent.service import AgentService
+from kvctl.settings import StartupLimits
 
 BATCH = 8
 
@@ -84,7 +86,8 @@ def alone(model, tokenizer, args: argparse.Namespace) -> list[float]:
 def in_agent(model, tokenizer, args: argparse.Namespace) -> list[float]:
     engine = make_engine(model, tokenizer)
     times = timed_steps(engine)
-    service = AgentService(engine, "demo")
+    limits = StartupLimits(engine.pool.segment_pages, engine.pool.capacity)
+    service = AgentService([ModelPool(engine, "demo", limits)])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)

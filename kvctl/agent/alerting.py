@@ -13,22 +13,41 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
-from kvctl.alerts import AlertEvaluator, AlertmanagerError, AlertmanagerNotifier, PoolAlerts
-from kvctl.api import Alert, PoolSnapshot, RuntimeSettings
+from kvctl.alerts import AlertmanagerError, AlertmanagerNotifier
+from kvctl.api import Alert, RuntimeSettings
 
 log = logging.getLogger(__name__)
 FLUSH_INTERVAL_S = 1.0
 
+Readings = TypeVar("Readings")
+Evaluated = TypeVar("Evaluated", contravariant=True)
 
-class AlertLoop:
-    """Evaluates alerts every `settings().alerts.interval_s` and delivers them to Alertmanager."""
+
+class Evaluator(Protocol[Evaluated]):
+    """What the loop needs of an evaluator: settings it can replace before each evaluation, and
+    alerts from what it reads. `AlertEvaluator` reads one pool's snapshot, `PoolAlerts` every
+    pool's."""
+
+    @property
+    def settings(self) -> RuntimeSettings: ...
+
+    @settings.setter
+    def settings(self, settings: RuntimeSettings) -> None: ...
+
+    def evaluate(self, readings: Evaluated, /) -> list[Alert]: ...
+
+
+class AlertLoop(Generic[Readings]):
+    """Evaluates alerts every `settings().alerts.interval_s` and delivers them to Alertmanager;
+    `snapshot()` gives what the evaluator reads."""
 
     def __init__(
         self,
-        evaluator: AlertEvaluator | PoolAlerts,
-        snapshot: Callable[[], PoolSnapshot | Sequence[PoolSnapshot]],
+        evaluator: Evaluator[Readings],
+        snapshot: Callable[[], Readings],
         settings: Callable[[], RuntimeSettings],
         notifier: AlertmanagerNotifier | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -60,7 +79,7 @@ class AlertLoop:
     def evaluate_once(self) -> list[Alert]:
         """One evaluation (and delivery); the loop calls this every interval."""
         self.evaluator.settings = self.settings()
-        self.alerts = self.evaluator.evaluate(self.snapshot())  # type: ignore[arg-type]
+        self.alerts = self.evaluator.evaluate(self.snapshot())
         if self.notifier is not None:
             self.notifier.sync(self.alerts)
         return self.alerts

@@ -342,6 +342,7 @@ def build_service(config: AgentConfig) -> Any:
 
     from kvctl.agent.budget import BudgetError, KvBudget
     from kvctl.agent.gpu import GpuProbe
+    from kvctl.agent.model_pool import ModelPool
     from kvctl.agent.served import ServedModel
     from kvctl.agent.service import AgentService
 
@@ -367,7 +368,7 @@ def build_service(config: AgentConfig) -> Any:
     device_index = torch.device(config.device).index or 0
     free = gpu.free_bytes(device_index) if config.device.startswith("cuda") else None
     plans, budget_bytes = plan_pools(config, models, free)
-    service = None
+    pools: list[ModelPool] = []
     settings = defaults = limits = None
     for loaded, plan in zip(models, plans, strict=True):
         mc = loaded.model_config
@@ -398,21 +399,17 @@ def build_service(config: AgentConfig) -> Any:
         except ValueError as error:  # a tier the host cannot give (memory, directory)
             raise ConfigError(str(error)) from None
         served = ServedModel(loaded.served_names, loaded.template, mc.max_context_len)
-        if service is None:
-            service = AgentService(
+        pools.append(
+            ModelPool(
                 engine,
                 loaded.name,
-                settings,
-                gpu=gpu,
+                pool_limits,
+                served,
                 window=config.stats_window,
-                defaults=defaults,
-                limits=limits,
                 max_waiting=config.max_waiting,
-                served=served,
             )
-        else:
-            service.add_pool(engine, loaded.name, pool_limits, served)
-    assert service is not None
+        )
+    service = AgentService(pools, settings, gpu=gpu, defaults=defaults, limits=limits)
     if budget_bytes is not None:
         budget = KvBudget(budget_bytes)
         for pool, plan in zip(service.pools.values(), plans, strict=True):
@@ -524,7 +521,7 @@ def alert_loop(service: Any, config: AgentConfig, advertised: str) -> Any:
         def send_test() -> dict:
             return post_test_alert(
                 url,
-                pool=service.pool_name,
+                pool=next(iter(service.pools)),
                 instance=evaluator.instance,
                 job=evaluator.job,
                 runbook_base=runbook,

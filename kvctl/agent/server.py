@@ -1,10 +1,11 @@
 """The agent's HTTP API (FastAPI): the application, its errors, and the checks every request
 passes before a route sees it.
 
-Routes live in `kvctl.agent.routes`, one module per resource. Handlers validate with the models
-of `kvctl.api`, then either read the service's latest snapshot or hand a function to the engine
-thread and await its future: no handler touches the pool. Bad input gets a 4xx with
-`{"error": {"message", "type", "param", "code"}}` and changes nothing.
+Routes live in `kvctl.agent.routes`, one router per resource; `ApiError` and the context they
+share (`ServerContext`, a FastAPI dependency) live in `kvctl.agent.http_context`. Handlers
+validate with the models of `kvctl.api`, then either read the service's latest snapshot or hand
+a function to the engine thread and await its future: no handler touches the pool. Bad input
+gets a 4xx with `{"error": {"message", "type", "param", "code"}}` and changes nothing.
 
 Three ASGI layers wrap every route: `BodyLimit` refuses bodies over `--max-body-bytes` before they
 are read, `TokenGate` requires the bearer token, when one is configured, on every path but
@@ -21,24 +22,34 @@ import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvctl import __version__
-from kvctl.agent.audit import Action, AuditLog, Outcome, action_of
+from kvctl.agent.audit import AuditLog, action_of
 from kvctl.agent.config import AgentConfig
+from kvctl.agent.http_context import ApiError, ServerContext, caller_of
+from kvctl.agent.routes import (
+    alerts,
+    chat,
+    completions,
+    health,
+    metrics,
+    models,
+    pools,
+    runbook,
+    settings,
+    tokenize,
+)
 from kvctl.agent.service import AgentService
 from kvctl.api import INVALID_TEXT, MAX_JSON_DEPTH, UNSUPPORTED, ErrorBody
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -51,26 +62,23 @@ _ERROR_TYPES = {
     429: "rate_limit_exceeded",
     503: "unavailable",
 }
+
+ROUTERS = (
+    health.router,
+    pools.router,
+    alerts.router,
+    settings.router,
+    models.router,
+    metrics.router,
+    completions.router,
+    chat.router,
+    tokenize.router,
+    runbook.router,
+)
+"""Every route, one router per resource, in the order of /openapi.json and docs/api.md."""
+
 OPEN_PATHS = frozenset({"/healthz", "/runbook"})
 """Paths served without the token: liveness, and the project's own static alert runbook."""
-
-
-class ApiError(HTTPException):
-    """An HTTP error whose detail is a one-line message for the client; `error_type` names the
-    case for clients that act on it (`pool_required`, `unknown_pool`), else the status's;
-    `param` names the request field at fault, where there is one."""
-
-    def __init__(
-        self,
-        status_code: int,
-        detail: str,
-        headers: dict[str, str] | None = None,
-        error_type: str | None = None,
-        param: str | None = None,
-    ) -> None:
-        super().__init__(status_code, detail, headers)
-        self.error_type = error_type
-        self.param = param
 
 
 def _encodable(text: str) -> str:
@@ -100,12 +108,6 @@ def error_response(
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(body.model_dump(), status_code=status, headers=headers or None)
-
-
-def caller_of(scope: Scope) -> str:
-    """The client's address as `host:port` (what the audit trail records)."""
-    client = scope.get("client")
-    return f"{client[0]}:{client[1]}" if client else "unknown"
 
 
 class BodyLimit:
@@ -223,34 +225,6 @@ def authenticated(scope: Scope, token: bytes | None) -> bool:
     return scheme.lower() == b"bearer" and hmac.compare_digest(given, token)
 
 
-@dataclass
-class ServerContext:
-    """What the routes share: the service, the configuration, the agent's advertised URL (for
-    the commands in error messages) and the audit trail."""
-
-    service: AgentService
-    config: AgentConfig
-    advertised: str
-    audit: AuditLog
-
-    @property
-    def kvctl(self) -> str:
-        """The CLI command that reaches this agent, for remediation text."""
-        return f"kvctl --agent {self.advertised}"
-
-    async def on_engine(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the engine thread between two steps and await its result."""
-        return await asyncio.wrap_future(self.service.call(fn))
-
-    def audit_request(
-        self, request: Request, action: Action, outcome: Outcome, **details: object
-    ) -> None:
-        """Audit a mutation a route carried out or refused (TokenGate has checked the token
-        whenever one is configured, so the caller is authenticated exactly then)."""
-        authenticated = self.config.token is not None
-        self.audit.record(action, outcome, caller_of(request.scope), authenticated, details)
-
-
 def _validation_error(error: RequestValidationError) -> tuple[int, str, str | None]:
     """A refused body's status, one-line message and field: 400 for a field the API knows and
     the agent does not implement, or for text that is not valid Unicode (their messages name
@@ -278,7 +252,6 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI application serving `service`. With `run_engine`, starting and stopping the
     application starts and stops the engine thread; without, the caller runs the engine."""
-    from kvctl.agent.routes import chat, completions, ops, runbook, tokenize
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -297,7 +270,7 @@ def create_app(
         lifespan=lifespan,
     )
     audit = AuditLog(service.admin_actions)
-    context = ServerContext(
+    app.state.context = ServerContext(
         service, config, advertised or f"http://{config.host}:{config.port}", audit
     )
     app.add_middleware(NestingLimit)
@@ -319,9 +292,6 @@ def create_app(
         log.exception("unhandled error")
         return error_response(500, f"internal error: {type(error).__name__}")
 
-    app.include_router(ops.router(context))
-    app.include_router(completions.router(context))
-    app.include_router(chat.router(context))
-    app.include_router(tokenize.router(context))
-    app.include_router(runbook.router())
+    for router in ROUTERS:
+        app.include_router(router)
     return app

@@ -29,21 +29,19 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvctl.agent.alerting import AlertLoop
 from kvctl.agent.budget import KvBudget, Rebalancer
-from kvctl.agent.config import DEFAULT_MAX_WAITING
 from kvctl.agent.gpu import GpuProbe
 from kvctl.agent.memory import release_free_memory
 from kvctl.agent.metrics import KvEventCounters
 from kvctl.agent.model_pool import AgentReadings, ModelPool
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.runtime import Engine, Request, RequestRefused, RequestSummary, TokenEvent
-from kvctl.agent.served import ServedModel
 from kvctl.agent.tally import Tally
 from kvctl.api import (
     Alert,
@@ -69,7 +67,6 @@ TRIM_INTERVAL_S = 1.0  # idle trims return a burst's freed heap (kvctl.agent.mem
 PUBLISH_INTERVAL_S = 0.1  # snapshots are at most this old (and fresh after every command)
 RESIZE_CHECK_INTERVAL_S = 1.0  # automatic resize looks at windows of many seconds
 REBALANCE_CHECK_INTERVAL_S = 0.5  # pressure is read this often; moves need it to hold longer
-DEFAULT_WINDOW_S = 300.0
 
 
 class UnknownPool(LookupError):
@@ -124,37 +121,29 @@ class AgentService:
     """Runs the engines of one or several `ModelPool`s on one thread and serves snapshots,
     commands and request streams.
 
-    Built with the first model's engine; `add_pool` adds the others and `share_budget` puts
-    them all under one KV budget, before `run()` or `start()`. The single-pool attributes
-    (`engine`, `pool_name`, `snapshot`, `served`, `resize`, ...) are the first pool's, which is
-    the only one when one model is served."""
+    Built from its pools, in the order the models were configured; `share_budget` puts them
+    all under one KV budget, before `run()` or `start()`. The settings are checked against
+    `limits`, by default the first pool's (each pool keeps its own for its resizer). Every
+    command takes a pool's name, None meaning the only pool."""
 
     def __init__(
         self,
-        engine: Engine,
-        pool_name: str,
+        pools: Sequence[ModelPool],
         settings: RuntimeSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
         gpu: GpuProbe | None = None,
-        window: float = DEFAULT_WINDOW_S,
         defaults: RuntimeSettings | None = None,
         limits: StartupLimits | None = None,
-        max_waiting: int = DEFAULT_MAX_WAITING,
-        served: ServedModel | None = None,
     ) -> None:
-        self.limits = limits or StartupLimits(
-            engine.pool.segment_pages, engine.resizer.max_pages or engine.pool.capacity
-        )
+        if not pools:
+            raise ValueError("an agent serves at least one model")
+        self.limits = limits or pools[0].limits
         self.defaults = defaults or self.limits.defaults()
         self.settings = settings or self.defaults
-        self.max_waiting = max_waiting
         self.admin_actions = Tally()
         self.clock = clock
-        self.wall_clock = wall_clock
         self.gpu = gpu or GpuProbe()
         self.started = clock()
-        self.window = window
         self.alerting: AlertLoop | None = None  # set by the agent when it serves
         self.kv_events: KvEventCounters | None = None  # set when it publishes KV events
         self.pools: dict[str, ModelPool] = {}
@@ -172,32 +161,12 @@ class AgentService:
         self._grace = 10.0  # seconds running requests get to finish when stopping
         self._gpu_reading: tuple[float, list[GpuMemory]] = (float("-inf"), [])
         self._last_trim = clock()
-        self.add_pool(engine, pool_name, self.limits, served)
-
-    def add_pool(
-        self,
-        engine: Engine,
-        name: str,
-        limits: StartupLimits,
-        served: ServedModel | None = None,
-    ) -> ModelPool:
-        """Serve another model (before the engine thread starts)."""
-        if name in self.pools:
-            raise ValueError(f"two models are named {name!r}")
-        pool = ModelPool(
-            engine,
-            name,
-            limits,
-            served,
-            clock=self.clock,
-            wall_clock=self.wall_clock,
-            window=self.window,
-            max_waiting=self.max_waiting,
-        )
-        self.pools[name] = pool
-        pool.apply_settings(self.settings)
-        self._publish(pool)
-        return pool
+        for pool in pools:
+            if pool.name in self.pools:
+                raise ValueError(f"two models are named {pool.name!r}")
+            self.pools[pool.name] = pool
+            pool.apply_settings(self.settings)
+            self._publish(pool)
 
     def share_budget(self, budget: KvBudget) -> None:
         """Put every pool under `budget` (whose members are the pools' resizers, by name) and
@@ -212,29 +181,7 @@ class AgentService:
         for pool in self.pools.values():
             self._publish(pool)
 
-    # ---- the first pool (the only one when one model is served) -------------------------
-
-    @property
-    def first(self) -> ModelPool:
-        return next(iter(self.pools.values()))
-
-    @property
-    def engine(self) -> Engine:
-        return self.first.engine
-
-    @property
-    def pool_name(self) -> str:
-        return self.first.name
-
-    @property
-    def served(self) -> ServedModel:
-        return self.first.served
-
-    @property
-    def snapshot(self) -> PoolSnapshot:
-        snapshot = self.first.snapshot
-        assert snapshot is not None
-        return snapshot
+    # ---- the pools ----------------------------------------------------------------------
 
     @property
     def snapshots(self) -> list[PoolSnapshot]:
@@ -246,7 +193,7 @@ class AgentService:
         `UnknownPool` naming the pools served."""
         if name is None:
             if len(self.pools) == 1:
-                return self.first
+                return next(iter(self.pools.values()))
             raise UnknownPool(f"this agent serves several models ({self.names()})")
         if name in self.pools:
             return self.pools[name]
@@ -461,12 +408,11 @@ class AgentService:
         self,
         add: Callable[[Engine], Request],
         loop: asyncio.AbstractEventLoop,
-        pool: ModelPool | None = None,
+        target: ModelPool,
     ) -> Future[RequestStream]:
-        """Queue a request for `pool` (default the first), built by `add` on the engine thread.
-        Raises `RequestRefused` (queue full, shutting down, too large) or ValueError (bad
-        input) through the future."""
-        target = pool or self.first
+        """Queue a request for `target`, built by `add` on the engine thread. Raises
+        `RequestRefused` (queue full, shutting down, too large) or ValueError (bad input)
+        through the future."""
         refused = self._refuse_when_full(target)
         if refused is not None:
             return refused
@@ -476,7 +422,7 @@ class AgentService:
                 if not self._accepting:
                     raise ShuttingDown("the agent is shutting down; send the request elsewhere")
                 waiting = len(target.engine.scheduler.waiting)
-                if waiting >= self.max_waiting:
+                if waiting >= target.max_waiting:
                     raise queue_full(waiting, target)
                 request = add(target.engine)
             except RequestRefused as refused:
@@ -501,7 +447,7 @@ class AgentService:
         not spend its time between steps refusing."""
         with self._opening_lock:
             waiting = len(target.engine.scheduler.waiting) + self._opening[target.name]
-            if waiting < self.max_waiting:
+            if waiting < target.max_waiting:
                 self._opening[target.name] += 1
                 return None
         target.rejected.add(QueueFull.reason)
@@ -519,7 +465,7 @@ class AgentService:
 
         self.call(run)
 
-    # ---- commands (the first pool's, for one-model callers) ------------------------------
+    # ---- commands (engine thread; `name` is a pool's, None for the only one) --------------
 
     def page_states_and_snapshot(self, name: str | None = None) -> tuple[PageStates, PoolSnapshot]:
         """Run on the engine thread: a pool's page states and a fresh snapshot of the same
@@ -538,8 +484,8 @@ class AgentService:
         return pool.defrag_now(max_pages)
 
     def resize(self, pages: int, name: str | None = None) -> ResizeResult:
-        """Run on the engine thread: resize a pool to `pages`; `ResizeRefused` changes nothing.
-        A pool sharing a budget is pinned at its new size until `release`d."""
+        """Run on the engine thread: resize pool `name` to `pages`; `ResizeRefused` changes
+        nothing. A pool sharing a budget is pinned at its new size until `release`d."""
         pool = self.pool(name)
         pool.engine.owner.check("AgentService.resize")
         result = pool.resize(pages).model_copy(update={"pool": pool.name})
@@ -573,7 +519,8 @@ class AgentService:
         them to every pool; returns the settings before and after. Merging here, not on the
         HTTP thread, makes concurrent changes serial; a refused change (`SettingsError`)
         changes nothing."""
-        self.first.engine.owner.check("AgentService.change_settings")
+        for pool in self.pools.values():
+            pool.engine.owner.check("AgentService.change_settings")
         before = self.settings
         settings = apply_changes(before, changes, self.defaults, self.limits)
         self.settings = settings

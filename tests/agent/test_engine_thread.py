@@ -7,8 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from one_pool import one_pool_service
 
 from kvctl.agent.model import SamplingParams
+from kvctl.agent.runtime import Engine
 from kvctl.agent.runtime.thread_owner import WrongThread
 from kvctl.agent.service import AgentService
 from kvctl.api import RuntimeSettings
@@ -16,7 +18,7 @@ from kvctl.api import RuntimeSettings
 
 @pytest.fixture
 def running(make_engine) -> Iterator[AgentService]:
-    service = AgentService(make_engine(), "demo", RuntimeSettings())
+    service = one_pool_service(make_engine(), RuntimeSettings())
     service.start()
     try:
         yield service
@@ -24,12 +26,16 @@ def running(make_engine) -> Iterator[AgentService]:
         service.stop(grace=0)
 
 
+def engine_of(service: AgentService) -> Engine:
+    return service.pool("demo").engine
+
+
 ENGINE_ONLY = [
-    ("Engine.step", lambda s: s.engine.step()),
-    ("Engine.stats", lambda s: s.engine.stats),
-    ("Engine.add_request", lambda s: s.engine.add_request([1, 2, 3], SamplingParams())),
-    ("Engine.abort", lambda s: s.engine.abort("req-0")),
-    ("Engine.set_eviction_policy", lambda s: s.engine.set_eviction_policy("lru")),
+    ("Engine.step", lambda s: engine_of(s).step()),
+    ("Engine.stats", lambda s: engine_of(s).stats),
+    ("Engine.add_request", lambda s: engine_of(s).add_request([1, 2, 3], SamplingParams())),
+    ("Engine.abort", lambda s: engine_of(s).abort("req-0")),
+    ("Engine.set_eviction_policy", lambda s: engine_of(s).set_eviction_policy("lru")),
     ("AgentService.resize", lambda s: s.resize(64)),
     ("AgentService.defrag_now", lambda s: s.defrag_now(None)),
     ("AgentService.page_states_and_snapshot", lambda s: s.page_states_and_snapshot()),
@@ -41,10 +47,10 @@ ENGINE_ONLY = [
 
 @pytest.mark.parametrize(("name", "call"), ENGINE_ONLY, ids=[n for n, _ in ENGINE_ONLY])
 def test_engine_only_methods_refuse_another_thread(running, name, call) -> None:
-    capacity = running.engine.pool.capacity
+    capacity = engine_of(running).pool.capacity
     with pytest.raises(WrongThread, match=rf"^{name} runs on the engine thread \(kvctl-engine\)"):
         call(running)
-    assert running.engine.pool.capacity == capacity  # refused before it changed anything
+    assert engine_of(running).pool.capacity == capacity  # refused before it changed anything
 
 
 def test_queued_on_the_engine_thread_they_run(running) -> None:
@@ -55,11 +61,11 @@ def test_queued_on_the_engine_thread_they_run(running) -> None:
 
 
 def test_after_the_engine_thread_stops_the_caller_owns_it(make_engine) -> None:
-    service = AgentService(make_engine(), "demo", RuntimeSettings())
+    service = one_pool_service(make_engine(), RuntimeSettings())
     service.start()
     service.stop(grace=0)
     assert service.resize(64).new_pages == 64
-    [request] = service.engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    [request] = engine_of(service).generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     assert len(request.output_ids) == 2
 
 

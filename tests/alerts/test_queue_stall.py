@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 from kv_device import DEVICE
+from one_pool import one_pool_service
 
 from kvctl import api
 from kvctl.agent.alerting import AlertLoop
@@ -61,16 +62,20 @@ def stack(demo) -> Iterator[tuple[AgentService, AlertLoop, Clock]]:
         defrag=DefragSettings(enabled=False),
     )
     engine = Engine(model, tokenizer, config, clock=clock)
-    service = AgentService(engine, "demo", SETTINGS, clock=clock, wall_clock=clock, window=60)
+    service = one_pool_service(engine, SETTINGS, clock=clock, wall_clock=clock, window=60)
     evaluator = AlertEvaluator(
         service.settings, "demo", "node-1:8477", clock, agent_url=AGENT, job="kvctl-agent"
     )
-    alerting = AlertLoop(evaluator, lambda: service.snapshot, lambda: service.settings)
+    alerting = AlertLoop(evaluator, lambda: service.snapshots[0], lambda: service.settings)
     service.start()
     try:
         yield service, alerting, clock
     finally:
         service.stop(grace=0)
+
+
+def engine_of(service: AgentService) -> Engine:
+    return service.pool("demo").engine
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -81,7 +86,7 @@ def fresh_snapshot(service: AgentService, clock: Clock) -> api.PoolSnapshot:
     """The first snapshot published at or after the clock's current time."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        snapshot = service.snapshot
+        [snapshot] = service.snapshots
         if snapshot.timestamp >= clock():
             return snapshot
         time.sleep(0.005)
@@ -100,13 +105,14 @@ def run_until_idle(service: AgentService, clock: Clock) -> api.PoolSnapshot:
 
 def warm(service: AgentService, clock: Clock) -> api.PoolSnapshot:
     """Finish one request, whose pages stay cached; the idle snapshot after it."""
-    service.call(lambda: service.engine.add_request(list(range(200, 220)), greedy(4))).result(10)
+    engine = engine_of(service)
+    service.call(lambda: engine.add_request(list(range(200, 220)), greedy(4))).result(10)
     return run_until_idle(service, clock)
 
 
 def queue(service: AgentService) -> None:
     for prompt in LOAD:
-        service.call(lambda p=prompt: service.engine.add_request(p, greedy(8))).result(10)
+        service.call(lambda p=prompt: engine_of(service).add_request(p, greedy(8))).result(10)
 
 
 def step_and_evaluate(

@@ -584,8 +584,8 @@ def test_agent_builds_its_service_from_a_gguf(tmp_path: Path):
     threads = torch.get_num_threads()
     config = AgentConfig(model=str(path), pool_pages=32, torch_threads=threads)
     service = build_service(config)
-    assert service.pool_name == "demo"
-    engine = service.engine
+    assert list(service.pools) == ["demo"]
+    engine = service.pool("demo").engine
     assert engine.model.config.max_position_embeddings == 4096
     request = engine.generate([[256, 104, 105]], SamplingParams(temperature=0, max_tokens=4))[0]
     assert len(request.output_ids) == 4

@@ -1,2 +1,4 @@
-"""The agent's HTTP routes, one module per resource: `ops` (pool, defrag, resize, alerts,
-settings, metrics), `completions` (the OpenAI-compatible API) and `runbook`."""
+"""The agent's HTTP routes, one module-level `router` per resource: `health`, `pools` (snapshots,
+maps, defrag, resize, release), `alerts`, `settings` (`/v1/config`), `models`, `metrics`,
+`completions` and `chat` (the OpenAI-compatible API, sharing `generation`), `tokenize` and
+`runbook`. Handlers read the `ServerContext` through a dependency (`kvctl.agent.http_context`)."""

@@ -21,10 +21,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from kvctl.agent.http_context import ApiError, Context, ServerContext
 from kvctl.agent.model.chat_template import RenderedChat, TemplateError
 from kvctl.agent.model.processing import MAX_LOGPROBS, TokenLogprobs
 from kvctl.agent.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
-from kvctl.agent.server import ApiError, ServerContext
 from kvctl.api import (
     ChatChoice,
     ChatCompletionRequest,
@@ -36,62 +36,61 @@ from kvctl.api import (
     ChatTopLogprob,
 )
 
+router = APIRouter()
 
-def router(ctx: ServerContext) -> APIRouter:
-    api = APIRouter()
-    base = Generation(ctx, "chatcmpl")
 
-    async def prompt_ids(gen: Generation, body: ChatCompletionRequest) -> list[int]:
-        template = gen.served.chat_template
-        if template is None:
-            raise ApiError(
-                400,
-                f"model {gen.served.name!r} has no chat template (no chat_template.jinja and no "
-                "chat_template in tokenizer_config.json), so it has no chat; use "
-                "/v1/completions, or add the template to the checkpoint",
+async def prompt_ids(ctx: ServerContext, gen: Generation, body: ChatCompletionRequest) -> list[int]:
+    """The conversation rendered with the model's template and tokenized, checked against the
+    prompt limit; 400 for a model without a template or messages it cannot render."""
+    template = gen.served.chat_template
+    if template is None:
+        raise ApiError(
+            400,
+            f"model {gen.served.name!r} has no chat template (no chat_template.jinja and no "
+            "chat_template in tokenizer_config.json), so it has no chat; use "
+            "/v1/completions, or add the template to the checkpoint",
+        )
+    messages = [_message(m) for m in body.messages]
+    tokenizer = gen.tokenizer
+    plain = ctx.service.settings.chat.special_tokens_in_content == "plain"
+    try:
+        if plain and tokenizer is not None:
+            rendered = template.render_marked(
+                messages, tokenizer.special_spans, body.add_generation_prompt
             )
-        messages = [_message(m) for m in body.messages]
-        tokenizer = gen.tokenizer
-        plain = ctx.service.settings.chat.special_tokens_in_content == "plain"
-        try:
-            if plain and tokenizer is not None:
-                rendered = template.render_marked(
-                    messages, tokenizer.special_spans, body.add_generation_prompt
-                )
-            else:
-                rendered = RenderedChat(template.render(messages, body.add_generation_prompt))
-        except (TemplateError, ValueError) as error:  # ValueError: look-alike special tokens
-            raise ApiError(400, f"messages: {error}", param="messages") from None
-        specials = template.add_special_tokens or body.add_special_tokens
-        ids = await gen.tokenize(rendered.text, specials, rendered.plain_spans)
-        gen.check_length(ids)
-        return ids
+        else:
+            rendered = RenderedChat(template.render(messages, body.add_generation_prompt))
+    except (TemplateError, ValueError) as error:  # ValueError: look-alike special tokens
+        raise ApiError(400, f"messages: {error}", param="messages") from None
+    specials = template.add_special_tokens or body.add_special_tokens
+    ids = await gen.tokenize(rendered.text, specials, rendered.plain_spans)
+    gen.check_length(ids)
+    return ids
 
-    @api.post(
-        "/v1/chat/completions",
-        response_model=ChatCompletionResponse,
-        responses=GENERATION_ERRORS,
-    )
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        """OpenAI chat completions, streamed as `chat.completion.chunk` events with
-        `stream: true`."""
-        asked = body.max_completion_tokens or body.max_tokens
-        gen = base.check_request(body, asked)
-        _refuse_unsupported(body)
-        gen.check_choices(1, body.n)
-        ids = await prompt_ids(gen, body)
-        max_tokens = asked or min(ctx.config.max_tokens_limit, gen.served.context_length - len(ids))
-        if max_tokens < 1:
-            raise gen.refuse(
-                400, "too_large", f"the conversation ({len(ids)} tokens) fills the model's context"
-            )
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        params = gen.sampling(body, max_tokens, top)
-        opened = await gen.open([ids], params, body.n, body.cache_salt)
-        shaper = _Shaper(gen, body, ids)
-        return await gen.answer(opened, request, shaper, body.stream)
 
-    return api
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses=GENERATION_ERRORS,
+)
+async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
+    """OpenAI chat completions, streamed as `chat.completion.chunk` events with
+    `stream: true`."""
+    asked = body.max_completion_tokens or body.max_tokens
+    gen = Generation.for_request(ctx, "chatcmpl", body, asked)
+    _refuse_unsupported(body)
+    gen.check_choices(1, body.n)
+    ids = await prompt_ids(ctx, gen, body)
+    max_tokens = asked or min(ctx.config.max_tokens_limit, gen.served.context_length - len(ids))
+    if max_tokens < 1:
+        raise gen.refuse(
+            400, "too_large", f"the conversation ({len(ids)} tokens) fills the model's context"
+        )
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = gen.sampling(body, max_tokens, top)
+    opened = await gen.open([ids], params, body.n, body.cache_salt)
+    shaper = _Shaper(gen, body, ids)
+    return await gen.answer(opened, request, shaper, body.stream)
 
 
 def _message(message: ChatMessage) -> dict[str, Any]:

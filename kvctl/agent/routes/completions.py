@@ -16,9 +16,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from kvctl.agent.http_context import ApiError, Context
 from kvctl.agent.model.processing import TokenLogprobs
 from kvctl.agent.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
-from kvctl.agent.server import ApiError, ServerContext
 from kvctl.api import (
     CompletionChoice,
     CompletionLogprobs,
@@ -30,60 +30,60 @@ MAX_COMPLETION_LOGPROBS = 5
 """OpenAI's limit of `logprobs` on completions."""
 
 
-def router(ctx: ServerContext) -> APIRouter:
-    api = APIRouter()
-    base = Generation(ctx, "cmpl")
+router = APIRouter()
 
-    async def prompt_list(gen: Generation, body: CompletionRequest) -> list[list[int]]:
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            prompts: list[str | list[int]] = [prompt]
-        elif prompt and isinstance(prompt[0], str | list):
-            prompts = list(prompt)  # type: ignore[arg-type]
+
+async def prompt_list(gen: Generation, body: CompletionRequest) -> list[list[int]]:
+    """Every prompt of `body` as token ids, each checked against the model and the limits."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif prompt and isinstance(prompt[0], str | list):
+        prompts = list(prompt)  # type: ignore[arg-type]
+    else:
+        prompts = [prompt]  # type: ignore[list-item]
+    gen.check_choices(len(prompts), body.n)
+    result = []
+    for p, one in enumerate(prompts):
+        if isinstance(one, str):
+            ids = await gen.tokenize(one, add_special_tokens=body.add_special_tokens)
         else:
-            prompts = [prompt]  # type: ignore[list-item]
-        gen.check_choices(len(prompts), body.n)
-        result = []
-        for p, one in enumerate(prompts):
-            if isinstance(one, str):
-                ids = await gen.tokenize(one, add_special_tokens=body.add_special_tokens)
-            else:
-                ids = list(one)
-                gen.check_vocabulary(ids, "prompt" if len(prompts) == 1 else f"prompt.{p}")
-            gen.check_length(ids)
-            result.append(ids)
-        return result
+            ids = list(one)
+            gen.check_vocabulary(ids, "prompt" if len(prompts) == 1 else f"prompt.{p}")
+        gen.check_length(ids)
+        result.append(ids)
+    return result
 
-    def echoes(gen: Generation, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
-        """The text `echo` puts before each prompt's choices: the prompt as sent, or decoded."""
-        if not body.echo:
-            return [""] * len(prompts)
-        if isinstance(body.prompt, str):
-            return [body.prompt]
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            return list(body.prompt)  # type: ignore[arg-type]
-        tokenizer = gen.tokenizer
-        if tokenizer is None:
-            raise ApiError(400, "echo: this model has no tokenizer to turn token ids into text")
-        return [tokenizer.decode(ids) for ids in prompts]
 
-    @api.post(
-        "/v1/completions",
-        response_model=CompletionResponse,
-        responses=GENERATION_ERRORS,
-    )
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        """OpenAI completions, streamed as server-sent events with `stream: true`."""
-        gen = base.check_request(body, body.max_tokens)
-        _refuse_unsupported(body)
-        prompts = await prompt_list(gen, body)
-        echo = echoes(gen, body, prompts)
-        params = gen.sampling(body, body.max_tokens, body.logprobs)
-        opened = await gen.open(prompts, params, body.n, body.cache_salt)
-        shaper = _Shaper(gen, body, prompts, echo)
-        return await gen.answer(opened, request, shaper, body.stream)
+def echoes(gen: Generation, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """The text `echo` puts before each prompt's choices: the prompt as sent, or decoded."""
+    if not body.echo:
+        return [""] * len(prompts)
+    if isinstance(body.prompt, str):
+        return [body.prompt]
+    if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+        return list(body.prompt)  # type: ignore[arg-type]
+    tokenizer = gen.tokenizer
+    if tokenizer is None:
+        raise ApiError(400, "echo: this model has no tokenizer to turn token ids into text")
+    return [tokenizer.decode(ids) for ids in prompts]
 
-    return api
+
+@router.post(
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses=GENERATION_ERRORS,
+)
+async def completions(body: CompletionRequest, request: Request, ctx: Context) -> Response:
+    """OpenAI completions, streamed as server-sent events with `stream: true`."""
+    gen = Generation.for_request(ctx, "cmpl", body, body.max_tokens)
+    _refuse_unsupported(body)
+    prompts = await prompt_list(gen, body)
+    echo = echoes(gen, body, prompts)
+    params = gen.sampling(body, body.max_tokens, body.logprobs)
+    opened = await gen.open(prompts, params, body.n, body.cache_salt)
+    shaper = _Shaper(gen, body, prompts, echo)
+    return await gen.answer(opened, request, shaper, body.stream)
 
 
 def _refuse_unsupported(body: CompletionRequest) -> None:

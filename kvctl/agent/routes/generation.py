@@ -17,7 +17,6 @@ every choice still running is aborted, so its pages are released instead of comp
 from __future__ import annotations
 
 import asyncio
-import copy
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -27,11 +26,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from kvctl.agent.http_context import ERRORS, ApiError, ServerContext
 from kvctl.agent.model.processing import TokenLogprobs
 from kvctl.agent.model.sampling import SamplingParams
 from kvctl.agent.model.tokenizer import Span, Tokenizer
 from kvctl.agent.model_pool import ModelPool
-from kvctl.agent.routes.ops import ERRORS
 from kvctl.agent.runtime import (
     Engine,
     RequestRefused,
@@ -41,7 +40,6 @@ from kvctl.agent.runtime import (
 )
 from kvctl.agent.runtime import Request as EngineRequest
 from kvctl.agent.served import ServedModel
-from kvctl.agent.server import ApiError, ServerContext
 from kvctl.agent.service import QueueFull, RequestStream, ShuttingDown, UnknownPool
 from kvctl.api import GenerationFields, PromptTokensDetails, Usage
 
@@ -108,17 +106,19 @@ class Shaper(Protocol):
 
 
 class Generation:
-    """The shared steps of an OpenAI generation route, bound to one agent, and by
-    `check_request` to the model a request names (its pool)."""
+    """The shared steps of an OpenAI generation route, bound to one request's model (its pool):
+    `for_request` checks the request and binds them."""
 
-    def __init__(self, ctx: ServerContext, prefix: str, pool: ModelPool | None = None) -> None:
+    def __init__(
+        self, ctx: ServerContext, prefix: str, pool: ModelPool, tokens_as_ids: bool = False
+    ) -> None:
         self.ctx = ctx
         self.service = ctx.service
         self.config = ctx.config
         self.prefix = prefix
-        self.pool = pool or self.service.first
-        self.tokens_as_ids = False  # a request's return_tokens_as_token_ids, once bound
-        self._tokenizing = asyncio.Semaphore(1)
+        self.pool = pool
+        self.tokens_as_ids = tokens_as_ids  # the request's return_tokens_as_token_ids
+        self._tokenizing = ctx.tokenizing(prefix)
 
     @property
     def served(self) -> ServedModel:
@@ -136,21 +136,25 @@ class Generation:
         self.pool.rejected.add(reason)
         return ApiError(status, message, param=param)
 
-    def check_request(self, body: GenerationFields, max_tokens: int | None) -> Generation:
-        """These steps bound to the model `body` names; 503 while draining, 404 for a model not
-        served here (400 for none when several are), 400 over the token limit or for an output
-        field the model cannot honour."""
-        if not self.service.accepting:
-            raise self.refuse(503, "shutting_down", "the agent is shutting down")
+    @classmethod
+    def for_request(
+        cls, ctx: ServerContext, prefix: str, body: GenerationFields, max_tokens: int | None
+    ) -> Generation:
+        """The steps bound to the model `body` names (request ids start with `prefix`); 503
+        while draining, 404 for a model not served here (400 for none when several are), 400
+        over the token limit or for an output field the model cannot honour."""
+        service = ctx.service
+        if not service.accepting:
+            # counted on the first configured pool, whichever model the body names
+            first = next(iter(service.pools.values()))
+            raise cls(ctx, prefix, first).refuse(503, "shutting_down", "the agent is shutting down")
         try:
-            pool = self.service.pool(body.model)
+            pool = service.pool(body.model)
         except UnknownPool as unknown:
             message = str(unknown) if body.model else f"{unknown}; give `model`"
             kind = "model_not_found" if body.model else "model_required"
             raise ApiError(404 if body.model else 400, message, error_type=kind) from None
-        bound = copy.copy(self)
-        bound.pool = pool
-        bound.tokens_as_ids = bool(body.return_tokens_as_token_ids)
+        bound = cls(ctx, prefix, pool, bool(body.return_tokens_as_token_ids))
         bound.check_limits(max_tokens)
         bound.check_output(body)
         return bound

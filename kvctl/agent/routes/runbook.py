@@ -20,12 +20,10 @@ def runbook_text() -> str:
     return resources.files("kvctl.alerts").joinpath("runbook.md").read_text(encoding="utf-8")
 
 
-def router() -> APIRouter:
-    api = APIRouter()
+router = APIRouter()
 
-    @api.get("/runbook", response_class=PlainTextResponse)
-    async def runbook() -> PlainTextResponse:
-        """The alert runbook as Markdown (docs/alerts.md), without a token."""
-        return PlainTextResponse(runbook_text(), media_type="text/markdown; charset=utf-8")
 
-    return api
+@router.get("/runbook", response_class=PlainTextResponse)
+async def runbook() -> PlainTextResponse:
+    """The alert runbook as Markdown (docs/alerts.md), without a token."""
+    return PlainTextResponse(runbook_text(), media_type="text/markdown; charset=utf-8")
