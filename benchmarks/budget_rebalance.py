@@ -1,9 +1,9 @@
 """Three models' KV pools sharing one budget: the agent's rebalancer against a static split.
 
-Runs `kvctl simulate --scenario budget` (`kvctl/simulate/budget.py`: Llama-2-70B, Mistral-7B
-and Gemma-2B sharing one GPU's KV memory, on real `PagePool`s with `AutoDefrag` and `PoolResizer`, the
-rebalancing side under the agent's `KvBudget` and `Rebalancer` with its default settings) over
-several seeds per load mix. Each seed is one request stream, replayed on both sides (paired
+Runs `kvctl simulate --scenario budget` (`kvctl/simulate/budget.py`: Llama-2-70B, Mistral-7B and
+Gemma-2B sharing one GPU's KV memory, on real `PagePool`s with `AutoDefrag` and `PoolResizer`,
+the rebalancing side under the agent's `KvBudget` and `Rebalancer` with its default settings)
+over several seeds per load mix. Each seed is one request stream, replayed on both sides (paired
 seeds): the per-seed ratio and difference (rebalancing against static) cancel what the stream
 itself does, and their median with min–max says how far to trust them. The figures are counts in
 simulated steps, not timings, so they are the same on every machine; only the run time is not.

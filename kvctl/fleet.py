@@ -178,16 +178,17 @@ async def read_agent(
 ) -> Reading:
     """Health, pools and alerts of one agent, read concurrently, showing pool `pool` (None or
     a pool it does not serve: its first); with `with_map`, the page map of that pool too."""
-    calls = [client.health(), client.pools(), client.alerts()]
-    if with_map:
-        calls.append(_page_map(client, pool))
     try:
-        health, listing, alerts, *rest = await asyncio.gather(*calls)
+        health, listing, alerts, page_map = await asyncio.gather(
+            client.health(),
+            client.pools(),
+            client.alerts(),
+            _page_map(client, pool) if with_map else _nothing(),
+        )
         pools = list(listing.pools)
         if not pools:
             raise AgentProtocolError(client.url, f"agent {client.url}: it lists no pool")
         shown = next((p for p in pools if p.pool == pool), pools[0])
-        page_map = rest[0] if rest else None
         if with_map and not map_of(page_map, shown.pool):  # its pools were not known yet
             page_map = await client.pool_map(shown.pool if len(pools) > 1 else None)
     except AgentError as error:
@@ -205,6 +206,10 @@ async def read_agent(
         budget_bytes=listing.budget_bytes,
         assigned_bytes=listing.assigned_bytes,
     )
+
+
+async def _nothing() -> None:
+    """The page map not asked for."""
 
 
 async def _page_map(client: AsyncAgentClient, pool: str | None) -> PoolMap | None:
@@ -291,14 +296,14 @@ async def _read_exposition(
         return Reading(agent=client.url, engine=engine or KVCTL, error=what)
     name = engine or detect(exposition)
     if name is None or name == KVCTL:
-        what = "shows no known engine" if name is None else "is a kvctl agent's"
-        error = NotAnAgent(client.url, f"{client.url}{path} {what}", reason="no known engine")
-        return Reading(agent=client.url, error=error)
+        said = "shows no known engine" if name is None else "is a kvctl agent's"
+        unknown = NotAnAgent(client.url, f"{client.url}{path} {said}", reason="no known engine")
+        return Reading(agent=client.url, error=unknown)
     spec = BY_NAME[name]
     if engine is not None and spec.marker not in exposition:
         message = f"{client.url}{path} has no {spec.marker}; is it {spec.title}?"
-        error = NotAnAgent(client.url, message, reason=f"not {spec.title}")
-        return Reading(agent=client.url, engine=name, error=error)
+        other = NotAnAgent(client.url, message, reason=f"not {spec.title}")
+        return Reading(agent=client.url, engine=name, error=other)
     before = {row.model: row for row in previous.models} if previous is not None else {}
     rows = [between(before.get(row.model), row) for row in engine_rows(spec, exposition)]
     shown = next((row for row in rows if row.model == model), rows[0])

@@ -19,7 +19,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -39,7 +39,11 @@ AGENT_ALERTS = "kvctl_alerts_active"
 """The agents' own alerts, which reach Alertmanager from the agent and so are not in ALERTS."""
 ROW_LABELS = ("job", "instance", MODEL_LABEL)
 
-SEVERITIES = ("info", "warning", "critical")
+SEVERITIES: dict[str, Literal["info", "warning", "critical"]] = {
+    "info": "info",
+    "warning": "warning",
+    "critical": "critical",
+}
 _NOT_ALERT_LABELS = ("__name__", "alertstate", "state")
 _SELECTOR = re.compile(r"^\{(?P<inner>.*)\}$", re.DOTALL)
 
@@ -362,10 +366,10 @@ def _alerts(series: Sequence[Series]) -> dict[str, tuple[Alert, ...]]:
     out: dict[str, list[Alert]] = {}
     for s in series:
         labels = s.labels
-        severity = labels.get("severity")
+        severity = SEVERITIES.get(labels.get("severity", ""), "warning")
         alert = Alert(
             name=labels.get("alertname", "?"),
-            severity=severity if severity in SEVERITIES else "warning",
+            severity=severity,
             state="firing",
             value=None,
             summary="",

@@ -343,12 +343,19 @@ def post_test_alert(
 
 
 def _exchange(
-    client: httpx.Client, method: str, url: str, refusal: str, **request: object
+    client: httpx.Client,
+    method: str,
+    url: str,
+    refusal: str,
+    json: object = None,
+    params: dict[str, str] | None = None,
 ) -> httpx.Response:
     """One call to Alertmanager's alerts endpoint; failures become one-line AlertmanagerErrors."""
     with client:
         try:
-            response = client.request(method, url.rstrip("/") + ALERTS_PATH, **request)
+            response = client.request(
+                method, url.rstrip("/") + ALERTS_PATH, json=json, params=params
+            )
         except httpx.HTTPError as error:
             raise AlertmanagerError(
                 f"cannot reach Alertmanager at {url}: {_clause(error)}; "

@@ -117,7 +117,7 @@ class TierHistory:
     def update(self, now: float, snapshot: api.PoolSnapshot) -> dict[str, TierWindow]:
         """Record this snapshot's tiers; what each did over the window (tiers with under two
         samples are left out, and a tier gone from the snapshot loses its history)."""
-        out = {}
+        out: dict[str, TierWindow] = {}
         listed = {tier.tier for tier in snapshot.tiers}
         for name in self._windows.keys() - listed:
             del self._windows[name]

@@ -197,9 +197,8 @@ class Chat:
         return poisson_gaps(rng, rate)
 
 
-PROFILES: dict[str, Profile] = {
-    profile.name: profile for profile in (Chat(), RandomLengths(), LongContext(), Burst())
-}
+_ALL: tuple[Profile, ...] = (Chat(), RandomLengths(), LongContext(), Burst())
+PROFILES: dict[str, Profile] = {profile.name: profile for profile in _ALL}
 
 
 def generate(

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Unit = Literal["", "ratio", "seconds", "pages", "extents", "per minute"]
+Unit = Literal["", "ratio", "seconds", "pages", "extents", "per minute", "tokens"]
 
 
 def setting(

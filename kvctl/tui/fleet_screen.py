@@ -102,7 +102,7 @@ class FleetScreen(Screen[None]):
             self.sort = Sort()  # its pool column went with the last agent that had several
         kept = [r for r in rows if fleet_rows.matches(r, self.filter_text)]
         self.shown = fleet_rows.sort_rows(kept, self.sort)
-        names = [label for r in rows if several and (label := fleet_rows.pool_label(r))]
+        names = [name for r in rows if several and (name := fleet_rows.pool_label(r))]
         widths = fleet_rows.widths(total, [r.agent for r in self.readings], names)
         table.clear(columns=True)
         for column in shown:

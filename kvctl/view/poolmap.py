@@ -94,7 +94,7 @@ def ruler(pool_map: PoolMap, width: int) -> Text:
 
 def legend(pool_map: PoolMap) -> Text:
     """Page counts per state, coloured like the strip."""
-    counts = {"used": 0, "cached": 0, "free": 0}
+    counts: dict[str, int] = {"used": 0, "cached": 0, "free": 0}
     for state, _start, length in pool_map.runs:
         counts[state] += length
     text = Text()

@@ -278,7 +278,7 @@ def fleet_table(readings: Sequence[Reading], width: int = WIDE_FLEET) -> Table:
         rows = [(row[0], row[1], _cut(row[2], pool), *row[3:]) for row in rows]
     left = width - state - sum(max(w, len(c)) for c, w in numbers.items())
     left -= _GAP * (len(numbers) + 2 + named) + pool
-    alerts = max(6, min(max((len(row[-1]) for row in rows), default=6), max(12, left // 2)))
+    alerts = max(6, min(max((_width(row[-1]) for row in rows), default=6), max(12, left // 2)))
     longest = max((len(str(row[0])) for row in rows), default=8)
     agent = max(8, min(longest, left - alerts))
     rows = [(_cut(row[0], agent), *row[1:-1], _cut(row[-1], alerts)) for row in rows]
@@ -293,6 +293,12 @@ def fleet_table(readings: Sequence[Reading], width: int = WIDE_FLEET) -> Table:
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def _width(cell: RenderableType) -> int:
+    """The cells a text cell takes (its longest line)."""
+    text = Text(cell) if isinstance(cell, str) else cell
+    return max((len(line) for line in text.split("\n")), default=0) if isinstance(text, Text) else 0
 
 
 def _pool_name(reading: Reading) -> str:
