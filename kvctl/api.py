@@ -48,6 +48,12 @@ MAX_JSON_DEPTH = 64
 Python's JSON parser and the validators recurse once per level, so a body nested many thousand
 levels deep would exhaust the stack instead of being refused."""
 
+POOL_REQUIRED = "pool_required"
+"""The error `type` of a single-pool route on an agent serving several models (409): how a
+command without `--pool` learns the agent's pools."""
+UNKNOWN_POOL = "unknown_pool"
+"""The error `type` of a named pool's route for a pool the agent does not have (404), as
+against a route that does not exist."""
 INVALID_TEXT = "invalid_text"
 """The validation error type of a string that is not valid Unicode (a lone surrogate): a 400
 naming the field (kvctl.agent.server)."""

@@ -28,6 +28,8 @@ from pydantic import BaseModel, ValidationError
 from kvctl import __version__
 from kvctl.api import (
     DEFAULT_PORT,
+    POOL_REQUIRED,
+    UNKNOWN_POOL,
     AlertList,
     ChatCompletionRequest,
     CompletionRequest,
@@ -184,12 +186,6 @@ def pool_route(single: Endpoint[M], named: Endpoint[M], pool: str | None) -> End
     """The route of the pool `pool`, or the agent's only pool when None (an agent with several
     answers that one with 409 naming them, which is how a command without `--pool` learns)."""
     return single if pool is None else named.named(pool)
-
-
-POOL_REQUIRED = "pool_required"
-"""The error `type` of an agent's 409 from a single-pool route when it serves several models."""
-UNKNOWN_POOL = "unknown_pool"
-"""The error `type` of an agent's 404 for a pool it does not have (not for a missing route)."""
 
 
 @functools.cache

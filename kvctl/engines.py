@@ -66,6 +66,11 @@ class Engine:
     metrics_path: str = "/metrics"
     """Where it serves the Prometheus text."""
 
+    @property
+    def alert_prefix(self) -> str:
+        """The start of the names of its alerts in the rule files: "Vllm", "Sglang"."""
+        return self.name.capitalize()
+
     def exports(self, headline: str) -> bool:
         """Whether it exports the figure of a headline ("alloc success", "fragmentation",
         "utilisation", "prefix hits") or "preemptions": an absent figure of one it exports

@@ -37,7 +37,6 @@ KVCTL_POOL_LABEL = "pool"
 KVCTL_PAGE_TOKENS = "kvctl_pool_page_size_tokens"
 AGENT_ALERTS = "kvctl_alerts_active"
 """The agents' own alerts, which reach Alertmanager from the agent and so are not in ALERTS."""
-ROW_LABELS = ("job", "instance", MODEL_LABEL)
 
 SEVERITIES: dict[str, Literal["info", "warning", "critical"]] = {
     "info": "info",
@@ -417,12 +416,15 @@ def _figures(engine: str, row: Mapping[str, float | None]) -> Figures:
 
 
 def _down(job: str, instance: str, alerts: tuple[Alert, ...]) -> Reading:
-    what = f"Prometheus could not scrape it (up == 0, job {job})" if job else "no figures"
-    error = AgentUnreachable(_url(instance), f"{_url(instance)}: {what}", reason=_DOWN)
-    return Reading(agent=_url(instance), source="prometheus", alerts=alerts, error=error)
+    agent = _url(instance)
+    message = f"{agent}: Prometheus could not scrape it (up == 0, job {job})"
+    return unseen(agent, message, "scrape failing (up == 0)", alerts)
 
 
-_DOWN = "scrape failing (up == 0)"
+def unseen(agent: str, message: str, reason: str, alerts: tuple[Alert, ...] = ()) -> Reading:
+    """The row of a node Prometheus has no figures of, saying why."""
+    error = AgentUnreachable(agent, message, reason=reason)
+    return Reading(agent=agent, source="prometheus", alerts=alerts, error=error)
 
 
 def read_prometheus_once(

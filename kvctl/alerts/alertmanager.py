@@ -25,6 +25,7 @@ import httpx
 
 from kvctl import api
 from kvctl.alerts.catalog import RULES_RUNBOOK_BASE, runbook_url
+from kvctl.engines import ENGINES
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ ALERTS_PATH = "/api/v2/alerts"
 TEST_ALERT = "KvctlTestAlert"
 ENDS_AT_RESENDS = 4
 """A firing alert's `endsAt` is this many resend intervals ahead (Prometheus does the same)."""
+KVCTL_ALERT_PREFIXES = ("Kvctl", *(engine.alert_prefix for engine in ENGINES))
+"""The names kvctl's alerts start with: its agents' and those of its engine rule files."""
 PERMANENT_STATUSES = frozenset({400, 422})
 """Alertmanager rejected the alerts themselves; posting them again cannot succeed."""
 
@@ -380,10 +383,11 @@ def fetch_alerts(
     timeout: float = 5.0,
 ) -> list[dict]:
     """The alerts Alertmanager holds (`kvctl alerts list --from-am URL`), as API v2 returns them:
-    active and not silenced or inhibited by default, kvctl's own (alertname Kvctl*) only."""
+    active and not silenced or inhibited by default, kvctl's own only: its agents' (Kvctl*) and
+    those of its rule files for engines (Vllm*, Sglang*, ...)."""
     params = {"active": "true", "silenced": "false", "inhibited": "false"} if active_only else {}
     if kvctl_only:
-        params["filter"] = 'alertname=~"Kvctl.+"'
+        params["filter"] = f'alertname=~"({"|".join(KVCTL_ALERT_PREFIXES)}).+"'
     client = make_client(
         transport=transport,
         basic_auth=basic_auth,

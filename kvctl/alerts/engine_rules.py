@@ -57,8 +57,7 @@ class EngineProfile:
 
     @property
     def prefix(self) -> str:
-        """The start of its alerts' names: "Vllm", "Sglang"."""
-        return self.engine.name.capitalize()
+        return self.engine.alert_prefix
 
     @property
     def words(self) -> dict[str, str]:

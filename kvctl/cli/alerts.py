@@ -38,7 +38,8 @@ def list_alerts(
         typer.Option(
             "--from-am",
             metavar="URL",
-            help="Read kvctl's alerts from this Alertmanager instead of the agents.",
+            help="Read kvctl's alerts (its agents' and its engine rule files') from this "
+            "Alertmanager instead of the agents.",
         ),
     ] = None,
     agent: AgentOption = None,

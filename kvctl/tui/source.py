@@ -13,10 +13,10 @@ from dataclasses import replace
 from typing import Protocol
 
 from kvctl.api import DefragResult, ResizeRequest, ResizeResult
-from kvctl.client import DEFAULT_TIMEOUT, AgentUnreachable, AsyncAgentClient
+from kvctl.client import DEFAULT_TIMEOUT, AsyncAgentClient
 from kvctl.engines import KVCTL
 from kvctl.fleet import Fleet, Reading
-from kvctl.prometheus_fleet import PrometheusError, PrometheusFleet
+from kvctl.prometheus_fleet import PrometheusError, PrometheusFleet, unseen
 
 
 class DataSource(Protocol):
@@ -114,14 +114,14 @@ class PrometheusSource:
         try:
             readings = await self._prometheus.read()
         except PrometheusError as error:
-            return [_failed(agent, str(error), "Prometheus unreachable") for agent in self._agents]
+            return [unseen(agent, str(error), "Prometheus unreachable") for agent in self._agents]
         by_agent = {reading.agent: reading for reading in readings}
         self._agents.extend(agent for agent in by_agent if agent not in self._agents)
         if focus is not None and focus in by_agent:
             by_agent[focus] = await self._read_directly(by_agent[focus], pools)
         gone = "not in Prometheus's answer (target removed, or outside --selector)"
         return [
-            by_agent.get(a) or _failed(a, f"{a}: {gone}", "gone from Prometheus")
+            by_agent.get(a) or unseen(a, f"{a}: {gone}", "gone from Prometheus")
             for a in self._agents
         ]
 
@@ -153,7 +153,3 @@ class PrometheusSource:
         await self._prometheus.aclose()
         for fleet in self._direct.values():
             await fleet.aclose()
-
-
-def _failed(agent: str, message: str, reason: str) -> Reading:
-    return Reading(agent=agent, source="prometheus", error=AgentUnreachable(agent, message, reason))

@@ -17,6 +17,7 @@ from fastapi.routing import APIRoute
 from pool_readings import pool_snapshot, tier_reading
 from starlette.requests import Request
 
+from kvctl import api
 from kvctl.agent.audit import AuditLog
 from kvctl.agent.config import AgentConfig
 from kvctl.agent.http_context import ApiError, ServerContext, context
@@ -227,13 +228,13 @@ def test_the_only_pool_is_served_without_a_name() -> None:
 
 def test_a_single_pool_route_on_several_pools_asks_for_a_name() -> None:
     error = refused(pools.pool(make_context("a", "b")))
-    assert (error.status_code, error.error_type) == (409, pools.POOL_REQUIRED)
+    assert (error.status_code, error.error_type) == (409, api.POOL_REQUIRED)
     assert "name one: /v1/pools/NAME" in error.detail
 
 
 def test_an_unknown_pool_is_404_naming_those_served() -> None:
     error = refused(pools.named_pool("nope", make_context("a", "b")))
-    assert (error.status_code, error.error_type) == (404, pools.UNKNOWN_POOL)
+    assert (error.status_code, error.error_type) == (404, api.UNKNOWN_POOL)
     assert "'a', 'a-alias', 'b', 'b-alias'" in error.detail
 
 

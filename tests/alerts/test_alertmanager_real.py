@@ -120,3 +120,15 @@ def test_posting_to_nothing_says_where_it_failed() -> None:
         AlertmanagerError, match=r"cannot reach Alertmanager at http://127\.0\.0\.1:9"
     ):
         post_test_alert("http://127.0.0.1:9", timeout=2)
+
+
+def test_the_listing_of_kvctls_alerts_includes_those_of_its_engine_rule_files(alertmanager) -> None:
+    """`kvctl alerts list --from-am` once said "no alerts" while VllmPreemptionStorm (from
+    alerts/vllm-rules.yml) was active: the filter knew only the agents' Kvctl* names."""
+    alerts = [
+        {"labels": {"alertname": name, "instance": "node-1:8000"}}
+        for name in ("VllmPreemptionStorm", "SglangEngineDown", "NodeDiskFull")
+    ]
+    httpx.post(f"{alertmanager.alertmanager_url}/api/v2/alerts", json=alerts).raise_for_status()
+    listed = sorted(a["labels"]["alertname"] for a in fetch_alerts(alertmanager.alertmanager_url))
+    assert listed == ["SglangEngineDown", "VllmPreemptionStorm"]

@@ -21,6 +21,8 @@ from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.pool import PoolError
 from kvctl.agent.service import AgentService, UnknownPool
 from kvctl.api import (
+    POOL_REQUIRED,
+    UNKNOWN_POOL,
     DefragRequest,
     DefragResult,
     PoolList,
@@ -30,11 +32,6 @@ from kvctl.api import (
     ResizeRequest,
     ResizeResult,
 )
-
-POOL_REQUIRED = "pool_required"
-"""The error `type` of a single-pool route on an agent serving several models (409)."""
-UNKNOWN_POOL = "unknown_pool"
-"""The error `type` of a named pool's route for a pool the agent does not have (404)."""
 
 router = APIRouter()
 
