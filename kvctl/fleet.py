@@ -349,6 +349,8 @@ class Fleet:
     clients: list[AsyncAgentClient] = field(init=False)
     engines: dict[str, str | None] = field(init=False)
     last: dict[str, Reading] = field(init=False, default_factory=dict)
+    found: set[str] = field(init=False, default_factory=set)
+    """URLs whose engine a read found rather than `--agent` named."""
 
     def __post_init__(self) -> None:
         nodes = [parse_node(url) for url in self.urls]
@@ -360,6 +362,14 @@ class Fleet:
     ) -> list[Reading]:
         readings = await read_fleet(self.clients, with_map, pools, self.engines, self.last)
         self.last.update((r.agent, r) for r in readings if r.up)
+        for reading in readings:  # found once, later polls read its exposition straight away
+            url = reading.agent
+            if reading.up and reading.engine != KVCTL and self.engines.get(url) is None:
+                self.engines[url] = reading.engine
+                self.found.add(url)
+            elif url in self.found and isinstance(reading.error, NotAnAgent):
+                self.engines[url] = None  # something else answers there now: look again
+                self.found.discard(url)
         return readings
 
     async def aclose(self) -> None:

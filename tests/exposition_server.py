@@ -340,6 +340,8 @@ class ExpositionServer:
             raise ValueError(f"unknown kinds {sorted(unknown)}: expected some of {KINDS}")
         self.clock = clock
         self.started = clock()
+        self.paths: list[str] = []
+        """Every request target answered, in order (what a client asked of the fleet)."""
         self._server = _Server((host, port), _Handler)
         self._server.answer = self.answer
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -371,6 +373,7 @@ class ExpositionServer:
 
     def answer(self, target: str) -> tuple[int, str, str]:
         """(status, content type, body) for the request target `target` (path and query)."""
+        self.paths.append(target)
         parts = urlsplit(target)
         path = parts.path
         if path in ("/metrics", "/prometheus/metrics") and parts.query:

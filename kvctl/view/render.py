@@ -271,6 +271,9 @@ def fleet_table(readings: Sequence[Reading], width: int = WIDE_FLEET) -> Table:
             for row, reading in zip(rows, shown, strict=True)
         ]
     numbers = {"capacity": 9, **_NUMBERS} if wide else _NARROW_NUMBERS
+    if wide and any(reading.source == "prometheus" for reading in shown):
+        # from Prometheus a count over the last 5m; read directly, one since the node started
+        numbers = {("preempt 5m" if k == "preempt" else k): w for k, w in numbers.items()}
     state = 5
     pool = 0
     if named:  # an engine's model name can be long: at most a sixth of the width

@@ -169,6 +169,7 @@ def test_a_selector_narrows_every_query(kvctl, prometheus) -> None:
     assert {e["engine"] for rows in entries(result).values() for e in rows} == {"vllm"}
     table = kvctl("status", *only_vllm)
     assert table.stdout.count("vLLM smollm") == 3
+    assert "preempt 5m" in table.stdout.splitlines()[0]  # not the count since start
 
 
 def test_a_selector_prometheus_refuses_is_a_usage_error(kvctl, prometheus) -> None:
@@ -182,3 +183,31 @@ def test_an_unreachable_prometheus_is_one_line(kvctl) -> None:
     result = kvctl("status", "--prometheus", f"http://127.0.0.1:{free_port()}")
     assert result.exit_code == ExitCode.UNREACHABLE
     assert result.stderr.startswith("kvctl: cannot reach Prometheus at")
+
+
+def test_a_node_found_to_be_an_engine_is_read_from_its_metrics_alone_from_then_on(nodes) -> None:
+    """`kvctl top` polls every second: asking a vLLM node the agent API each time was three
+    404s per poll before its /metrics."""
+    import asyncio
+
+    from kvctl.fleet import Fleet
+
+    url = node_url(nodes.url, 7, "vllm")
+
+    node = url.removeprefix(nodes.url)
+
+    async def two_reads() -> tuple[list[str], list[str]]:
+        fleet = Fleet([url])
+        try:
+            before = len(nodes.paths)
+            (first,) = await fleet.read()
+            middle = len(nodes.paths)
+            (second,) = await fleet.read()
+            assert first.engine == second.engine == "vllm" and second.up
+            return nodes.paths[before:middle], nodes.paths[middle:]
+        finally:
+            await fleet.aclose()
+
+    first, second = asyncio.run(two_reads())
+    assert f"{node}/healthz" in first  # the agent API was tried first
+    assert [p for p in second if p.startswith(node)] == [f"{node}/metrics"]
