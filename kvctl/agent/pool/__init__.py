@@ -11,9 +11,16 @@ from kvctl.agent.pool.defrag import (
     moves_needed,
     plan_moves,
 )
-from kvctl.agent.pool.errors import PoolError, PoolExhausted, ResizeRefused, UnknownSequence
+from kvctl.agent.pool.errors import (
+    InvariantViolated,
+    PoolCorrupted,
+    PoolError,
+    PoolExhausted,
+    ResizeRefused,
+    UnknownSequence,
+)
 from kvctl.agent.pool.extents import FreeExtents
-from kvctl.agent.pool.page_pool import CopyOnWrite, PagePool, PageTable, PoolCorrupted
+from kvctl.agent.pool.page_pool import CopyOnWrite, PagePool, PageTable
 from kvctl.agent.pool.resize import PoolResizer, ResizeResult, SegmentStore
 from kvctl.agent.pool.stats import PageRun, PageState
 
@@ -23,6 +30,7 @@ __all__ = [
     "DefragTrigger",
     "Defragmenter",
     "FreeExtents",
+    "InvariantViolated",
     "PageCopier",
     "PagePool",
     "PageRun",

@@ -5,6 +5,19 @@ class PoolError(Exception):
     """Base class of every error the pool raises on purpose."""
 
 
+class InvariantViolated(AssertionError):
+    """A structure's bookkeeping disagrees with itself: a bug, never a user error.
+
+    What every `check` and `check_invariants` raises (through a subclass naming the structure),
+    never a bare `assert`, which `python -O` removes. An `AssertionError`, so a hypothesis
+    machine reports it as a failed invariant.
+    """
+
+
+class PoolCorrupted(PoolError, InvariantViolated):
+    """An invariant of the page pool does not hold."""
+
+
 class PoolExhausted(PoolError):
     """No free pages are left for an allocation, even after evicting cached pages."""
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from kvctl.agent.pool.errors import PoolError, PoolExhausted, UnknownSequence
+from kvctl.agent.pool.errors import PoolCorrupted, PoolError, PoolExhausted, UnknownSequence
 from kvctl.agent.pool.extents import FreeExtents
 from kvctl.agent.pool.stats import PageRun, PageState, PageStates, PoolOccupancy
 
@@ -47,10 +47,6 @@ _LOOSE_REFILL = 64
 """Pages moved at once from the free runs to the loose pages when these run out."""
 _RESERVE_SHARE = 8
 """A reservation is at most 1/8 of the pool, so tiny pools keep their pages in plain view."""
-
-
-class PoolCorrupted(PoolError, AssertionError):
-    """An invariant of the pool does not hold: a bug, never a user error."""
 
 
 class PageTable:

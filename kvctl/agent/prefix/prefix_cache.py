@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import NamedTuple, Protocol
 
 from kvctl.agent.pool import PagePool, PageState
-from kvctl.agent.pool.page_pool import PoolCorrupted
+from kvctl.agent.pool.errors import PoolCorrupted
 from kvctl.agent.prefix.eviction import EVICTION_POLICIES, EvictionOrder, make_policy
 from kvctl.agent.prefix.radix_tree import PageOwners, RadixNode, RadixTree, relocate_pages
 
