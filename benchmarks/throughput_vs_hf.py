@@ -41,9 +41,9 @@ from paired import (
     verdict,
 )
 
-from kvctl.agent.main import default_torch_threads
 from kvctl.agent.model import SamplingParams
 from kvctl.agent.runtime import Engine, EngineConfig
+from kvctl.agent.wiring import default_torch_threads
 
 TARGET = 1.3
 

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvctl.agent.config import ConfigError, load_config
+from kvctl.agent.startup_settings import render_settings_docs
 from kvctl.settings import (
     FLAGS,
     SECTIONS,
@@ -208,7 +209,7 @@ def test_the_advertised_url_is_never_a_wildcard(monkeypatch) -> None:
 
 def test_the_settings_docs_are_generated_from_the_definition() -> None:
     docs = Path(__file__).parent.parent / "docs" / "settings.md"
-    assert docs.read_text() == render_markdown(), (
+    assert docs.read_text() == render_settings_docs(), (
         "docs/settings.md is stale: python -m kvctl.settings > docs/settings.md"
     )
     for key in SPECS:

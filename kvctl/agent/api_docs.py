@@ -118,8 +118,8 @@ def api_markdown(schema: dict[str, Any] | None = None) -> str:
 def agent_openapi() -> dict[str, Any]:
     """The OpenAPI schema of an agent on the demo model with a tiny pool (imports torch)."""
     from kvctl.agent.config import AgentConfig
-    from kvctl.agent.main import build_service
     from kvctl.agent.server import create_app
+    from kvctl.agent.wiring import build_service
 
     config = AgentConfig(pool_pages=8, segment_pages=8, torch_threads=1)
     app = create_app(build_service(config), config, run_engine=False)

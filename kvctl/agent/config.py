@@ -1,12 +1,15 @@
 """The agent's start-up configuration: command-line flags over an optional TOML file.
 
-Every flag of `kvctl-agent` is also a key of the TOML file (`--page-size` is `page_size`); a flag
-given on the command line wins. Runtime settings (kvctl.settings) come in three ways, in rising
-precedence: `[section]` tables of the TOML file, their named flags (`--alert-interval`, also a
-flat TOML key `alert_interval`), and `--set section.name=value`. Unknown keys, bad values and
-contradictory choices (two ways of sizing the pool, a public address without a token, a token
-written into the file) are refused before anything starts, with one line that names the key
-and what to write instead.
+Each field of `AgentConfig` is the whole definition of one start-up setting: its type, default,
+range, help and flag (`startup(...)`). kvctl.agent.startup_settings reads them to build the
+options of `kvctl-agent`, the keys the TOML file accepts and the "Start-up settings" part of
+docs/settings.md. A flag is its key with dashes (`--page-size` is `page_size`); a flag given on
+the command line wins over the file; a few settings are file-only. Runtime settings
+(kvctl.settings) come in three ways, in rising precedence: `[section]` tables of the TOML file,
+their named flags (`--alert-interval`, also a flat TOML key `alert_interval`), and
+`--set section.name=value`. Unknown keys, bad values and contradictory choices (two ways of
+sizing the pool, a public address without a token, a token written into the file) are refused
+before anything starts, with one line that names the key and what to write instead.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from kvctl import settings as runtime
 from kvctl.api import DEFAULT_PORT, MAX_COMPLETION_TOKENS
@@ -30,10 +34,20 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 KV_EVENTS_TOPIC = "kv@{hostname}@{model}"
 """The KV events' default topic: llm-d subscribes to `kv@` and reads `kv@POD@MODEL`."""
 DEFAULT_MAX_WAITING = 256
+DEFAULT_POOL_PAGES = 1024
+"""The pool's size when neither --pool-pages, --pool-memory, --gpu-memory-fraction nor
+--kv-budget sizes it."""
+DEFAULT_SEGMENTS = 8
+"""Segments in a pool whose segment size is not given: a segment is an eighth of its start size."""
+CEILING_FACTOR = 4
+"""A lone pool's ceiling without --max-pool-pages or --kv-budget: this many times its start size."""
+DEFAULT_DISK_TIER_BYTES = 10 << 30
+"""The disk tier's size when only --disk-tier-path is given."""
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 """Tokens one engine step computes at most (decode tokens + prompt chunks). A wave of prompts
 computed in one step keeps the matrix products compute-bound and the decode steps free of prompt
-chunks (docs/performance.md, "Scheduling")."""
+chunks (docs/performance.md, "Serving side by side with vLLM"; docs/architecture.md, "Chunked
+prefill: the token budget of a step")."""
 DEFAULT_LONG_PROMPT_TOKENS = 512
 """A prompt with more tokens than this left to compute is long: while other requests decode it is
 computed in capped chunks (`CPU_PREFILL_WHILE_DECODING`) so their streams do not stall."""
@@ -42,6 +56,30 @@ CPU_PREFILL_WHILE_DECODING = 32
 a CPU about as much as 1/30 of a whole decode step of a 135M model, so ~32 of them keep the
 streams' gap under 3x (docs/performance.md); a GPU computes hundreds for the price of one decode
 step."""
+
+StartupUnit = Literal["", "bytes", "seconds"]
+
+
+def startup(
+    default: Any,
+    help: str,
+    *,
+    flag: bool = True,
+    unit: StartupUnit = "",
+    default_text: str | None = None,
+    aliases: tuple[str, ...] = (),
+) -> Any:
+    """A start-up setting's field: its default, its help (one or more sentences, without the
+    default: the help and the docs add it), and how it is given.
+
+    `flag=False`: a key of the TOML file only. `unit`: "bytes" (the flag takes "2GiB"),
+    "seconds" (it takes "5m"). `default_text`: the default in words, where the field's default
+    (None: not given) is resolved later, e.g. "every core it may use". `aliases`: former names,
+    accepted as a key and as a flag."""
+    extra: dict[str, Any] = {"flag": flag, "unit": unit, "aliases": list(aliases)}
+    if default_text is not None:
+        extra["default_text"] = default_text
+    return Field(default, description=help, json_schema_extra={"startup": extra})
 
 
 class ConfigError(ValueError):
@@ -55,14 +93,29 @@ class ModelSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str | None = None  # the pool's name and the model's first served name
-    path: str = "demo"  # demo[:LAYERSxKV_HEADS], a checkpoint directory or a .gguf file
-    served_model_name: list[str] = []  # more names clients may ask for
-    pool_pages: Annotated[int, Field(ge=1)] | None = None
-    pool_memory: int | None = None
-    segment_pages: Annotated[int, Field(ge=1)] | None = None
-    min_pool_pages: Annotated[int, Field(ge=1)] | None = None  # the pool's floor
-    max_pool_pages: Annotated[int, Field(ge=1)] | None = None  # the pool's ceiling
+    name: str | None = Field(
+        default=None, description="The pool's name and the model's first served name."
+    )
+    path: str = Field(
+        default="demo",
+        description="demo[:LAYERSxKV_HEADS], a checkpoint directory or a .gguf file.",
+    )
+    served_model_name: list[str] = Field(default=[], description="More names clients may ask for.")
+    pool_pages: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="This pool's start size in pages."
+    )
+    pool_memory: int | None = Field(
+        default=None, description='This pool\'s start size in bytes ("2GiB").'
+    )
+    segment_pages: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="This pool's pages per segment."
+    )
+    min_pool_pages: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="The pool's floor: the budget never shrinks it below."
+    )
+    max_pool_pages: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="The pool's ceiling."
+    )
 
     @field_validator("pool_memory", mode="before")
     @classmethod
@@ -103,79 +156,221 @@ class ModelSpec(BaseModel):
 
 
 class AgentConfig(BaseModel):
-    """What `kvctl-agent` runs with (flags and TOML keys have the same names)."""
+    """What `kvctl-agent` runs with: one field per start-up setting (flags and TOML keys have
+    the same names); docs/settings.md lists them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, le=65535)] = DEFAULT_PORT
-    model: list[str] = ["demo"]  # one or several: PATH or NAME=PATH each
-    models: list[ModelSpec] = []  # [[models]] tables of the TOML file
-    served_model_name: list[str] = []  # names clients may ask for; the first is reported
-    kv_budget: int | None = None  # bytes all pools share; "12GiB" accepted
-    device: str = "cpu"
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    page_size: Annotated[int, Field(ge=1, le=4096)] = 16
-    pool_pages: Annotated[int, Field(ge=1)] | None = None
-    pool_memory: int | None = None  # bytes; "2GiB" accepted
-    gpu_memory_fraction: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    segment_pages: Annotated[int, Field(ge=1)] | None = None
-    max_pool_pages: Annotated[int, Field(ge=1)] | None = None
-    prefix_cache: bool = True
-    prefix_isolation: Literal["salt", "sampling"] = "salt"
-    host_tier_memory: int = 0  # bytes of host memory for evicted prefix pages; "8GiB" accepted
-    disk_tier_path: Path | None = None  # a directory for page files below the host tier
-    disk_tier_size: int | None = None  # bytes the disk tier may use; default 10GiB with a path
-    max_batch_seqs: Annotated[int, Field(ge=1, le=4096)] = 64
-    torch_threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # default: every core
-    decode_read_path: Literal["auto", "paged", "gather", "flex"] = "auto"
-    max_batched_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = DEFAULT_MAX_BATCHED_TOKENS
-    # prompts with more tokens left to compute are long (capped while requests decode)
-    long_prompt_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = DEFAULT_LONG_PROMPT_TOKENS
-    # tokens a step gives long prompts while requests decode; 0: no cap; default: 32 on CPU, else 0
-    max_prefill_while_decoding: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
-    max_tokens_limit: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] = 1024
-    max_prompt_tokens: Annotated[int, Field(ge=1)] = 8192
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 1 << 20
-    max_waiting: Annotated[int, Field(ge=1, le=1 << 20)] = DEFAULT_MAX_WAITING
-    header_timeout: float = 10.0  # seconds a client has to send a request's headers
-    body_timeout: float = 30.0  # seconds a client has to send a request's body
-    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection is kept
-    max_connections: Annotated[int, Field(ge=16, le=1 << 20)] = 2048
-    advertise_url: str | None = None  # default http://<hostname>:<port>
-    prometheus_job: str = "kvctl-agent"  # the `job` label of the agent's alerts
-    runbook_url: str | None = None  # base of alerts' runbook_url; default <advertise>/runbook
-    report_cached_tokens: bool = False  # usage.prompt_tokens_details.cached_tokens
-    kv_events_endpoint: str | None = None  # ZMQ PUB of the prefix cache's page events
-    kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER answering replay requests
-    kv_events_topic: str = KV_EVENTS_TOPIC  # {model} and {hostname} are filled in
-    token_file: Path | None = None
-    alertmanager_url: str | None = None
-    alertmanager_bearer_token_file: Path | None = None
-    alertmanager_basic_auth_user: str | None = None
-    alertmanager_basic_auth_password_file: Path | None = None
-    alertmanager_ca_file: Path | None = None
-    stats_window: float = 300.0  # the window of the success and hit ratios; "5m" accepted
-    shutdown_grace: float = 10.0
-    seed: int = 0
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    host: str = startup("127.0.0.1", "Address to bind.")
+    port: Annotated[int, Field(ge=0, le=65535)] = startup(DEFAULT_PORT, "Port.")
+    model: list[str] = startup(
+        ["demo"],
+        "`demo` (or demo:LAYERSxKV_HEADS), a checkpoint directory or a .gguf file; NAME=PATH "
+        "names it. Repeatable: several models, each with its own pool, share one KV budget.",
+    )
+    models: list[ModelSpec] = startup(
+        [],
+        "`[[models]]` tables, one per model with its own pool, instead of --model flags "
+        "(their keys are listed below).",
+        flag=False,
+        default_text="the --model flags",
+    )
+    served_model_name: list[str] = startup(
+        [],
+        "A name clients may give as `model` (repeatable; the first is the one reported).",
+        default_text="the model's name",
+    )
+    device: str = startup("cpu", "cpu, cuda or cuda:N.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = startup(
+        "auto", "auto, float32, float16, bfloat16."
+    )
+    page_size: Annotated[int, Field(ge=1, le=4096)] = startup(16, "Tokens per page.")
+    pool_pages: Annotated[int, Field(ge=1)] | None = startup(
+        None, "Pool size in pages.", default_text=str(DEFAULT_POOL_PAGES)
+    )
+    pool_memory: int | None = startup(None, "Pool size in bytes, e.g. 2GiB.", unit="bytes")
+    gpu_memory_fraction: Annotated[float, Field(gt=0.0, le=1.0)] | None = startup(
+        None, "Pool size as a share of free GPU memory."
+    )
+    kv_budget: int | None = startup(
+        None,
+        "Bytes all pools may hold together, e.g. 12GiB: with several models, memory moves "
+        "between their pools within it; with one, it is its pool's ceiling (and size unless "
+        "one is given).",
+        unit="bytes",
+        default_text="the sum of the pools' sizes",
+    )
+    segment_pages: Annotated[int, Field(ge=1)] | None = startup(
+        None, "Pages per segment.", default_text=f"pool/{DEFAULT_SEGMENTS}"
+    )
+    max_pool_pages: Annotated[int, Field(ge=1)] | None = startup(
+        None, "Largest pool.", default_text=f"{CEILING_FACTOR}x the initial size"
+    )
+    prefix_cache: bool = startup(True, "Reuse KV of shared prompt prefixes.")
+    prefix_isolation: Literal["salt", "sampling"] = startup(
+        "salt", "salt, or sampling (also key the cache by sampling settings)."
+    )
+    host_tier_memory: int = startup(
+        0,
+        "Host memory that keeps prefix pages evicted from the pool, e.g. 8GiB; 0: none "
+        "(pinned on CUDA; several models share it equally).",
+        unit="bytes",
+    )
+    disk_tier_path: Path | None = startup(
+        None,
+        "Directory for page files below the host tier (its *.kvpage files are removed at "
+        "start; several models: a directory each under it).",
+        default_text="none: no disk tier",
+    )
+    disk_tier_size: int | None = startup(
+        None,
+        "Bytes the disk tier may use (with --disk-tier-path).",
+        unit="bytes",
+        default_text=f"{DEFAULT_DISK_TIER_BYTES >> 30}GiB",
+    )
+    torch_threads: Annotated[int, Field(ge=1, le=1024)] | None = startup(
+        None, "CPU threads of torch.", default_text="every core it may use"
+    )
+    decode_read_path: Literal["auto", "paged", "gather", "flex"] = startup(
+        "auto",
+        "How decode reads K/V pages: paged (the CPU kernel, through the page table), flex "
+        "(FlexAttention through the page table), gather (copy them together first), or auto "
+        "(flex on CUDA, paged on a CPU where the kernels run, else gather).",
+    )
+    max_batch_seqs: Annotated[int, Field(ge=1, le=4096)] = startup(
+        64, "Most requests running at once."
+    )
+    max_batched_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = startup(
+        DEFAULT_MAX_BATCHED_TOKENS,
+        "Most tokens one engine step computes: decode tokens first, then chunks of prompts "
+        "(at least --max-batch-seqs).",
+        aliases=("max_batch_tokens",),
+    )
+    long_prompt_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = startup(
+        DEFAULT_LONG_PROMPT_TOKENS,
+        "A prompt with more tokens than this left to compute (after its cached prefix) is "
+        "long: it is computed in capped chunks while other requests decode (a prompt longer "
+        "than --max-batched-tokens is always long).",
+    )
+    max_prefill_while_decoding: Annotated[int, Field(ge=0, le=1 << 20)] | None = startup(
+        None,
+        "Most tokens a step gives long prompts (--long-prompt-tokens) while other requests "
+        "decode, so a long prompt does not stall their streams; 0: no cap.",
+        default_text=f"{CPU_PREFILL_WHILE_DECODING} on CPU, no cap on a GPU",
+    )
+    max_tokens_limit: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] = startup(
+        1024, "Largest `max_tokens` a request may ask for.", flag=False
+    )
+    max_prompt_tokens: Annotated[int, Field(ge=1)] = startup(
+        8192, "Longest prompt a request may send, in tokens.", flag=False
+    )
+    max_body_bytes: Annotated[int, Field(ge=1024)] = startup(
+        1 << 20, "Largest request body, in bytes.", flag=False
+    )
+    max_waiting: Annotated[int, Field(ge=1, le=1 << 20)] = startup(
+        DEFAULT_MAX_WAITING, "Most requests queued; more are answered 429."
+    )
+    header_timeout: float = startup(
+        10.0, "Time a client has to send a request's headers.", flag=False, unit="seconds"
+    )
+    body_timeout: float = startup(
+        30.0, "Time a client has to send a request's body.", flag=False, unit="seconds"
+    )
+    keep_alive_timeout: float = startup(
+        5.0, "Time an idle keep-alive connection is kept.", flag=False, unit="seconds"
+    )
+    max_connections: Annotated[int, Field(ge=16, le=1 << 20)] = startup(
+        2048,
+        "Most open connections (fitted to the open-file limit); past it the oldest idle ones "
+        "are closed.",
+        flag=False,
+    )
+    advertise_url: str | None = startup(
+        None,
+        "URL others reach this agent at: the `instance` of its alerts and the URL in their "
+        "commands.",
+        default_text="http://HOSTNAME:PORT",
+    )
+    prometheus_job: str = startup(
+        "kvctl-agent",
+        "The `job` label of this agent's alerts: the job Prometheus scrapes it as.",
+    )
+    runbook_url: str | None = startup(
+        None,
+        "Absolute base of the alerts' runbook_url.",
+        default_text="ADVERTISE-URL/runbook, served by this agent",
+    )
+    report_cached_tokens: bool = startup(
+        False,
+        "Report usage.prompt_tokens_details.cached_tokens (it tells one client whether "
+        "others sent the same prefix).",
+    )
+    kv_events_endpoint: str | None = startup(
+        None,
+        "Publish the prefix cache's page events in vLLM's KV-events format on this ZMQ "
+        "endpoint: tcp://127.0.0.1:5557 or tcp://*:5557 bind (every address needs a token), "
+        "tcp://HOST:PORT connects to a consumer (docs/kv-events.md).",
+        default_text="off",
+    )
+    kv_events_replay_endpoint: str | None = startup(
+        None,
+        "ZMQ ROUTER endpoint that replays recent event batches from a sequence number, e.g. "
+        "tcp://127.0.0.1:5558.",
+    )
+    kv_events_topic: str = startup(
+        KV_EVENTS_TOPIC,
+        "Topic of the KV events; {model} and {hostname} are filled in (llm-d reads the default).",
+    )
+    token_file: Path | None = startup(
+        None,
+        "File holding the bearer token.",
+        default_text="KVCTL_TOKEN, if set",
+    )
+    alertmanager_url: str | None = startup(None, "Push alerts to this Alertmanager.")
+    alertmanager_bearer_token_file: Path | None = startup(
+        None, "File holding the bearer token Alertmanager wants.", flag=False
+    )
+    alertmanager_basic_auth_user: str | None = startup(
+        None,
+        "User of Alertmanager's basic auth (with alertmanager_basic_auth_password_file).",
+        flag=False,
+    )
+    alertmanager_basic_auth_password_file: Path | None = startup(
+        None, "File holding the password of Alertmanager's basic auth.", flag=False
+    )
+    alertmanager_ca_file: Path | None = startup(
+        None, "CA bundle that Alertmanager's TLS certificate is checked against.", flag=False
+    )
+    stats_window: float = startup(300.0, "Window of the success and hit ratios.", unit="seconds")
+    shutdown_grace: float = startup(
+        10.0,
+        "Time running requests get to finish after SIGTERM; the rest are aborted.",
+        flag=False,
+        unit="seconds",
+    )
+    seed: int = startup(0, "Seed of torch's random numbers (sampling).", flag=False)
+    log_level: Literal["debug", "info", "warning", "error"] = startup(
+        "info", "debug, info, warning, error."
+    )
 
+    # Not start-up settings: filled in by load_config, never a flag or a TOML key.
     settings: dict[str, dict[str, Any]] = {}  # runtime settings given at start-up
     token: str | None = Field(default=None, exclude=True, repr=False)  # read from token_file/env
 
     @model_validator(mode="before")
     @classmethod
     def _aliases(cls, values: Any) -> Any:
-        """`max_batch_tokens` (the former key) is another name of `max_batched_tokens`."""
-        if isinstance(values, dict) and "max_batch_tokens" in values:
+        """A former key (`max_batch_tokens`) is another name of its setting's."""
+        if isinstance(values, dict) and ALIASES.keys() & values.keys():
             values = dict(values)
-            old = values.pop("max_batch_tokens")
-            if old is not None and values.get("max_batched_tokens") not in (None, old):
-                raise ValueError(
-                    "max_batch_tokens is another name of max_batched_tokens; give one of them"
-                )
-            if old is not None:
-                values["max_batched_tokens"] = old
+            for old_key, key in ALIASES.items():
+                if old_key not in values:
+                    continue
+                old = values.pop(old_key)
+                if old is not None and values.get(key) not in (None, old):
+                    raise ValueError(f"{old_key} is another name of {key}; give one of them")
+                if old is not None:
+                    values[key] = old
         return values
 
     @field_validator("model", mode="before")
@@ -192,10 +387,11 @@ class AgentConfig(BaseModel):
 
     @property
     def disk_tier_bytes(self) -> int:
-        """The disk tier's size: as given, 10 GiB with only a path, 0 without a path."""
+        """The disk tier's size: as given, DEFAULT_DISK_TIER_BYTES with only a path, 0 without
+        a path."""
         if self.disk_tier_path is None:
             return 0
-        return self.disk_tier_size if self.disk_tier_size is not None else 10 << 30
+        return self.disk_tier_size if self.disk_tier_size is not None else DEFAULT_DISK_TIER_BYTES
 
     @field_validator(
         "shutdown_grace",
@@ -423,6 +619,27 @@ class AgentConfig(BaseModel):
             return False
 
 
+def startup_extra(field: FieldInfo) -> dict[str, Any] | None:
+    """What `startup(...)` recorded on a field of AgentConfig; None for the two fields that are
+    not start-up settings (`settings`, `token`)."""
+    extra = field.json_schema_extra
+    found = extra.get("startup") if isinstance(extra, dict) else None
+    return found if isinstance(found, dict) else None
+
+
+STARTUP_KEYS: tuple[str, ...] = tuple(
+    name for name, field in AgentConfig.model_fields.items() if startup_extra(field) is not None
+)
+"""Every start-up setting's key (TOML key, and flag with dashes unless file-only), in order."""
+
+ALIASES: dict[str, str] = {
+    old: name
+    for name, field in AgentConfig.model_fields.items()
+    for old in (startup_extra(field) or {}).get("aliases", [])
+}
+"""Former keys, by the key they are another name of (`max_batch_tokens`: `max_batched_tokens`)."""
+
+
 def zmq_endpoint_binds(endpoint: str) -> bool:
     """Whether a KV-events endpoint is bound (True) or connected to (False), as vLLM decides,
     but loopback addresses bind too: `tcp://*:PORT`, `tcp://127.0.0.1:PORT`, `tcp://[::1]:PORT`,
@@ -468,14 +685,27 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
     values = {key.replace("-", "_"): value for key, value in data.items()}
-    if "max_batch_tokens" in values:  # the former name, so that a flag can override it
-        if "max_batched_tokens" in values:
+    for old, key in ALIASES.items():  # the former name, so that a flag can override it
+        if old not in values:
+            continue
+        if key in values:
             raise ConfigError(
-                f"config file {path}: max_batch_tokens is another name of max_batched_tokens; "
-                "give one of them"
+                f"config file {path}: {old} is another name of {key}; give one of them"
             )
-        values["max_batched_tokens"] = values.pop("max_batch_tokens")
+        values[key] = values.pop(old)
+    unknown = [key for key in values if key not in toml_keys() and key != "token"]  # refused later
+    if unknown:
+        raise ConfigError(f"config {path}: {unknown[0]}: {UNKNOWN_KEY}")
     return values
+
+
+UNKNOWN_KEY = "unknown setting; see docs/settings.md (or `kvctl-agent --help`) for the valid ones"
+
+
+def toml_keys() -> frozenset[str]:
+    """The top-level keys a TOML file may hold: every start-up setting, the runtime settings'
+    named flags (`alert_interval`) and their `[section]` tables."""
+    return frozenset(STARTUP_KEYS) | FLAG_KEYS.keys() | runtime.SECTIONS.keys()
 
 
 def _read_token(config: AgentConfig) -> str | None:
@@ -500,7 +730,7 @@ def _one_line(error: ValidationError, source: str) -> str:
     where = ".".join(str(part) for part in first["loc"]) or "config"
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        message = "unknown setting; see `kvctl-agent --help` for the valid ones"
+        message = UNKNOWN_KEY
     return f"{source}: {where}: {message}"
 
 

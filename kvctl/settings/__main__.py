@@ -1,7 +1,8 @@
-"""`python -m kvctl.settings > docs/settings.md`."""
+"""`python -m kvctl.settings > docs/settings.md`: the runtime settings (defined here), then the
+start-up settings (the fields of kvctl.agent.config.AgentConfig)."""
 
 import sys
 
-from kvctl.settings import render_markdown
+from kvctl.agent.startup_settings import render_settings_docs
 
-sys.stdout.write(render_markdown())
+sys.stdout.write(render_settings_docs())

@@ -578,7 +578,7 @@ def test_agent_refuses_a_bad_gguf_with_one_line(tmp_path: Path):
 
 def test_agent_builds_its_service_from_a_gguf(tmp_path: Path):
     from kvctl.agent.config import AgentConfig
-    from kvctl.agent.main import build_service
+    from kvctl.agent.wiring import build_service
 
     path = _good(tmp_path)
     threads = torch.get_num_threads()
