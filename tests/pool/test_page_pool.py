@@ -205,7 +205,7 @@ def test_shredded_free_space_is_handed_out_loose_and_filed_back_on_a_read() -> N
     p.free("x")  # back loose, counted free
     assert p.free_pages == 8
     assert p.stats().free_extents == 8  # a read files them into the free runs
-    assert p._loose == []
+    assert p._loose.pages == []
     p.check_invariants()
 
 

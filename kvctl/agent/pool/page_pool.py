@@ -9,33 +9,35 @@ Page states: a page is `used` while some page table references it (its reference
 number of tables), `cached` while only the prefix cache holds it, and `free` otherwise. Shared pages
 are read-only: appending into a shared, partly filled last page first copies it (copy-on-write).
 
-Growth reservations: decoding grows every running sequence one page at a time. When a sequence
-needs a page, it takes a short run of free pages, preferably the run right after its last page,
-uses the first and keeps the rest *reserved*: its next pages are then a counter bump, and they
-follow its last page, so the sequence stays one contiguous run (cheap to free, cheap to read).
-Reserved pages hold nothing: they count as free, and whoever needs them gets them back at once
-(an allocation that finds too few free pages reclaims reservations before it evicts cached
-pages or fails; the defragmenter releases the reservations in its way; a shrink releases all).
+The fast paths: decoding grows every running sequence one page at a time, so `append` takes a
+page reserved after the sequence's last page (`reservations`), or under pressure a loose page
+(`loose_pages`), inline, with no call and no extent touched; `allocate` takes one run inline.
 
 The owner index: for every page one table holds, `_owner` names that table; pages several
 tables hold list them in `_sharers`. A move (defragmentation) then rewrites exactly the tables
 that hold the moved pages, so its cost follows the pages moved, not the number of sequences.
 
 No torch and no I/O here, so the whole pool can be exercised in microseconds by tests and by the
-simulator.
+simulator. Its parts, each in its own module: `page_table` (what one sequence holds),
+`reservations` (growth reservations), `loose_pages` (pages handed out one by one),
+`relocation` (moving pages), `pool_check` (the invariant check).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from itertools import pairwise
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from kvctl.agent.pool.errors import PoolCorrupted, PoolError, PoolExhausted, UnknownSequence
+from kvctl.agent.pool import relocation
+from kvctl.agent.pool.errors import PoolError, PoolExhausted, UnknownSequence
 from kvctl.agent.pool.extents import FreeExtents
+from kvctl.agent.pool.loose_pages import LoosePages
+from kvctl.agent.pool.page_table import CopyOnWrite, PageTable, SeqId, runs_of
+from kvctl.agent.pool.pool_check import check_pool
+from kvctl.agent.pool.reservations import Reservations
 from kvctl.agent.pool.stats import PageRun, PageState, PageStates, PoolOccupancy
 
-SeqId = Hashable
+__all__ = ["DEFAULT_RESERVE_PAGES", "CopyOnWrite", "PagePool", "PageTable", "SeqId"]
+
 Evictor = Callable[[int], int]
 """Frees at least the given number of cached pages if it can; returns how many it freed."""
 RelocationListener = Callable[[dict[int, int]], None]
@@ -43,99 +45,6 @@ RelocationListener = Callable[[dict[int, int]], None]
 
 DEFAULT_RESERVE_PAGES = 128
 """Pages a growing sequence takes at once (one used now, the rest reserved for its next ones)."""
-_LOOSE_REFILL = 64
-"""Pages moved at once from the free runs to the loose pages when these run out."""
-_RESERVE_SHARE = 8
-"""A reservation is at most 1/8 of the pool, so tiny pools keep their pages in plain view."""
-
-
-class PageTable:
-    """The pages of one sequence, in token order, and how many tokens they hold.
-
-    The flags let the hot paths skip checks; each is conservative (False is always safe):
-    `writable`: the last page, if any, is held by this table alone and not by the prefix cache,
-    so tokens can be written into it without a copy. `private`: every page is held by this table
-    alone and none by the prefix cache, so `free` can return the pages run by run, where
-    `run_starts` holds the index in `pages` of each run's first page. `reserve_next` and
-    `reserve_end` bound the pages reserved for this sequence's growth, which follow its last page.
-    Pages from `loose_from` on came one at a time from the loose pages and go back there.
-    (A plain slotted class: one is built per request, on the allocation fast path.)
-    """
-
-    __slots__ = (
-        "loose_from",
-        "num_tokens",
-        "pages",
-        "private",
-        "reserve_end",
-        "reserve_next",
-        "room",
-        "run_starts",
-        "seq_id",
-        "writable",
-    )
-
-    def __init__(
-        self,
-        seq_id: SeqId,
-        pages: list[int],
-        num_tokens: int,
-        room: int,
-        shared: bool = False,
-        run_starts: Sequence[int] = (0,),
-    ) -> None:
-        self.seq_id = seq_id
-        self.pages = pages
-        self.num_tokens = num_tokens
-        self.room = room  # tokens the pages can hold: len(pages) * page_size
-        self.writable = self.private = not shared
-        self.run_starts = run_starts  # a tuple until a second run begins
-        self.reserve_next = self.reserve_end = 0
-        self.loose_from = -1  # pages from this index on were taken one by one (-1: none)
-
-    def __repr__(self) -> str:
-        return f"PageTable({self.seq_id!r}, pages={self.pages}, num_tokens={self.num_tokens})"
-
-    @property
-    def is_run(self) -> bool:
-        """The pages are one ascending run of consecutive ids that no one else holds."""
-        return self.private and self.loose_from < 0 and len(self.run_starts) <= 1
-
-    @property
-    def reserved(self) -> int:
-        return self.reserve_end - self.reserve_next
-
-
-@dataclass(frozen=True)
-class CopyOnWrite:
-    """Storage must copy page `src` to `dst` before the sequence writes into `dst`."""
-
-    src: int
-    dst: int
-
-
-def _runs_of(pages: Sequence[int]) -> Iterator[tuple[int, int]]:
-    """Split page ids into maximal ascending runs of consecutive ids."""
-    start = -1
-    length = 0
-    for p in pages:
-        if p == start + length:
-            length += 1
-        else:
-            if length:
-                yield start, length
-            start, length = p, 1
-    if length:
-        yield start, length
-
-
-def _run_starts(pages: Sequence[int]) -> list[int]:
-    """Indexes in `pages` where a maximal ascending run of consecutive ids begins."""
-    starts = [0]
-    for i in range(1, len(pages)):
-        if pages[i] != pages[i - 1] + 1:
-            starts.append(i)
-    return starts
 
 
 class PagePool:
@@ -167,7 +76,6 @@ class PagePool:
         self.page_size = page_size
         self.segment_pages = segment_pages
         self.bytes_per_page = bytes_per_page
-        self.reserve_pages = reserve_pages
         capacity = -(-num_pages // segment_pages) * segment_pages
         self.capacity = capacity
         self._ref = [0] * capacity
@@ -180,18 +88,18 @@ class PagePool:
         self._free = FreeExtents()
         self._free.give(0, capacity)
         self._tables: dict[SeqId, PageTable] = {}
-        self._reserving: dict[SeqId, PageTable] = {}  # tables with reserved pages
-        self._loose: list[int] = []  # free pages outside the free runs, handed out one by one
-        self._reserved = 0
+        self._reservations = Reservations(self._free, reserve_pages, capacity)
+        self._loose = LoosePages(self._free, self._ids)
         self.cached_pages = 0
-        self.alloc_attempts = 0
+        # allocations are counted where pages are claimed from the free runs (`_claims`) and
+        # where one fails; the reservations and loose pages count what they hand out, so the
+        # fast paths in `append` count nothing (see `alloc_attempts`)
+        self._claims = 0
         self.alloc_failures = 0
         self.contiguous_misses = 0
         self._evictor: Evictor | None = None
         self._listeners: list[RelocationListener] = []
         self._held = 0  # pages the prefix cache holds (used or not)
-        self._reserve = 1
-        self._size_reservations()
         self._ones = [[1] * n for n in range(65)]
         self._zeros = [[0] * n for n in range(65)]
 
@@ -210,11 +118,27 @@ class PagePool:
     @property
     def free_pages(self) -> int:
         """Pages holding nothing: in the free runs, loose, or reserved for a sequence's growth."""
-        return self._free.free_pages + len(self._loose) + self._reserved
+        return self._free.free_pages + len(self._loose.pages) + self._reservations.pages
 
     @property
     def reserved_pages(self) -> int:
-        return self._reserved
+        return self._reservations.pages
+
+    @property
+    def reserve_pages(self) -> int:
+        """The most pages a growing sequence takes at once (see `DEFAULT_RESERVE_PAGES`)."""
+        return self._reservations.limit
+
+    @property
+    def alloc_attempts(self) -> int:
+        """Allocations tried: pages claimed from the free runs, failures, and pages handed out
+        by the reservations and the loose pages (which count them, so the fast paths need not)."""
+        return (
+            self._claims
+            + self.alloc_failures
+            + self._reservations.handed_out
+            + self._loose.handed_out
+        )
 
     @property
     def used_pages(self) -> int:
@@ -257,14 +181,15 @@ class PagePool:
 
     def free_runs(self) -> list[tuple[int, int]]:
         """Free extents as (start, length), in increasing page order (reserved pages apart)."""
-        self._settle_loose()
+        self._loose.settle()
         return list(self._free.runs())
 
     def stats(self) -> PoolOccupancy:
         """One reading; loose pages are filed into the free runs first, so the fragmentation
         figures describe the free space as it is."""
-        self._settle_loose()
+        self._loose.settle()
         free = self._free
+        reserved = self._reservations.pages
         return PoolOccupancy(
             page_size=self.page_size,
             bytes_per_page=self.bytes_per_page,
@@ -273,14 +198,14 @@ class PagePool:
             capacity_pages=self.capacity,
             used_pages=self.used_pages,
             cached_pages=self.cached_pages,
-            free_pages=free.free_pages + self._reserved,
+            free_pages=free.free_pages + reserved,
             free_extents=len(free),
             largest_free_run=free.largest(),
             sequences=len(self._tables),
             alloc_attempts_total=self.alloc_attempts,
             alloc_failures_total=self.alloc_failures,
             contiguous_misses_total=self.contiguous_misses,
-            reserved_pages=self._reserved,
+            reserved_pages=reserved,
         )
 
     def page_map(self) -> list[PageRun]:
@@ -326,7 +251,7 @@ class PagePool:
         n = -(-num_tokens // self.page_size)
         start = self._free.take_run(n) if n else None
         if start is not None:  # the common case, kept short: one run of fresh pages
-            self.alloc_attempts += 1
+            self._claims += 1  # `_claim`, written out inline
             self._ref[start : start + n] = self._ones[n] if n <= 64 else [1] * n
             table = PageTable(seq_id, self._ids[start : start + n], num_tokens, n * self.page_size)
             self._owner[start : start + n] = [table] * n
@@ -366,27 +291,27 @@ class PagePool:
         elif table.writable and total <= room + self.page_size:  # one more page (so n > 0)
             page = table.reserve_next
             if page < table.reserve_end:
-                # the next reserved page: it follows the last one, so the run goes on
+                # the next reserved page: it follows the last one, so the run goes on (the
+                # reservations count it as handed out, from their own counters)
                 table.reserve_next = page + 1
+                reservations = self._reservations
+                reservations.pages -= 1
                 if page + 1 == table.reserve_end:
-                    del self._reserving[seq_id]
-                self._reserved -= 1
+                    del reservations.tables[seq_id]
                 self._ref[page] = 1
                 table.pages.append(page)
                 table.room = room + self.page_size
                 table.num_tokens = total
-                self.alloc_attempts += 1
                 return []
-            loose = self._loose
-            if loose and table.loose_from >= 0:
-                # under pressure: a loose page, as cheap as a free list's
+            if table.loose_from >= 0 and (loose := self._loose.pages):
+                # under pressure: a loose page, as cheap as a free list's (counted by the
+                # loose pages, as handed out, from their own counters)
                 page = loose.pop()
                 self._ref[page] = 1
                 self._owner[page] = table
                 table.pages.append(page)
                 table.room = room + self.page_size
                 table.num_tokens = total
-                self.alloc_attempts += 1
                 return []
         return self._append_slow(table, num_tokens)
 
@@ -401,7 +326,7 @@ class PagePool:
         copies: list[CopyOnWrite] = []
         cow = self._last_page_is_shared(table) if num_tokens else False
         # back to the free runs at once (not the fast lists), where `_take` finds it again
-        self._drop_reservation(table, at_once=True)
+        self._reservations.drop(table, at_once=True)
         if needed == 1 and not cow and table.private and self._grow_one(table) is not None:
             table.num_tokens += num_tokens
             table.writable = True
@@ -417,32 +342,24 @@ class PagePool:
         page (refilling the loose pages from the free runs, or from other reservations).
         """
         free = self._free
-        want = self._reserve
+        want = self._reservations.size
         pages = table.pages
         if table.loose_from < 0:
             if pages:
                 got = free.take_at(pages[-1] + 1, want)
                 if got:
-                    self.alloc_attempts += 1
                     self._add_pages(table, self._claim(pages[-1] + 1, 1, got, table), [0], 0, [])
                     return pages[-1]
             start = free.take_run(want) if want > 1 and free.free_pages >= want else None
             if start is not None:
-                self.alloc_attempts += 1
                 self._add_pages(table, self._claim(start, 1, want, table), [0], 0, [])
                 return pages[-1]
         loose = self._loose
-        if not loose:
-            taken = free.take_smallest(_LOOSE_REFILL)
-            if taken is None:
-                self._reclaim(1)
-                taken = free.take_smallest(_LOOSE_REFILL)
-                if taken is None:
-                    return None
-            start, got = taken
-            loose.extend(self._ids[start + got - 1 : start - 1 if start else None : -1])
-        page = loose.pop()
-        self.alloc_attempts += 1
+        if not loose.pages and not loose.refill():
+            self._reservations.reclaim(1)
+            if not loose.refill():
+                return None
+        page = loose.pages.pop()  # counted by the loose pages
         self._ref[page] = 1
         self._owner[page] = table
         if table.loose_from < 0:
@@ -526,7 +443,7 @@ class PagePool:
         if table is None:
             raise UnknownSequence(f"sequence {seq_id!r} is not in the pool")
         if table.reserve_end:
-            self._drop_reservation(table)
+            self._reservations.drop(table)
         pages = table.pages
         if not table.private:
             self._release(pages, table)
@@ -539,7 +456,7 @@ class PagePool:
             tail = pages[n:]
             for p in tail:
                 ref[p] = 0
-            self._loose.extend(tail)
+            self._loose.give_back(tail)
         if len(starts) == 1:
             if n:
                 start = pages[0]
@@ -552,52 +469,6 @@ class PagePool:
                 start = pages[lo]
                 ref[start : start + length] = self._zeros[length] if length <= 64 else [0] * length
                 give(start, length)
-
-    # ---- growth reservations ------------------------------------------------------------
-
-    def _size_reservations(self) -> None:
-        self._reserve = max(1, min(self.reserve_pages, self.capacity // _RESERVE_SHARE))
-
-    def release_reservations(self) -> int:
-        """Return every reserved page to the free extents (before a shrink); how many."""
-        released = self._reserved
-        while self._reserving:
-            self._drop_reservation(self._reserving.popitem()[1])
-        return released
-
-    def _drop_reservation(self, table: PageTable, at_once: bool = False) -> None:
-        """Give a table's unused reserved pages back; `at_once` merges them into the free runs
-        now instead of the fast lists."""
-        lo, hi = table.reserve_next, table.reserve_end
-        if lo < hi:
-            self._reserving.pop(table.seq_id, None)
-            table.reserve_next = table.reserve_end = 0
-            self._reserved -= hi - lo
-            (self._free.give_now if at_once else self._free.give)(lo, hi - lo)
-
-    def _settle_loose(self) -> None:
-        """File the loose pages into the free runs (sorted, as runs)."""
-        loose = self._loose
-        if loose:
-            loose.sort()
-            give = self._free.give_now
-            for start, length in _runs_of(loose):
-                give(start, length)
-            loose.clear()
-
-    def _reclaim(self, pages: int) -> None:
-        """Return reservations, newest first, until the free extents hold `pages` pages."""
-        free = self._free
-        reserving = self._reserving
-        while free.free_pages < pages and reserving:
-            self._drop_reservation(reserving.popitem()[1])
-
-    def _reserve_after(self, table: PageTable, page: int, length: int) -> None:
-        """Keep `[page, page + length)`, already out of the free extents, for `table`'s growth."""
-        table.reserve_next, table.reserve_end = page, page + length
-        self._reserved += length
-        self._reserving[table.seq_id] = table
-        self._owner[page : page + length] = [table] * length
 
     # ---- prefix-cache holds -------------------------------------------------------------
 
@@ -691,10 +562,10 @@ class PagePool:
                 if not ref[p]:
                     freed.append(p)
         self.cached_pages -= len(freed)
-        for start, length in _runs_of(sorted(freed)):
+        for start, length in runs_of(sorted(freed)):
             self._free.give(start, length)
 
-    # ---- moving pages (defragmentation) -------------------------------------------------
+    # ---- moving pages (defragmentation; see `relocation`) ----------------------------------
 
     def highest_occupied(self, below: int) -> int:
         """The highest used or cached page under `below`, or -1 if there is none.
@@ -702,28 +573,11 @@ class PagePool:
         Walks down from `below - 1`, jumping whole free runs; a reservation met on the way is
         released (its pages hold nothing), so the cost follows what is stepped over.
         """
-        free = self._free
-        self._settle_loose()
-        free.settle()
-        ref, cached, owner = self._ref, self._cached, self._owner
-        p = below - 1
-        while p >= 0:
-            if ref[p] or cached[p]:
-                return p
-            start = free.run_ending_at(p + 1)
-            if start is not None:
-                p = start - 1
-                continue
-            holder = owner[p]
-            if holder is None or not holder.reserve_next <= p < holder.reserve_end:
-                raise PoolCorrupted(f"page {p} is neither occupied, free nor reserved")
-            p = holder.reserve_next - 1  # its pages are free now, like everything above them
-            self._drop_reservation(holder)
-        return -1
+        return relocation.highest_occupied(self, below)
 
     def lowest_free_runs(self) -> Iterator[tuple[int, int]]:
         """Free extents lowest first, lazily (see `FreeExtents.lowest_runs`)."""
-        self._settle_loose()
+        self._loose.settle()
         return self._free.lowest_runs()
 
     def relocate(self, moves: Sequence[tuple[int, int]]) -> None:
@@ -733,48 +587,7 @@ class PagePool:
         in the free extents and each `src` occupied. Only the tables holding a moved page are
         touched (the owner index names them).
         """
-        mapping = dict(moves)
-        if len(mapping) != len(moves) or len(set(mapping.values())) != len(moves):
-            raise PoolError("relocate: a page appears twice in the moves")
-        ref, cached, owner, sharers = self._ref, self._cached, self._owner, self._sharers
-        for src, dst in moves:
-            if not (ref[src] or cached[src]):
-                raise PoolError(f"relocate: source page {src} is free")
-            if ref[dst] or cached[dst] or dst in mapping:
-                raise PoolError(f"relocate: destination page {dst} is not free")
-        dst_runs = list(_runs_of(sorted(mapping.values())))
-        for start, length in dst_runs:
-            if not self._free.covers(start, length):
-                raise PoolError(f"relocate: destination pages from {start} are not free")
-        for start, length in dst_runs:
-            self._free.take_range(start, length)
-        touched: dict[int, PageTable] = {}
-        for src, dst in moves:
-            r = ref[src]
-            ref[dst], ref[src] = r, 0
-            cached[dst], cached[src] = cached[src], 0
-            if r == 1:
-                holder = owner[src]
-                assert holder is not None
-                owner[dst] = holder
-                touched[id(holder)] = holder
-            elif r:
-                holders = sharers.pop(src)
-                sharers[dst] = holders
-                for holder in holders:
-                    touched[id(holder)] = holder
-        for table in touched.values():
-            last = table.pages[-1]
-            table.pages[:] = [mapping.get(p, p) for p in table.pages]
-            if table.private:
-                table.run_starts = _run_starts(table.pages)
-                table.loose_from = -1
-            if table.pages[-1] != last:
-                self._drop_reservation(table)
-        for start, length in _runs_of(sorted(mapping)):
-            self._free.give(start, length)
-        for listener in self._listeners:
-            listener(mapping)
+        relocation.relocate(self, moves)
 
     # ---- resizing -----------------------------------------------------------------------
 
@@ -791,7 +604,7 @@ class PagePool:
         self._owner.extend([None] * num_pages)
         self.capacity = old + num_pages
         self._free.give(old, num_pages)
-        self._size_reservations()
+        self._reservations.fit(self.capacity)
 
     def occupied_above(self, boundary: int) -> int:
         """Pages at or above `boundary` that are used or cached (what a shrink must move).
@@ -799,7 +612,7 @@ class PagePool:
         Releases the reservations first: they hold nothing and a shrink drops them anyway.
         """
         self.release_reservations()
-        self._settle_loose()
+        self._loose.settle()
         free_above = sum(
             min(length, start + length - boundary)
             for start, length in self._free.runs()
@@ -821,92 +634,18 @@ class PagePool:
         del self._cached[new_capacity:]
         del self._owner[new_capacity:]
         self.capacity = new_capacity
-        self._size_reservations()
+        self._reservations.fit(new_capacity)
 
-    # ---- invariants ---------------------------------------------------------------------
+    # ---- growth reservations and invariants ---------------------------------------------
+
+    def release_reservations(self) -> int:
+        """Return every reserved page to the free extents (before a shrink); how many."""
+        return self._reservations.release_all()
 
     def check_invariants(self) -> None:
-        """Raise `PoolCorrupted` if any bookkeeping disagrees with any other (a leak check)."""
-        counts = [0] * self.capacity
-        holders: dict[int, list[PageTable]] = {}
-        reserved = bytearray(self.capacity)
-        for p in self._loose:
-            if reserved[p]:
-                raise PoolCorrupted(f"page {p} is loose twice")
-            reserved[p] = 1
-        for table in self._tables.values():
-            self._check_table(table)
-            for p in table.pages:
-                if not 0 <= p < self.capacity:
-                    raise PoolCorrupted(f"sequence {table.seq_id!r} holds page {p} beyond the pool")
-                counts[p] += 1
-                holders.setdefault(p, []).append(table)
-            for p in range(table.reserve_next, table.reserve_end):
-                if counts[p] or reserved[p] or self._cached[p]:
-                    raise PoolCorrupted(f"reserved page {p} is also held")
-                reserved[p] = 1
-        if counts != self._ref:
-            raise PoolCorrupted("reference counts differ from the page tables")
-        for p, tables in holders.items():
-            if len(tables) == 1 and self._owner[p] is not tables[0]:
-                raise PoolCorrupted(f"page {p}: the owner index names the wrong table")
-            if len(tables) > 1 and sorted(map(id, self._sharers.get(p, []))) != sorted(
-                map(id, tables)
-            ):
-                raise PoolCorrupted(f"page {p}: the sharers differ from the tables holding it")
-        if any(self._ref[p] < 2 for p in self._sharers):
-            raise PoolCorrupted("a page listed as shared is held by fewer than two tables")
-        reserving = {t.seq_id for t in self._tables.values() if t.reserve_next < t.reserve_end}
-        if reserving != set(self._reserving) or sum(reserved) != self._reserved + len(self._loose):
-            raise PoolCorrupted("the reservations are miscounted")
-        free = bytearray(self.capacity)
-        previous_end = -1
-        for start, length in self._free.runs():
-            if start <= previous_end:
-                raise PoolCorrupted(f"free runs overlap or touch at page {start}")
-            previous_end = start + length
-            free[start : start + length] = b"\x01" * length
-        if previous_end > self.capacity:
-            raise PoolCorrupted("a free run extends past the capacity")
-        used = sum(1 for c in counts if c)
-        cached = sum(1 for p in range(self.capacity) if self._cached[p] and not counts[p])
-        for p in range(self.capacity):
-            held = counts[p] or self._cached[p] or reserved[p]
-            if bool(free[p]) == bool(held):
-                raise PoolCorrupted(f"page {p} is free and held, or neither")
-        if self._held != sum(self._cached):
-            raise PoolCorrupted("the count of cache-held pages is wrong")
-        if cached != self.cached_pages:
-            raise PoolCorrupted(f"{self.cached_pages} pages counted as cached, {cached} are")
-        if self.free_pages + used + cached != self.capacity:
-            raise PoolCorrupted("free + used + cached != capacity")
-
-    def _check_table(self, table: PageTable) -> None:
-        name = f"sequence {table.seq_id!r}"
-        pages = table.pages
-        if len(set(pages)) != len(pages):
-            raise PoolCorrupted(f"{name} holds a page twice")
-        if len(pages) != self.pages_for(table.num_tokens):
-            raise PoolCorrupted(f"{name}: pages do not match its tokens")
-        if table.room != len(pages) * self.page_size:
-            raise PoolCorrupted(f"{name}: its room is miscounted")
-        if pages and table.writable and (self._ref[pages[-1]] != 1 or self._cached[pages[-1]]):
-            raise PoolCorrupted(f"{name} is marked writable but its last page is shared")
-        if table.private and pages:
-            if not all(self._ref[p] == 1 and not self._cached[p] for p in pages):
-                raise PoolCorrupted(f"{name} is marked private but shares a page")
-            end = len(pages) if table.loose_from < 0 else table.loose_from
-            bounds = [*table.run_starts, end]
-            ordered = all(a < b for a, b in pairwise(bounds))
-            if end and (bounds[0] != 0 or not ordered):
-                raise PoolCorrupted(f"{name}: its run starts are out of order")
-            for lo, hi in pairwise(bounds):
-                if pages[lo:hi] != list(range(pages[lo], pages[lo] + hi - lo)):
-                    raise PoolCorrupted(f"{name}: a recorded run is not contiguous")
-        if table.reserve_next < table.reserve_end and (
-            not pages or table.reserve_next != pages[-1] + 1
-        ):
-            raise PoolCorrupted(f"{name}: its reservation does not follow its last page")
+        """Raise `PoolCorrupted` if any bookkeeping disagrees with any other (a leak check; see
+        `pool_check`)."""
+        check_pool(self)
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -926,68 +665,75 @@ class PagePool:
     def _take(
         self, n: int, table: PageTable, prefer_run: bool, extend: bool = False
     ) -> tuple[list[int], list[int] | None]:
-        """Take `n` free pages for `table`, one reference each; count the attempt and failures.
+        """Take `n` free pages for `table`, one reference each (counted as one allocation).
 
-        Reclaims reservations, then evicts cached pages when short. A growing sequence
-        (`extend`) first tries the run right after its last page and reserves a few more pages
-        from the run it takes. Otherwise prefers one run. Returns the pages and the indexes where
-        a run of consecutive ids begins; when no run fits, loose pages and None (the free space
-        is in shreds: taking and returning them one by one is then cheaper than splitting and
-        merging runs, and the smallest runs are spent first, so large ones stay whole).
+        Makes room first when short (`_make_room`). A growing sequence (`extend`) first tries
+        the run right after its last page and reserves a few more pages from the run it takes.
+        Otherwise prefers one run. Returns the pages and the indexes where a run of consecutive
+        ids begins; when no run fits, loose pages and None (the free space is in shreds: taking
+        and returning them one by one is then cheaper than splitting and merging runs, and the
+        smallest runs are spent first, so large ones stay whole).
         """
-        free = self._free
-        loose = self._loose
-        if n > free.free_pages + len(loose):
-            if n <= self.available_pages():
-                self._reclaim(n - len(loose))
-                if n > free.free_pages + len(loose):
-                    self.evict(n - free.free_pages - len(loose))
-            if n > free.free_pages + len(loose):
-                self.alloc_attempts += 1
-                self.alloc_failures += 1
-                raise PoolExhausted(
-                    f"need {n} pages, {self.free_pages} free and {self.cached_pages} "
-                    f"cached of {self.capacity}; grow the pool or wait for requests to finish"
-                )
-        self.alloc_attempts += 1
+        if n > self._free.free_pages + len(self._loose.pages):
+            self._make_room(n)
         if extend:
-            want = n + self._reserve - 1
-            pages = table.pages
-            if pages:
-                got = free.take_at(pages[-1] + 1, want)
-                if got >= n:
-                    return self._claim(pages[-1] + 1, n, got, table), [0]
-                if got:
-                    free.give_now(pages[-1] + 1, got)
-            taken = free.take_up_to(want, n)
-            if taken is not None:
-                return self._claim(taken[0], n, taken[1], table), [0]
+            claimed = self._take_extending(n, table)
+            if claimed is not None:
+                return claimed, [0]
         else:
-            start = free.take_run(n)
+            start = self._free.take_run(n)
             if start is not None:
                 return self._claim(start, n, n, table), [0]
             if prefer_run:
                 self.contiguous_misses += 1
-        ids = self._ids
-        while len(loose) < n:
-            shred = free.take_smallest(_LOOSE_REFILL)
-            assert shred is not None, "free pages are miscounted"
-            start, got = shred
-            loose.extend(ids[start + got - 1 : start - 1 if start else None : -1])
-        taken = loose[-n:]
-        del loose[-n:]
+        taken = self._loose.take(n)  # counted by the loose pages
         ref, owner = self._ref, self._owner
         for p in taken:
             ref[p] = 1
             owner[p] = table
         return taken, None
 
+    def _make_room(self, n: int) -> None:
+        """Reclaim reservations, then evict cached pages, until the free runs and the loose pages
+        hold `n` pages; else count a failed allocation and raise `PoolExhausted`."""
+        free, loose = self._free, self._loose.pages
+        if n <= self.available_pages():
+            self._reservations.reclaim(n - len(loose))
+            if n > free.free_pages + len(loose):
+                self.evict(n - free.free_pages - len(loose))
+        if n > free.free_pages + len(loose):
+            self.alloc_failures += 1
+            raise PoolExhausted(
+                f"need {n} pages, {self.free_pages} free and {self.cached_pages} "
+                f"cached of {self.capacity}; grow the pool or wait for requests to finish"
+            )
+
+    def _take_extending(self, n: int, table: PageTable) -> list[int] | None:
+        """`n` pages for a growing table out of one run, plus a reservation from the same run:
+        the run right after its last page if it has `n` pages, else any run that fits (or the
+        largest, if it holds `n`); None when no run holds `n` pages."""
+        free = self._free
+        want = n + self._reservations.size - 1
+        pages = table.pages
+        if pages:
+            got = free.take_at(pages[-1] + 1, want)
+            if got >= n:
+                return self._claim(pages[-1] + 1, n, got, table)
+            if got:
+                free.give_now(pages[-1] + 1, got)
+        taken = free.take_up_to(want, n)
+        if taken is None:
+            return None
+        return self._claim(taken[0], n, taken[1], table)
+
     def _claim(self, start: int, n: int, got: int, table: PageTable) -> list[int]:
-        """Give `table` the first `n` of `got` pages taken from `start`; reserve the rest."""
+        """Give `table` the first `n` of `got` pages taken from `start` (one allocation); reserve
+        the rest for its growth."""
+        self._claims += 1
         self._ref[start : start + n] = self._ones[n] if n <= 64 else [1] * n
-        self._owner[start : start + n] = [table] * n
+        self._owner[start : start + got] = [table] * got
         if got > n:
-            self._reserve_after(table, start + n, got - n)
+            self._reservations.add(table, start + n, got - n)
         return self._ids[start : start + n]
 
     def _acquire(self, pages: Sequence[int], table: PageTable) -> None:
@@ -1032,7 +778,7 @@ class PagePool:
         """
         ref, cached = self._ref, self._cached
         lo = self._as_run(pages)
-        runs = [(lo, len(pages))] if lo is not None else _runs_of(pages)
+        runs = [(lo, len(pages))] if lo is not None else runs_of(pages)
         for start, length in runs:
             hi = start + length
             if length >= 4 and ref[start:hi].count(1) == length:

@@ -574,8 +574,8 @@ class KVStorage:
             for buffer in (out_k, out_v):
                 if self._numpy_copies:  # numpy copies whole rows; torch's CPU index_copy_
                     # moves one element at a time (5x slower here)
-                    host = buffer[: count + staged].view(count + staged, -1)
-                    host = host.view(torch.uint8).numpy()
+                    flat = buffer[: count + staged].view(count + staged, -1)
+                    host = flat.view(torch.uint8).numpy()
                     host[index.scatter_host] = host[count : count + staged]
                 else:
                     buffer.index_copy_(0, index.scatter, buffer[count : count + staged])
@@ -760,7 +760,7 @@ def _group(keys: torch.Tensor, num_keys: int) -> list[tuple[int, torch.Tensor]]:
     counts = torch.bincount(keys, minlength=num_keys).tolist()
     if len(counts) > num_keys:
         raise IndexError(f"page id beyond the pool (segment {len(counts) - 1} of {num_keys})")
-    return [(key, pos) for key, pos in enumerate(order.split(counts)) if pos.numel()]
+    return [(key, pos) for key, pos in enumerate(torch.split(order, counts)) if pos.numel()]
 
 
 class _Rows:
