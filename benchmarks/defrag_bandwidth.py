@@ -37,11 +37,10 @@ from paired import (
     spread,
 )
 
-from kvctl.agent.main import default_torch_threads
-from kvctl.agent.pool.defrag import Defragmenter, DefragTrigger
+from kvctl.agent.pool.defrag import Defragmenter, DefragReport, DefragTrigger
 from kvctl.agent.pool.page_pool import PagePool
 from kvctl.agent.pool.storage import KVStorage
-from kvctl.api import DefragResult
+from kvctl.agent.wiring import default_torch_threads
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -140,12 +139,12 @@ def timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
 
 def defragment(
     args: argparse.Namespace, copier: KVStorage | TimedCopier, batch: int, sync: Callable[[], None]
-) -> tuple[float, DefragResult]:
+) -> tuple[float, DefragReport]:
     """Rebuild the fragmented pool (untimed) and time one full defragmentation of it."""
     storage = copier if isinstance(copier, KVStorage) else copier.storage
     pool = fragmented_pool(args, storage.bytes_per_page)
     defrag = Defragmenter(pool, copier, batch_pages=batch)
-    reports: list[DefragResult] = []
+    reports: list[DefragReport] = []
     seconds = timed(lambda: reports.append(defrag.run(DefragTrigger.MANUAL)), sync)
     report = reports[0]
     assert report.complete and report.fragmentation_after == 0.0, report

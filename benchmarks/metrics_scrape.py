@@ -32,9 +32,10 @@ from collections.abc import Callable
 import numpy as np
 from paired import MIN_ROUNDS, command_line, environment, load_average, paired_rounds, spread
 
+from kvctl.agent.api_views import occupancy_fields
 from kvctl.agent.metrics import Histograms, build_registry, render
-from kvctl.agent.pool import PagePool
-from kvctl.api import GpuMemory, PoolOccupancy, PoolSnapshot
+from kvctl.agent.pool import PagePool, PoolOccupancy
+from kvctl.api import GpuMemory, PoolSnapshot
 
 BYTES_PER_PAGE = 2 * 32 * 16 * 8 * 128 * 2  # K and V, 32 layers, 16 tokens, 8 heads × 128, bf16
 FREE, USED, CACHED = 0, 1, 2
@@ -59,7 +60,7 @@ def fragmented_pool(pages: int, seed: int) -> PagePool:
 def snapshot_of(stats: PoolOccupancy) -> PoolSnapshot:
     """What the agent publishes: pool statistics plus counters the engine keeps."""
     return PoolSnapshot(
-        **dict(stats),
+        **occupancy_fields(stats),
         pool="llama-3-8b",
         timestamp=time.time(),
         device="cuda",
@@ -103,7 +104,7 @@ def scanned_stats(pool: PagePool, states: np.ndarray) -> PoolOccupancy:
         free_pages=free_pages,
         free_extents=len(lengths),
         largest_free_run=int(lengths.max()) if len(lengths) else 0,
-        sequences=0,
+        sequences=len(pool.sequences()),
         alloc_attempts_total=pool.alloc_attempts,
         alloc_failures_total=pool.alloc_failures,
         contiguous_misses_total=pool.contiguous_misses,

@@ -15,6 +15,8 @@ from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from kvctl.occupancy import fragmentation_of as fragmentation_of
+from kvctl.occupancy import free_run_pages_of, pages_bytes, pressure_of, utilization_of
 from kvctl.settings import AlertSettings as AlertSettings
 from kvctl.settings import ChatSettings as ChatSettings
 from kvctl.settings import DefragSettings as DefragSettings
@@ -163,6 +165,10 @@ class Health(Response):
     """Every pool, one per served model, in the order they were configured."""
 
 
+Capability = Literal["completions", "chat"]
+"""What a served model answers: completions always, chat when it has a chat template."""
+
+
 class ModelCard(Response):
     id: str
     object: Literal["model"] = "model"
@@ -170,7 +176,7 @@ class ModelCard(Response):
     owned_by: str = "kvctl"
     root: str | None = None
     """The served model this name is an alias of (the first `--served-model-name`)."""
-    capabilities: list[Literal["completions", "chat"]] = []
+    capabilities: list[Capability] = []
     """The endpoints that serve it: `chat` only when the checkpoint has a chat template."""
     max_model_len: int | None = None
     """The model's context in tokens: prompt plus output of one request."""
@@ -197,8 +203,7 @@ class GpuMemory(Response):
 
 
 class DefragResult(Response):
-    """What one defragmentation did (POST /v1/defrag, the last run in /v1/pool, and what the
-    agent's defragmenter returns)."""
+    """What one defragmentation did (POST /v1/defrag, and the last run in /v1/pool)."""
 
     trigger: str  # manual, threshold, extents, alloc_failure, shrink
     fragmentation_before: float
@@ -211,19 +216,14 @@ class DefragResult(Response):
     complete: bool
 
 
-def fragmentation_of(largest_free_run: int, free_pages: int) -> float:
-    """1 - largest free run / free pages; 0 when nothing is free."""
-    if free_pages == 0:
-        return 0.0
-    return 1.0 - largest_free_run / free_pages
-
-
 class PoolOccupancy(Response):
     """One consistent reading of a pool's pages and allocation counters: what the pool itself
-    reports (its `stats()`), and the first part of every `PoolSnapshot`.
+    reports (its `stats()`, turned into this model by `kvctl.agent.api_views`), and the first
+    part of every `PoolSnapshot`.
 
-    The ratios and byte counts are computed from the page counts, so they can never disagree
-    with them; they are in the JSON, and ignored when JSON is read back.
+    The ratios and byte counts are computed from the page counts (by `kvctl.occupancy`, as the
+    pool's own reading computes them), so they can never disagree with them; they are in the
+    JSON, and ignored when JSON is read back.
     `reserved_pages` are free pages set aside, right after a running sequence's last page, for
     its next ones; they are part of `free_pages`, any allocation that needs them takes them
     back, and `fragmentation_ratio`, `free_extents` and `largest_free_run` describe the free
@@ -257,41 +257,37 @@ class PoolOccupancy(Response):
     contiguous_misses_total: int = 0
     """Prompts that could not get one run of pages and got scattered pages."""
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
     @property
     def capacity_bytes(self) -> int:
         """capacity_pages × bytes_per_page."""
-        return self.capacity_pages * self.bytes_per_page
+        return pages_bytes(self.capacity_pages, self.bytes_per_page)
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
     @property
     def used_bytes(self) -> int:
         """used_pages × bytes_per_page."""
-        return self.used_pages * self.bytes_per_page
+        return pages_bytes(self.used_pages, self.bytes_per_page)
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
     @property
     def utilization_ratio(self) -> float:
         """(used + cached) / capacity: how much of the pool holds K/V at all."""
-        if self.capacity_pages == 0:
-            return 0.0
-        return (self.used_pages + self.cached_pages) / self.capacity_pages
+        return utilization_of(self.used_pages, self.cached_pages, self.capacity_pages)
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
     @property
     def pressure_ratio(self) -> float:
         """used / capacity: cached pages are evicted on demand, so only used pages count."""
-        if self.capacity_pages == 0:
-            return 0.0
-        return self.used_pages / self.capacity_pages
+        return pressure_of(self.used_pages, self.capacity_pages)
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
     @property
     def free_run_pages(self) -> int:
         """Free pages in the free extents: all free pages but those reserved for growth."""
-        return self.free_pages - self.reserved_pages
+        return free_run_pages_of(self.free_pages, self.reserved_pages)
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
     @property
     def fragmentation_ratio(self) -> float:
         """1 - largest free run / free pages, over the free extents (`free_run_pages`)."""
@@ -337,17 +333,17 @@ class TierReading(Response):
     """Free bytes of the filesystem holding the disk tier (null when it cannot be read)."""
     filesystem_size_bytes: int | None = None
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
     @property
     def capacity_bytes(self) -> int:
         return self.capacity_pages * self.page_bytes
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
     @property
     def used_bytes(self) -> int:
         return self.used_pages * self.page_bytes
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
     @property
     def load_seconds_per_token(self) -> float | None:
         """Load time per reused token since start; null before the first load."""
@@ -390,7 +386,7 @@ class PoolShare(Response):
     rebalanced_bytes_total: dict[str, int] = {}
     """Bytes this pool took (`in`) or gave (`out`) in those moves."""
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
     @property
     def unassigned_bytes(self) -> int:
         """Budget no pool holds: what a pool under pressure takes first."""
@@ -523,12 +519,15 @@ class ResizeRequest(Strict):
         return self
 
 
+ResizeDirection = Literal["grow", "shrink", "none"]
+
+
 class ResizeResult(Response):
     old_pages: int
     new_pages: int
     old_bytes: int
     new_bytes: int
-    direction: Literal["grow", "shrink", "none"]
+    direction: ResizeDirection
     pages_moved: int
     pages_evicted: int
     tier: Literal["device", "host", "disk"] = "device"

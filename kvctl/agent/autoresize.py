@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvctl.api import PoolOccupancy, ResizeSettings
+from kvctl.agent.pool.stats import PoolOccupancy
+from kvctl.api import ResizeSettings
 
 
 class AutoResize:

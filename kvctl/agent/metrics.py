@@ -859,13 +859,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "kvctl_alerts_active",
         "gauge",
-        "1 for each alert the agent holds now (what GET /v1/alerts returns), by `alertname`, "
-        "`severity` and `state` (pending, firing); gone at the first scrape after it resolves. "
-        "The agent evaluates these alerts itself and sends them to Alertmanager, so "
-        "Prometheus' ALERTS never has them: this is how Prometheus, and `kvctl status "
-        '--prometheus` (which reads `state="firing"`), sees them. Alerts of one name told '
-        "apart by `tier`, `gpu` or `reason` are one series; an alert without a pool is on "
-        "each pool's series.",
+        "1 per alert the agent holds now (GET /v1/alerts), by `alertname`, `severity` and "
+        "`state`; gone once it resolves. The agent evaluates its own alerts, so Prometheus' "
+        'ALERTS lacks them: `kvctl status --prometheus` reads `state="firing"` here. One '
+        "series per name and pool (an alert without a pool is on each pool's).",
         _alerts_active,
         labels=("alertname", "severity", "state"),
         presence="while the alert is pending or firing",
@@ -918,18 +915,37 @@ METRICS: tuple[MetricDef, ...] = (
 
 # ---- families ---------------------------------------------------------------------------------
 
-_FAMILY_TYPES = {
+Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
+_FAMILY_TYPES: dict[MetricType, type[Family]] = {
     "gauge": GaugeMetricFamily,
     "counter": CounterMetricFamily,
     "histogram": HistogramMetricFamily,
 }
 
 
-def _empty_family(metric: MetricDef) -> Metric:
+def _empty_family(metric: MetricDef) -> Family:
     return _FAMILY_TYPES[metric.type](metric.name, metric.help, labels=("pool", *metric.labels))
 
 
-def _family(metric: MetricDef, readings: Sequence[Reading]) -> Metric | None:
+def _add_sample(
+    family: Family, labels: list[str], value: float | HistogramReading, name: str
+) -> None:
+    """One series of `family`: a histogram's buckets and sum, or a gauge's or counter's value."""
+    if isinstance(family, HistogramMetricFamily):
+        if not isinstance(value, HistogramReading):
+            raise TypeError(f"{name}: a histogram family cannot take {value!r}")
+        buckets = [
+            (floatToGoString(bound), n)
+            for bound, n in zip((*value.bounds, math.inf), value.cumulative, strict=True)
+        ]
+        family.add_metric(labels, buckets, value.sum)
+    elif isinstance(value, HistogramReading):
+        raise TypeError(f"{name}: a {family.type} family cannot take a histogram")
+    else:
+        family.add_metric(labels, value)
+
+
+def _family(metric: MetricDef, readings: Sequence[Reading]) -> Family | None:
     """The family of `metric` over every pool's reading, or None when it has no series."""
     family = _empty_family(metric)
     for reading in readings:
@@ -937,17 +953,11 @@ def _family(metric: MetricDef, readings: Sequence[Reading]) -> Metric | None:
         if value is None:
             continue
         pool = reading.snapshot.pool
-        if isinstance(value, HistogramReading):
-            buckets = [
-                (floatToGoString(bound), n)
-                for bound, n in zip((*value.bounds, math.inf), value.cumulative, strict=True)
-            ]
-            family.add_metric([pool], buckets, value.sum)
-        elif isinstance(value, Mapping):
+        if isinstance(value, Mapping):
             for extra, number in value.items():
-                family.add_metric([pool, *extra], number)
+                _add_sample(family, [pool, *extra], number, metric.name)
         else:
-            family.add_metric([pool], value)
+            _add_sample(family, [pool], value, metric.name)
     return family if family.samples else None
 
 
@@ -1015,8 +1025,8 @@ class PoolCollector(Collector):
             if family is not None:
                 yield family
         for collector in self._runtime:
-            for family in collector.collect():
-                yield _with_pools(family, [reading.snapshot.pool for reading in readings])
+            for runtime_family in collector.collect():
+                yield _with_pools(runtime_family, [reading.snapshot.pool for reading in readings])
 
 
 def build_registry(

@@ -14,15 +14,21 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvctl.agent.api_views import (
+    defrag_view,
+    occupancy_fields,
+    resize_direction,
+    resize_view,
+    tier_view,
+)
 from kvctl.agent.autoresize import AutoResize
 from kvctl.agent.budget import BudgetedPool, Pressure
 from kvctl.agent.metrics import Histograms
-from kvctl.agent.pool import DefragTrigger, ResizeRefused
+from kvctl.agent.pool import DefragReport, DefragTrigger, ResizeRefused
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.runtime import Engine
 from kvctl.agent.served import ServedModel
 from kvctl.agent.tally import Tally
-from kvctl.agent.tiers import TierStats
 from kvctl.agent.window import CounterRatioWindow
 from kvctl.api import (
     DefragResult,
@@ -31,7 +37,6 @@ from kvctl.api import (
     PoolSnapshot,
     ResizeResult,
     RuntimeSettings,
-    TierReading,
 )
 from kvctl.settings import StartupLimits
 
@@ -77,7 +82,7 @@ class ModelPool:
         self.auto_resize = AutoResize(RuntimeSettings().resize, self.clock)
         self._alloc_window = CounterRatioWindow(window, self.clock)
         self._prefix_window = CounterRatioWindow(window, self.clock)
-        self._last_defrag: DefragResult | None = None
+        self._last_defrag: DefragResult | None = None  # as the snapshot shows it
         self._last_defrag_at: float | None = None
         self._seen_failures = engine.pool.alloc_failures
         self._seen_preemptions = engine.stats.preemptions
@@ -116,7 +121,7 @@ class ModelPool:
     def defrag_now(self, max_pages: int | None) -> DefragResult:
         """A manual defragmentation, to completion or `max_pages`."""
         self.engine.owner.check("ModelPool.defrag_now")
-        return self.engine.auto_defrag.run_now(DefragTrigger.MANUAL, max_pages)
+        return defrag_view(self.engine.auto_defrag.run_now(DefragTrigger.MANUAL, max_pages))
 
     def resize(self, pages: int) -> ResizeResult:
         """Resize to `pages`; `ResizeRefused` changes nothing."""
@@ -130,10 +135,7 @@ class ModelPool:
         one the rebalancer carried out)."""
         engine = self.engine
         new_pages = engine.pool.capacity
-        bytes_per_page = engine.pool.bytes_per_page
-        direction = (
-            "grow" if new_pages > old_pages else "shrink" if new_pages < old_pages else "none"
-        )
+        direction = resize_direction(old_pages, new_pages)
         moved = 0
         if direction != "none":
             self.resizes_total[direction] += 1
@@ -146,12 +148,10 @@ class ModelPool:
             if moved:
                 engine.auto_defrag.record(evacuation)
             engine.resizer.last_evacuation = None
-        return ResizeResult(
-            old_pages=old_pages,
-            new_pages=new_pages,
-            old_bytes=old_pages * bytes_per_page,
-            new_bytes=new_pages * bytes_per_page,
-            direction=direction,
+        return resize_view(
+            old_pages,
+            new_pages,
+            engine.pool.bytes_per_page,
             pages_moved=moved,
             pages_evicted=evicted,
         )
@@ -171,18 +171,13 @@ class ModelPool:
         old_pages, before = held.index.capacity, held.counters.evicted_pages
         tiers.resize(tier, pages * page_bytes)
         new_pages = held.index.capacity
-        direction = (
-            "grow" if new_pages > old_pages else "shrink" if new_pages < old_pages else "none"
-        )
+        direction = resize_direction(old_pages, new_pages)
         if direction != "none":
             log.info("%s tier resized %s: %d -> %d pages", tier, direction, old_pages, new_pages)
-        return ResizeResult(
-            old_pages=old_pages,
-            new_pages=new_pages,
-            old_bytes=old_pages * page_bytes,
-            new_bytes=new_pages * page_bytes,
-            direction=direction,
-            pages_moved=0,
+        return resize_view(
+            old_pages,
+            new_pages,
+            page_bytes,
             pages_evicted=held.counters.evicted_pages - before,
             tier=tier,
         )
@@ -231,9 +226,9 @@ class ModelPool:
             need += pool.pages_for(request.num_tokens + 1)
         return max(0, need - pool.free_pages - pool.cached_pages)
 
-    def _note_defrag(self, report: DefragResult) -> None:
+    def _note_defrag(self, report: DefragReport) -> None:
         self.histograms.defrag.observe(report.seconds)
-        self._last_defrag, self._last_defrag_at = report, self.clock()
+        self._last_defrag, self._last_defrag_at = defrag_view(report), self.clock()
 
     # ---- the snapshot -------------------------------------------------------------------
 
@@ -255,7 +250,7 @@ class ModelPool:
         last_age = None if self._last_defrag_at is None else now - self._last_defrag_at
         runs = {trigger.value: auto.runs_total[trigger] for trigger in DefragTrigger}
         self.snapshot = PoolSnapshot(
-            **dict(pool),  # the pool's own reading: pages, runs, allocation counters
+            **occupancy_fields(pool),  # the pool's own reading: pages, runs, allocation counters
             pool=self.name,
             timestamp=self.wall_clock(),
             device=str(engine.device),
@@ -270,7 +265,7 @@ class ModelPool:
             prefix_hit_ratio=self._prefix_window.ratio(),
             prefix_evictions_total=sum(stats.prefix_evictions.values()),
             prefix_hits_tokens_by_tier=stats.prefix_hits_by_tier,
-            tiers=[tier_reading(t) for t in stats.tiers],
+            tiers=[tier_view(t) for t in stats.tiers],
             prefill_seconds_per_token=stats.prefill_seconds_per_token,
             defrag_runs_total=runs,
             defrag_pages_moved_total=auto.pages_moved_total,
@@ -295,29 +290,3 @@ class ModelPool:
             share=agent.share,
         )
         return self.snapshot
-
-
-def tier_reading(stats: TierStats) -> TierReading:
-    """The API's reading of one tier."""
-    counters = stats.counters
-    free, size = stats.filesystem if stats.filesystem is not None else (None, None)
-    return TierReading(
-        tier=stats.name,
-        policy=stats.policy,
-        capacity_pages=stats.capacity_pages,
-        used_pages=stats.used_pages,
-        page_bytes=stats.page_bytes,
-        hits_tokens_total=counters.hits_tokens,
-        stored_pages_total=counters.stored_pages,
-        stored_bytes_total=counters.stored_bytes,
-        loaded_pages_total=counters.loaded_pages,
-        loaded_bytes_total=counters.loaded_bytes,
-        store_seconds_total=counters.store_seconds,
-        load_seconds_total=counters.load_seconds,
-        evicted_pages_total=counters.evicted_pages,
-        store_failures_total=dict(counters.store_failures),
-        load_failures_total=dict(counters.load_failures),
-        path=stats.path,
-        filesystem_free_bytes=free,
-        filesystem_size_bytes=size,
-    )

@@ -473,9 +473,7 @@ class AgentService:
         pool = self.pool(name)
         pool.engine.owner.check("AgentService.page_states_and_snapshot")
         states = pool.page_states()
-        self._publish(pool)
-        assert pool.snapshot is not None
-        return states, pool.snapshot
+        return states, self._publish(pool)
 
     def defrag_now(self, max_pages: int | None, name: str | None = None) -> DefragResult:
         """Run on the engine thread: a manual defragmentation, to completion or `max_pages`."""
@@ -542,8 +540,9 @@ class AgentService:
         for pool in self.pools.values():
             self._publish(pool)
 
-    def _publish(self, pool: ModelPool) -> None:
-        pool.build_snapshot(
+    def _publish(self, pool: ModelPool) -> PoolSnapshot:
+        """Build `pool`'s snapshot now (it replaces the published one) and return it."""
+        return pool.build_snapshot(
             AgentReadings(
                 alert_notifications_dropped_total=(
                     self.alerting.dropped_total if self.alerting else 0

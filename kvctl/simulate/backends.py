@@ -31,7 +31,7 @@ from kvctl.agent.pool import (
     PoolResizer,
     ResizeRefused,
 )
-from kvctl.api import fragmentation_of
+from kvctl.occupancy import fragmentation_of
 from kvctl.settings import DefragSettings
 from kvctl.simulate.contiguous import ContiguousAllocator
 from kvctl.simulate.workloads import Model, Request, Workload

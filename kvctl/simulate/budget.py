@@ -263,7 +263,7 @@ class BudgetSide(PagedSide):
                 defrag,
                 min_pages=floor_pages(model, page_size),
                 max_pages=segments * seg_pages,
-                promised=lambda name=model.name: self.promised[name],
+                promised=self._promised_of(model.name),
             )
             auto = AutoDefrag(defrag, policy, clock=clock)
             self.pools[model.name] = ManagedPool(pool, auto, resizer, page_bytes)
@@ -281,7 +281,8 @@ class BudgetSide(PagedSide):
             else None
         )
         self.rebalances = self.moved_bytes = 0
-        self.promised = dict.fromkeys(self.pools, 0)  # read at each check, before any resize
+        # read at each check, before any resize
+        self.promised: dict[str, int] = dict.fromkeys(self.pools, 0)
         self.queue_steps: dict[str, list[int]] = {name: [] for name in self.pools}
         self.preemptions: Counter[str] = Counter()
         self.recomputed_bytes: Counter[str] = Counter()  # KV the preempted requests drop
@@ -289,6 +290,10 @@ class BudgetSide(PagedSide):
         self._failures_seen = dict.fromkeys(self.pools, 0)
         self._held = dict.fromkeys(self.pools, 0)  # bytes × steps, for the mean shares
         self._steps = 0
+
+    def _promised_of(self, name: str) -> Callable[[], int]:
+        """What pool `name` has promised at the moment of asking (its resizer's check)."""
+        return lambda: self.promised[name]
 
     def attach(self, simulation: Simulation) -> None:
         """Read the simulation's waiting queue for pressure and promised pages."""

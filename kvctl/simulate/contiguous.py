@@ -21,7 +21,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from itertools import pairwise
 
-from kvctl.api import fragmentation_of
+from kvctl.agent.pool.errors import InvariantViolated
+from kvctl.occupancy import fragmentation_of
 
 Key = Hashable
 
@@ -30,7 +31,7 @@ class OutOfMemory(Exception):
     """No single free range holds the request, though the arena may have enough free in total."""
 
 
-class ArenaCorrupted(AssertionError):
+class ArenaCorrupted(InvariantViolated):
     """The free list and the ranges disagree: a bug, never a user error."""
 
 

@@ -25,7 +25,7 @@ def run(engine: Engine, prompt: list[int], salt: str | None = None):
         if engine.prefix_cache is not None:
             engine.prefix_cache.check()
         if engine.tiers is not None:
-            assert engine.tiers.check() == []
+            engine.tiers.check()
     return request
 
 

@@ -19,12 +19,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvctl.agent.pool import PagePool, PoolResizer
+from kvctl.agent.pool import InvariantViolated, PagePool, PoolResizer
 from kvctl.units import format_bytes
 
 
 class BudgetError(ValueError):
     """Pools that cannot share the budget as configured (their sizes exceed it)."""
+
+
+class BudgetCorrupted(InvariantViolated):
+    """The pools under a budget hold more than it, or a pool is outside its floor or ceiling
+    (`KvBudget.check`): a bug, never a user error."""
 
 
 @dataclass
@@ -136,15 +141,28 @@ class KvBudget:
         return max(pool.capacity, min(member.ceiling_pages, whole))
 
     def check(self) -> None:
-        """AssertionError unless every pool is within its bounds and all fit the budget."""
-        assert self.assigned_bytes <= self.total_bytes, (
-            f"pools hold {self.assigned_bytes} bytes, over the budget of {self.total_bytes}"
-        )
+        """Raise `BudgetCorrupted`, naming every `problems()`, unless every pool is within its
+        bounds and all fit the budget."""
+        problems = self.problems()
+        if problems:
+            raise BudgetCorrupted("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every way the pools break the budget or their bounds, described (empty when none)."""
+        problems: list[str] = []
+        if self.assigned_bytes > self.total_bytes:
+            problems.append(
+                f"pools hold {self.assigned_bytes} bytes, over the budget of {self.total_bytes}"
+            )
         shares = sum(m.share_pages * m.pool.bytes_per_page for m in self.pools.values())
-        assert shares <= self.total_bytes, (
-            f"pool shares add up to {shares} bytes, over the budget of {self.total_bytes}"
-        )
+        if shares > self.total_bytes:
+            problems.append(
+                f"pool shares add up to {shares} bytes, over the budget of {self.total_bytes}"
+            )
         for member in self.pools.values():
             capacity = member.pool.capacity
-            assert capacity >= member.floor_pages, f"{member.name}: {capacity} below its floor"
-            assert capacity <= member.ceiling_pages, f"{member.name}: {capacity} over its ceiling"
+            if capacity < member.floor_pages:
+                problems.append(f"{member.name}: {capacity} below its floor")
+            if capacity > member.ceiling_pages:
+                problems.append(f"{member.name}: {capacity} over its ceiling")
+        return problems

@@ -112,7 +112,8 @@ def attend_one(
     """
     t, h, d = q.shape
     length, kvh, _ = k_all.shape
-    assert length == cached_len + t, f"k_all has {length} rows, expected {cached_len} + {t}"
+    if length != cached_len + t:
+        raise ValueError(f"k_all has {length} rows, expected {cached_len} + {t}")
     if t == 1:
         qg = q.view(kvh, h // kvh, d)  # [kvh, g, d]
         out = F.scaled_dot_product_attention(qg, k_all.transpose(0, 1), v_all.transpose(0, 1))

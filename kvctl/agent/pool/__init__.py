@@ -6,6 +6,7 @@ Import the bookkeeping from here; import `kvctl.agent.pool.storage` only where t
 from kvctl.agent.pool.auto_defrag import AutoDefrag
 from kvctl.agent.pool.defrag import (
     Defragmenter,
+    DefragReport,
     DefragTrigger,
     PageCopier,
     moves_needed,
@@ -22,11 +23,12 @@ from kvctl.agent.pool.errors import (
 from kvctl.agent.pool.extents import FreeExtents
 from kvctl.agent.pool.page_pool import CopyOnWrite, PagePool, PageTable
 from kvctl.agent.pool.resize import PoolResizer, ResizeResult, SegmentStore
-from kvctl.agent.pool.stats import PageRun, PageState
+from kvctl.agent.pool.stats import PageRun, PageState, PoolOccupancy
 
 __all__ = [
     "AutoDefrag",
     "CopyOnWrite",
+    "DefragReport",
     "DefragTrigger",
     "Defragmenter",
     "FreeExtents",
@@ -39,6 +41,7 @@ __all__ = [
     "PoolCorrupted",
     "PoolError",
     "PoolExhausted",
+    "PoolOccupancy",
     "PoolResizer",
     "ResizeRefused",
     "ResizeResult",

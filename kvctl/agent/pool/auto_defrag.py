@@ -9,15 +9,15 @@ that hovers around the threshold from defragmenting on and off.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 
-from kvctl.agent.pool.defrag import Defragmenter, DefragTrigger
-from kvctl.api import DefragResult
+from kvctl.agent.pool.defrag import Defragmenter, DefragReport, DefragTrigger
 from kvctl.settings import DefragSettings
 
-SessionListener = Callable[[DefragResult], None]
+SessionListener = Callable[[DefragReport], None]
 
 
 class AutoDefrag:
@@ -33,8 +33,8 @@ class AutoDefrag:
         self.defragmenter = defragmenter
         self.policy = policy or DefragSettings()
         self.clock = clock
-        self.active: DefragResult | None = None  # the running session, accumulated
-        self.completed: deque[DefragResult] = deque(maxlen=history)
+        self.active: DefragReport | None = None  # the running session, accumulated
+        self.completed: deque[DefragReport] = deque(maxlen=history)
         self.runs_total: Counter[DefragTrigger] = Counter()
         self.pages_moved_total = 0
         self._listeners: list[SessionListener] = []
@@ -45,15 +45,15 @@ class AutoDefrag:
         """Be told of every finished session (automatic, manual or a shrink's evacuation)."""
         self._listeners.append(listener)
 
-    def run_now(self, trigger: DefragTrigger, max_pages: int | None = None) -> DefragResult:
+    def run_now(self, trigger: DefragTrigger, max_pages: int | None = None) -> DefragReport:
         """Defragment at once, to completion or `max_pages`, and count it as a session."""
         report = self.defragmenter.run(trigger, max_pages=max_pages)
         self.record(report)
         return report
 
-    def record(self, report: DefragResult) -> None:
+    def record(self, report: DefragReport) -> None:
         """Count a defragmentation that ran outside the automatic sessions."""
-        self.runs_total[DefragTrigger(report.trigger)] += 1
+        self.runs_total[report.trigger] += 1
         self.pages_moved_total += report.pages_moved
         self._finish(report)
 
@@ -80,27 +80,27 @@ class AutoDefrag:
             return DefragTrigger.EXTENTS
         return None
 
-    def tick(self) -> DefragResult | None:
+    def tick(self) -> DefragReport | None:
         """Advance the session (starting one if a trigger is due); return this tick's work."""
-        if self.active is None:
+        session = self.active
+        if session is None:
             trigger = self.due_trigger()
             if trigger is None:
                 return None
-            self._start(trigger)
-        assert self.active is not None
+            session = self.active = self._start(trigger)
         report = self.defragmenter.run(
-            DefragTrigger(self.active.trigger),
+            session.trigger,
             max_pages=self.policy.step_max_pages,
             max_seconds=self.policy.step_max_seconds,
         )
-        self._accumulate(report)
+        self._accumulate(session, report)
         return report
 
-    def _start(self, trigger: DefragTrigger) -> None:
+    def _start(self, trigger: DefragTrigger) -> DefragReport:
         stats = self.defragmenter.pool.stats()
         self.runs_total[trigger] += 1
-        self.active = DefragResult(
-            trigger=trigger.value,
+        return DefragReport(
+            trigger=trigger,
             fragmentation_before=stats.fragmentation_ratio,
             fragmentation_after=stats.fragmentation_ratio,
             free_extents_before=stats.free_extents,
@@ -111,18 +111,17 @@ class AutoDefrag:
             complete=False,
         )
 
-    def _accumulate(self, report: DefragResult) -> None:
-        assert self.active is not None
+    def _accumulate(self, started: DefragReport, report: DefragReport) -> None:
+        """Add one tick's `report` to the session so far (`started`); end it when done."""
         self.pages_moved_total += report.pages_moved
-        session = self.active.model_copy(
-            update=dict(
-                fragmentation_after=report.fragmentation_after,
-                free_extents_after=report.free_extents_after,
-                pages_moved=self.active.pages_moved + report.pages_moved,
-                bytes_moved=self.active.bytes_moved + report.bytes_moved,
-                seconds=self.active.seconds + report.seconds,
-                complete=report.complete,
-            )
+        session = dataclasses.replace(
+            started,
+            fragmentation_after=report.fragmentation_after,
+            free_extents_after=report.free_extents_after,
+            pages_moved=started.pages_moved + report.pages_moved,
+            bytes_moved=started.bytes_moved + report.bytes_moved,
+            seconds=started.seconds + report.seconds,
+            complete=report.complete,
         )
         compact_enough = (
             report.fragmentation_after <= self.policy.fragmentation_target
@@ -134,7 +133,7 @@ class AutoDefrag:
         else:
             self.active = session
 
-    def _finish(self, session: DefragResult) -> None:
+    def _finish(self, session: DefragReport) -> None:
         self.completed.append(session)
         for listener in self._listeners:
             listener(session)

@@ -18,13 +18,12 @@ so stopping between batches loses nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from contextlib import closing
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
 from kvctl.agent.pool.page_pool import PagePool
-from kvctl.api import DefragResult
 
 
 class DefragTrigger(StrEnum):
@@ -35,6 +34,22 @@ class DefragTrigger(StrEnum):
     EXTENTS = "extents"
     ALLOC_FAILURE = "alloc_failure"
     SHRINK = "shrink"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DefragReport:
+    """What one defragmentation did (or one session of them, accumulated): the pool's own
+    reading, which `kvctl.agent.api_views.defrag_view` turns into the API's `DefragResult`."""
+
+    trigger: DefragTrigger
+    fragmentation_before: float
+    fragmentation_after: float
+    free_extents_before: int
+    free_extents_after: int
+    pages_moved: int
+    bytes_moved: int
+    seconds: float
+    complete: bool
 
 
 class PageCopier(Protocol):
@@ -64,18 +79,25 @@ def plan_moves(pool: PagePool, limit: int, boundary: int | None = None) -> list[
         src = pool.highest_occupied(src)
     if not sources:
         return []
-    holes: list[int] = []
-    with closing(pool.lowest_free_runs()) as runs:
-        for start, length in runs:
-            for hole in range(start, start + length):
-                i = len(holes)
-                if i == len(sources) or hole >= sources[i] or hole >= ceiling:
-                    break
-                holes.append(hole)
-            else:
-                continue
-            break
+    runs = pool.lowest_free_runs()
+    try:
+        holes = _holes_below(runs, sources, ceiling)
+    finally:
+        if isinstance(runs, Generator):  # stopped early: its cleanup restores the run heap
+            runs.close()
     return list(zip(reversed(sources[: len(holes)]), holes, strict=True))
+
+
+def _holes_below(runs: Iterable[tuple[int, int]], sources: list[int], ceiling: int) -> list[int]:
+    """Free pages lowest first, each below the source it pairs with and below `ceiling`."""
+    holes: list[int] = []
+    for start, length in runs:
+        for hole in range(start, start + length):
+            i = len(holes)
+            if i == len(sources) or hole >= sources[i] or hole >= ceiling:
+                return holes
+            holes.append(hole)
+    return holes
 
 
 def is_compact(pool: PagePool, boundary: int | None = None) -> bool:
@@ -124,7 +146,7 @@ class Defragmenter:
         max_pages: int | None = None,
         max_seconds: float | None = None,
         boundary: int | None = None,
-    ) -> DefragResult:
+    ) -> DefragReport:
         """Compact until done or a budget (pages, seconds) is spent; report the effect.
 
         With no budget it runs to completion: fragmentation 0 (or, with `boundary`, nothing
@@ -150,8 +172,8 @@ class Defragmenter:
         if not complete:
             complete = is_compact(self.pool, boundary)
         after = self.pool.stats()
-        return DefragResult(
-            trigger=DefragTrigger(trigger).value,
+        return DefragReport(
+            trigger=DefragTrigger(trigger),
             fragmentation_before=before.fragmentation_ratio,
             fragmentation_after=after.fragmentation_ratio,
             free_extents_before=before.free_extents,

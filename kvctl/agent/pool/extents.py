@@ -30,6 +30,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
+from kvctl.agent.pool.errors import PoolCorrupted
+
 _EXACT_CLASSES = 64
 _RECENT_LIMIT = 256  # runs held back from coalescing, all sizes together: bounds a settle
 _BIAS = _EXACT_CLASSES - 7  # class of a run of n >= 64 pages: _BIAS + n.bit_length()
@@ -341,7 +343,8 @@ class FreeExtents:
         The caller checks `free_pages >= length` first; the result covers exactly `length` pages.
         """
         self.settle()
-        assert length <= self.free_pages
+        if length > self.free_pages:
+            raise PoolCorrupted(f"take_scattered: {length} pages asked, {self.free_pages} free")
         taken: list[tuple[int, int]] = []
         need = length
         while need:
@@ -363,9 +366,11 @@ class FreeExtents:
         """Remove the free pages `[start, start + length)`, which must all be free (for shrink)."""
         self.settle()
         run_start = self.run_containing(start)
-        assert run_start is not None, f"page {start} is not free"
+        if run_start is None:
+            raise PoolCorrupted(f"take_range: page {start} is not free")
         run_len = self._by_start[run_start]
-        assert start + length <= run_start + run_len, "range is not entirely free"
+        if start + length > run_start + run_len:
+            raise PoolCorrupted(f"take_range: pages {start}..{start + length - 1} are not all free")
         self._remove(run_start, run_len)
         if start > run_start:
             self._insert(run_start, start - run_start)

@@ -18,10 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvctl.agent.pool.defrag import Defragmenter, DefragTrigger
+from kvctl.agent.pool.defrag import Defragmenter, DefragReport, DefragTrigger
 from kvctl.agent.pool.errors import ResizeRefused
 from kvctl.agent.pool.page_pool import PagePool
-from kvctl.api import DefragResult
 from kvctl.units import format_bytes
 
 
@@ -69,7 +68,7 @@ class PoolResizer:
         self.storage = storage
         self.min_pages = min_pages or pool.segment_pages
         self.max_pages = max_pages
-        self.last_evacuation: DefragResult | None = None
+        self.last_evacuation: DefragReport | None = None
 
     def round_to_segments(self, pages: int) -> int:
         seg = self.pool.segment_pages

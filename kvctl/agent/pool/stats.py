@@ -1,9 +1,12 @@
-"""Immutable readings of a pool's pages: what every reader outside the pool sees.
+"""Immutable readings of a pool: what every reader outside the pool sees.
 
-The pool's occupancy reading is the API's `PoolOccupancy` itself (one definition of its fields
-and ratios, from the pool to the JSON); here are the page-by-page states behind the page map.
-The server, the metrics exporter, the alert evaluator and the simulator read these and never
-the pool's internals, so the pool can change its data structures without touching them.
+`PoolOccupancy` is the pool's occupancy reading (its `stats()`): plain frozen data, with the
+ratios and byte counts derived from the page counts by `kvctl.occupancy`, the functions the
+API's model of the same name computes them with. The pool core knows nothing of the API:
+`kvctl.agent.api_views` is the one place that turns these readings into wire objects. Here too
+are the page-by-page states behind the page map. The server, the metrics exporter, the alert
+evaluator and the simulator read these and never the pool's internals, so the pool can change
+its data structures without touching them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,67 @@ from enum import StrEnum
 
 import numpy as np
 
-from kvctl.api import PoolOccupancy as PoolOccupancy
+from kvctl.occupancy import (
+    fragmentation_of,
+    free_run_pages_of,
+    pages_bytes,
+    pressure_of,
+    utilization_of,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolOccupancy:
+    """One consistent reading of a pool's pages and allocation counters.
+
+    `reserved_pages` are free pages set aside, right after a running sequence's last page, for
+    its next ones; they are part of `free_pages`, and `fragmentation_ratio`, `free_extents` and
+    `largest_free_run` describe the free pages apart from them (`free_run_pages`).
+    """
+
+    page_size: int  # tokens one page holds
+    bytes_per_page: int  # K and V of `page_size` tokens over every layer
+    segment_pages: int  # the unit of resize
+    segments: int
+    capacity_pages: int
+    used_pages: int  # held by at least one running sequence
+    cached_pages: int  # held only by the prefix cache
+    free_pages: int  # free, the reserved pages included
+    free_extents: int  # runs of consecutive free pages (reserved pages apart)
+    largest_free_run: int
+    reserved_pages: int = 0
+    sequences: int = 0  # page tables: running sequences and their forks
+    alloc_attempts_total: int
+    alloc_failures_total: int  # failed after eviction and growth were tried
+    contiguous_misses_total: int = 0  # prompts that got scattered pages instead of one run
+
+    @property
+    def capacity_bytes(self) -> int:
+        return pages_bytes(self.capacity_pages, self.bytes_per_page)
+
+    @property
+    def used_bytes(self) -> int:
+        return pages_bytes(self.used_pages, self.bytes_per_page)
+
+    @property
+    def utilization_ratio(self) -> float:
+        """(used + cached) / capacity."""
+        return utilization_of(self.used_pages, self.cached_pages, self.capacity_pages)
+
+    @property
+    def pressure_ratio(self) -> float:
+        """used / capacity: how close the pool is to refusing."""
+        return pressure_of(self.used_pages, self.capacity_pages)
+
+    @property
+    def free_run_pages(self) -> int:
+        """Free pages but those reserved for growth."""
+        return free_run_pages_of(self.free_pages, self.reserved_pages)
+
+    @property
+    def fragmentation_ratio(self) -> float:
+        """1 - largest free run / free pages, over the free extents (`free_run_pages`)."""
+        return fragmentation_of(self.largest_free_run, self.free_run_pages)
 
 
 class PageState(StrEnum):

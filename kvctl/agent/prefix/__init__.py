@@ -21,7 +21,13 @@ from kvctl.agent.prefix.prefix_cache import (
     PrefixIsolation,
     PrefixMatch,
 )
-from kvctl.agent.prefix.radix_tree import PageOwners, RadixNode, RadixTree, TreeMatch
+from kvctl.agent.prefix.radix_tree import (
+    PageOwners,
+    RadixNode,
+    RadixTree,
+    RadixTreeCorrupted,
+    TreeMatch,
+)
 
 __all__ = [
     "EVICTION_POLICIES",
@@ -39,6 +45,7 @@ __all__ = [
     "PrefixMatch",
     "RadixNode",
     "RadixTree",
+    "RadixTreeCorrupted",
     "TreeMatch",
     "make_policy",
 ]

@@ -78,6 +78,11 @@ def make_policy(name: str) -> EvictionPolicy:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {choices}") from None
 
 
+_Entry = tuple[tuple[int, ...], int, RadixNode, RadixTree]
+"""A heap entry: the leaf's priority when queued, a tie-breaking sequence number, the leaf, its
+tree."""
+
+
 class EvictionOrder:
     """The leaves of one cache's trees, kept in `policy` order as the trees change.
 
@@ -91,7 +96,7 @@ class EvictionOrder:
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
-        self._heap: list[tuple[tuple[int, ...], int, RadixNode, RadixTree]] = []
+        self._heap: list[_Entry] = []
         self._seq = 0  # between equal priorities, the first queued goes first
 
     def __len__(self) -> int:
@@ -114,7 +119,7 @@ class EvictionOrder:
         node.queued = False
         return node, tree
 
-    def _settle(self, heap: list, forget: bool) -> bool:
+    def _settle(self, heap: list[_Entry], forget: bool) -> bool:
         """Bring a current leaf's entry to the top of `heap`: drop the entries of nodes that are
         no longer leaves, queue again the leaves used since; False when none is left. `forget`
         marks dropped nodes as not queued (`heap` is the order's own)."""

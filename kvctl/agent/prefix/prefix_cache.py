@@ -349,7 +349,14 @@ class PrefixCache:
         return tree.render() if tree is not None else ""
 
     def check(self) -> None:
-        """Raise `PrefixCacheCorrupted` unless the trees and the pool agree.
+        """Raise `PrefixCacheCorrupted`, naming every `problems()`, unless the trees and the
+        pool agree."""
+        problems = self.problems()
+        if problems:
+            raise PrefixCacheCorrupted("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every way the trees and the pool disagree, described (empty when they agree).
 
         Checks each tree's own structure; that no page is in two places; that every tree page
         is held (not free) and every cached page of the pool is in a tree; that pins are tree
@@ -362,7 +369,7 @@ class PrefixCache:
             problems.append("the eviction order follows another policy")
         problems.extend(self._order.problems(self._leaves()))
         for key, tree in self._trees.items():
-            problems.extend(f"{key}: {problem}" for problem in tree.check())
+            problems.extend(f"{key}: {problem}" for problem in tree.problems())
             if tree.is_empty:
                 problems.append(f"{key}: an empty partition is kept")
             tree_pages.extend(tree.pages())
@@ -390,11 +397,10 @@ class PrefixCache:
         problems.extend(f"page {p} is cached in the pool but in no tree" for p in cached - held)
         if not self._pinned <= held:
             problems.append(f"pinned pages {sorted(self._pinned - held)} are in no tree")
-        if problems:
-            raise PrefixCacheCorrupted("; ".join(problems))
+        return problems
 
     def _used_prefix_problems(self, tree: RadixTree) -> list[str]:
-        problems = []
+        problems: list[str] = []
         used = self.pool.refcount
         for node in tree.nodes():
             flags = [bool(used(p)) for p in node.pages]

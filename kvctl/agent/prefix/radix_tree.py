@@ -20,7 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar, overload
 
+from kvctl.agent.pool.errors import InvariantViolated
+
+_T = TypeVar("_T")
 _CHUNK = 64  # tokens compared per slice when looking for where two sequences diverge
 
 
@@ -92,6 +96,10 @@ def _span(pages: Sequence[int]) -> int | None:
     return first
 
 
+class RadixTreeCorrupted(InvariantViolated):
+    """A radix tree's guarantees do not hold (`RadixTree.check`): a bug, never a user error."""
+
+
 class PageOwners(MutableMapping[int, "RadixNode"]):
     """Which node owns each tree page, shared by the partitions of one cache, brought up to date
     when it is read.
@@ -138,7 +146,17 @@ class PageOwners(MutableMapping[int, "RadixNode"]):
                     nodes[page] = node
         self._pending.clear()
 
-    def get(self, page: int, default: RadixNode | None = None) -> RadixNode | None:
+    @overload
+    def get(self, page: int, /) -> RadixNode | None: ...
+
+    @overload
+    def get(self, page: int, default: RadixNode, /) -> RadixNode: ...
+
+    @overload
+    def get(self, page: int, default: _T, /) -> RadixNode | _T: ...
+
+    def get(self, page: int, default: object = None, /) -> object:
+        """The node that owns `page` now, or `default` (a stale entry is dropped on the way)."""
         if self._pending:
             self.sync()
         nodes = self._nodes
@@ -414,7 +432,8 @@ class RadixTree:
             hits=node.hits,
         )
         self._next_id += 1
-        assert node.parent is not None
+        if node.parent is None:
+            raise RadixTreeCorrupted(f"node {node.node_id} is split but is not in the tree")
         node.parent.children[upper.tokens[0]] = upper
         del node.tokens[:length]
         del node.pages[:owned]
@@ -458,7 +477,10 @@ class RadixTree:
     def _remove_leaf(self, leaf: RadixNode) -> RadixNode | None:
         """Unlink a leaf that owns no page; return its parent."""
         parent = leaf.parent
-        assert parent is not None and not leaf.pages
+        if parent is None or leaf.pages:
+            raise RadixTreeCorrupted(
+                f"node {leaf.node_id} is removed but is not in the tree or still owns pages"
+            )
         del parent.children[leaf.tokens[0]]
         self.leaves.discard(leaf)
         leaf.parent = None
@@ -467,13 +489,19 @@ class RadixTree:
 
     # ---- checking and showing -------------------------------------------------------------
 
-    def check(self) -> list[str]:
+    def check(self) -> None:
+        """Raise `RadixTreeCorrupted`, naming every `problems()`, unless the tree is consistent."""
+        problems = self.problems()
+        if problems:
+            raise RadixTreeCorrupted("; ".join(problems))
+
+    def problems(self) -> list[str]:
         """Every broken guarantee, described (empty when the tree is consistent)."""
         problems: list[str] = []
         page_size = self.page_size
         if self.root.pages or self.root.tokens:
             problems.append("the root holds tokens or pages")
-        leaves = set()
+        leaves: set[RadixNode] = set()
         for node in self.nodes():
             parent = node.parent
             where = f"node {node.node_id} [{node.start}, {node.end})"

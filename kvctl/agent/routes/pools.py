@@ -48,8 +48,10 @@ def pool_of(service: AgentService, name: str | None) -> ModelPool:
 
 
 def snapshot_of(pool: ModelPool) -> PoolSnapshot:
+    """The pool's latest snapshot (the service publishes one when it is built)."""
     snapshot = pool.snapshot
-    assert snapshot is not None  # published when the service was built
+    if snapshot is None:
+        raise ApiError(503, f"pool {pool.name} has published no reading yet; retry")
     return snapshot
 
 

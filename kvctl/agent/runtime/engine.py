@@ -38,6 +38,7 @@ from kvctl.agent.pool import (
     AutoDefrag,
     Defragmenter,
     PagePool,
+    PoolOccupancy,
     PoolResizer,
 )
 from kvctl.agent.pool.storage import KVStorage
@@ -54,7 +55,6 @@ from kvctl.agent.runtime.scheduler import (
 )
 from kvctl.agent.runtime.thread_owner import ThreadOwner
 from kvctl.agent.tiers import TieredStore, TierStats
-from kvctl.api import PoolOccupancy
 from kvctl.settings import DefragSettings
 
 
@@ -196,7 +196,7 @@ class TokenEvent:
 class EngineStats:
     """What the engine looks like after a step: the pool and the scheduler, read together."""
 
-    pool: PoolOccupancy
+    pool: PoolOccupancy  # the pool core's reading (kvctl.agent.api_views makes the API's)
     requests_running: int
     requests_waiting: int
     preemptions: int

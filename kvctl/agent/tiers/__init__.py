@@ -6,7 +6,7 @@ for eviction with the prefix cache's policies; `HostSlots` and `DiskSlots` hold 
 
 from kvctl.agent.tiers.disk_tier import LOAD_FAILURES, DiskPageError, DiskSlots
 from kvctl.agent.tiers.host_tier import HostSlots
-from kvctl.agent.tiers.tier_index import TierEntry, TierIndex
+from kvctl.agent.tiers.tier_index import TierCorrupted, TierEntry, TierIndex
 from kvctl.agent.tiers.tiered_store import (
     STORE_FAILURES,
     TIER_NAMES,
@@ -24,6 +24,7 @@ __all__ = [
     "DiskPageError",
     "DiskSlots",
     "HostSlots",
+    "TierCorrupted",
     "TierCounters",
     "TierEntry",
     "TierHit",

@@ -17,7 +17,12 @@ import heapq
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from kvctl.agent.pool.errors import InvariantViolated
 from kvctl.agent.prefix.eviction import EvictionPolicy, make_policy
+
+
+class TierCorrupted(InvariantViolated):
+    """A tier's index disagrees with itself (slots, free slots, eviction order)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -168,12 +173,12 @@ class TierIndex:
         return list(range(self._clock, start - 1, -1))
 
     def _push(self, entry: TierEntry) -> None:
-        heapq.heappush(self._heap, (self.policy.priority(entry), entry.version, entry))  # type: ignore[arg-type]
+        heapq.heappush(self._heap, (self.policy.priority(entry), entry.version, entry))  # type: ignore[arg-type]  # the policies read only what a TierEntry shares with a RadixNode
         if len(self._heap) > 2 * len(self.entries) + 64:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        self._heap = [(self.policy.priority(e), e.version, e) for e in self.entries.values()]  # type: ignore[arg-type]
+        self._heap = [(self.policy.priority(e), e.version, e) for e in self.entries.values()]  # type: ignore[arg-type]  # as in _push
         heapq.heapify(self._heap)
 
     # ---- checking -------------------------------------------------------------------------
@@ -203,3 +208,9 @@ class TierIndex:
         if any(d != e.digest for d, e in self.entries.items()):
             out.append("an entry is filed under another digest")
         return out
+
+    def check(self) -> None:
+        """Raise `TierCorrupted` naming every problem, if there is any."""
+        found = self.problems()
+        if found:
+            raise TierCorrupted("; ".join(found))

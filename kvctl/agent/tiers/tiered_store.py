@@ -36,7 +36,7 @@ from kvctl.agent.prefix.prefix_cache import Spilled
 from kvctl.agent.tiers.disk_tier import LOAD_FAILURES, DiskPageError, DiskSlots
 from kvctl.agent.tiers.host_tier import HostSlots, available_memory
 from kvctl.agent.tiers.page_keys import layout_of, page_digests, root_digest
-from kvctl.agent.tiers.tier_index import TierEntry, TierIndex
+from kvctl.agent.tiers.tier_index import TierCorrupted, TierEntry, TierIndex
 from kvctl.units import format_bytes
 
 TIER_NAMES = ("host", "disk")
@@ -154,6 +154,7 @@ class TieredStore:
         self.clock = clock
         self._roots: dict[IsolationKey, bytes] = {}
         host = HostSlots(0, shape, storage.dtype, storage.device)
+        self._host_slots = host  # the first tier's slots, typed: only host memory reads into
         check_host_memory(host_bytes // host.page_bytes * host.page_bytes)
         self.tiers: list[_Tier] = [_Tier(host, TierIndex(0, make_policy(host_policy)))]
         self._resize_tier(self.tiers[0], host_bytes // host.page_bytes)
@@ -209,9 +210,15 @@ class TieredStore:
                     tier.index.remove(entry)
                 tier.counters.store_failures["io"] += 1
 
-    def check(self) -> list[str]:
+    def problems(self) -> list[str]:
         """Problems of every tier's index (empty when none)."""
         return [f"{t.name}: {p}" for t in self.tiers for p in t.index.problems()]
+
+    def check(self) -> None:
+        """Raise `TierCorrupted` naming every tier's problems, if there is any."""
+        found = self.problems()
+        if found:
+            raise TierCorrupted("; ".join(found))
 
     # ---- storing (device evictions) -------------------------------------------------------
 
@@ -397,7 +404,7 @@ class TieredStore:
         if host_rows:
             host = self.tiers[0]
             started = self.clock()
-            host.slots.read_into(out, host_rows, [plan[i][1].slot for i in host_rows])
+            self._host_slots.read_into(out, host_rows, [plan[i][1].slot for i in host_rows])
             if out.device.type == "cuda":  # the copies run async: time them, not their launch
                 torch.cuda.current_stream(out.device).synchronize()
             host.counters.load_seconds += self.clock() - started
