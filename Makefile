@@ -40,9 +40,12 @@ test-quick: setup
 demo: setup
 	scripts/demo.sh
 
+# ruff: style, imports, layering rules and a complexity ceiling (pyproject.toml); mypy: the
+# package's types, strictly on the torch-free pool core.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

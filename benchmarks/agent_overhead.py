@@ -32,12 +32,12 @@ import uvicorn
 from paired import MIN_ROUNDS, command_line, environment, load_average, paired_rounds, spread
 
 from kvctl.agent.config import AgentConfig
-from kvctl.agent.main import alert_loop, default_torch_threads
 from kvctl.agent.model import SamplingParams, build_demo_model
 from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.runtime import Engine, EngineConfig
 from kvctl.agent.server import create_app
 from kvctl.agent.service import AgentService
+from kvctl.agent.wiring import alert_loop, default_torch_threads
 from kvctl.settings import StartupLimits
 
 BATCH = 8
@@ -57,7 +57,7 @@ def timed_steps(engine: Engine) -> list[float]:
         last[0] = start
         return step()
 
-    engine.step = timed  # type: ignore[method-assign]
+    engine.step = timed  # type: ignore[method-assign]  # the step timed in place
     return times
 
 
@@ -99,7 +99,7 @@ def in_agent(model, tokenizer, args: argparse.Namespace) -> list[float]:
     service.alerting = alert_loop(service, AgentConfig(), url)
     app = create_app(service, AgentConfig(), run_engine=False)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # not the main thread
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     while not server.started:
         time.sleep(0.01)

@@ -191,7 +191,7 @@ def requests_for(
     requests = []
     for i in range(batch):
         mine = {**settings, "seed": i} if "seed" in settings else settings
-        params = SamplingParams(max_tokens=4096, **mine)  # type: ignore[arg-type]
+        params = SamplingParams(max_tokens=4096, **mine)  # type: ignore[arg-type]  # mixed-type settings
         generator = params.make_generator(device) if batched else previous_generator(params, i)
         requests.append(
             Running(

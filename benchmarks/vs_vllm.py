@@ -698,6 +698,18 @@ def ratio_of(ours: list[float | None], base: list[float | None]) -> str:
 
 def report_results(plan: list[Workload], sides: dict[str, Side], rounds: int) -> bool:
     """The tables; True when every request on both sides completed cleanly."""
+    print_ratios(plan, sides, rounds)
+    print_absolute(plan, sides, rounds)
+    print_reuse(plan, sides)
+    print_other_cores(plan, sides)
+    return print_problems(plan, sides)
+
+
+def _pairs(sides: dict[str, Side]) -> tuple[tuple[str, Side], tuple[str, Side]]:
+    return (KVCTL, sides[KVCTL]), (VLLM, sides[VLLM])
+
+
+def print_ratios(plan: list[Workload], sides: dict[str, Side], rounds: int) -> None:
     agent, vllm = sides[KVCTL], sides[VLLM]
     print(f"\n## kvctl / vLLM, median (min-max) of the per-round ratios ({plural(rounds)})")
     print("(output tok/s: higher is better for kvctl; TTFT, TPOT, ITL: lower is better)\n")
@@ -706,48 +718,66 @@ def report_results(plan: list[Workload], sides: dict[str, Side], rounds: int) ->
     for w in plan:
         cells = [ratio_of(values(agent, w, k), values(vllm, w, k)) for k, _, _ in METRICS]
         print(f"| {w.title} | " + " | ".join(cells) + " |")
+
+
+def failed_requests(side: Side, w: Workload) -> int:
+    """Requests of `w` that failed over every round (a harness error fails them all)."""
+    failed = 0
+    for r in side.results.get(w.name, []):
+        failed += w.prompts if "harness_error" in r else int(r.get("failed") or 0)
+    return failed
+
+
+def print_absolute(plan: list[Workload], sides: dict[str, Side], rounds: int) -> None:
     print(f"\n## Absolute figures, median (min-max) over {plural(rounds)}\n")
     print("| workload | server | " + " | ".join(m[1] for m in METRICS) + " | failed requests |")
     print("|---|---|" + "---:|" * (len(METRICS) + 1))
-    clean = True
     for w in plan:
-        for name, side in ((KVCTL, agent), (VLLM, vllm)):
+        for name, side in _pairs(sides):
             cells = [spread_of(values(side, w, k)) for k, _, _ in METRICS]
-            failed = 0
-            for r in side.results.get(w.name, []):
-                if "harness_error" in r:
-                    failed += w.prompts
-                else:
-                    failed += int(r.get("failed") or 0)
+            failed = failed_requests(side, w)
             label = "kvctl-agent" if name == KVCTL else "vLLM"
             mark = f"**{failed} FAILED**" if failed else "0"
             print(f"| {w.title} | {label} | " + " | ".join(cells) + f" | {mark} |")
+
+
+def reuse_reading(reading: tuple[float, float] | None) -> str:
+    """Prefix-cache hits over prompt tokens looked up, as printed."""
+    if reading is None:
+        return "n/a"
+    q, h = reading
+    share = f" ({h / q:.0%})" if q else ""
+    return f"{h:,.0f} / {q:,.0f}{share}"
+
+
+def print_reuse(plan: list[Workload], sides: dict[str, Side]) -> None:
     print("\n## Prefix-cache tokens reused (hits / prompt tokens looked up, per round)\n")
     for w in plan:
-        for name, side in ((KVCTL, agent), (VLLM, vllm)):
-            readings = []
-            for reading in side.reused.get(w.name, []):
-                if reading is None:
-                    readings.append("n/a")
-                else:
-                    q, h = reading
-                    share = f" ({h / q:.0%})" if q else ""
-                    readings.append(f"{h:,.0f} / {q:,.0f}{share}")
+        for name, side in _pairs(sides):
+            readings = [reuse_reading(r) for r in side.reused.get(w.name, [])]
             print(f"- {w.title}, {name}: " + "; ".join(readings))
+
+
+def print_other_cores(plan: list[Workload], sides: dict[str, Side]) -> None:
     print(
         "\n## CPU other processes kept busy while each workload ran, in cores (per round; "
         f"over {OTHER_CORES_LOUD} disturbs the pair)\n"
     )
     for w in plan:
-        for name, side in ((KVCTL, agent), (VLLM, vllm)):
+        for name, side in _pairs(sides):
             seen = side.other_cores.get(w.name, [])
             print(
                 f"- {w.title}, {name}: "
                 + ", ".join("n/a" if c is None else f"{c:.2f}" for c in seen)
             )
     print()
+
+
+def print_problems(plan: list[Workload], sides: dict[str, Side]) -> bool:
+    """Disturbed rounds, failed requests, crashes; True when no request failed."""
+    clean = True
     for w in plan:
-        for name, side in ((KVCTL, agent), (VLLM, vllm)):
+        for name, side in _pairs(sides):
             for i, c in enumerate(side.other_cores.get(w.name, [])):
                 if c is not None and c > OTHER_CORES_LOUD:
                     print(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import TypedDict
 
 from kvctl.api import PoolSnapshot, ResizeRequest
 from kvctl.units import parse_size
@@ -47,6 +48,15 @@ class ResizePlan:
         if self.new_pages == self.old_pages:
             return "none"
         return "grow" if self.new_pages > self.old_pages else "shrink"
+
+
+class ResizeSpec(TypedDict):
+    """The four ways to name a size, as `kvctl pool resize` takes them (exactly one is set)."""
+
+    pages: int | None
+    size: str | None
+    grow: str | None
+    shrink: str | None
 
 
 def amount_in_pages(text: str, bytes_per_page: int) -> int:

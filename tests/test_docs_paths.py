@@ -347,71 +347,104 @@ def _check_setting(assignment: str, where: str) -> list[str]:
 
 def check_command(words: list[str], where: str) -> list[str]:
     """The problems of one command line (`words` split as the shell would, notation kept)."""
-    tree = agent_tree() if words[0] == "kvctl-agent" else kvctl_tree()
-    path = [tree]  # the commands walked, root first
-    problems: list[str] = []
-    positional = 0
-    i = 1
-    while i < len(words):
-        word = words[i].strip("[]")
-        i += 1
-        node = path[-1]
+    return _CommandWalk(words, where).problems
+
+
+class _CommandWalk:
+    """One command line walked word by word down the command tree, collecting problems."""
+
+    def __init__(self, words: list[str], where: str) -> None:
+        self.words, self.where = words, where
+        tree = agent_tree() if words[0] == "kvctl-agent" else kvctl_tree()
+        self.path = [tree]  # the commands walked, root first
+        self.problems: list[str] = []
+        self.positional = 0
+        self.i = 1
+        while self.i < len(words):
+            word = words[self.i].strip("[]")
+            self.i += 1
+            if not self._step(word):
+                break
+
+    def _named(self) -> str:
+        return " ".join(n.name for n in self.path)
+
+    def _step(self, word: str) -> bool:
+        """Take one word; False when the command ends there."""
+        node = self.path[-1]
         if word in SHELL_ENDS or re.fullmatch(r"\d?>>?(&\d)?", word):
-            break  # a redirection or the next shell command: the command ends
+            return False  # a redirection or the next shell command: the command ends
         if not word or word == "|" or word == "\\":
-            if word == "|" and i < len(words) and not words[i].startswith(("-", "[")):
-                # `show | map`: an alternative to the last subcommand
-                if len(path) > 1:
-                    path.pop()
-                positional = 0
-            continue
+            self._separator(word)
+            return True
         if node.passthrough:
             if node.name == "run":  # kvctl agent run: kvctl-agent's own options
-                problems += check_command(["kvctl-agent", *words[i - 1 :]], where)
-            break
-        if word.startswith("-") and len(word) > 1 and not re.fullmatch(r"-\d[\d.]*", word):
-            flag, eq, value = word.partition("=")
-            if flag not in node.options:  # an option belongs to the command it follows
-                problems.append(f"{where}: {' '.join(n.name for n in path)}: no option {flag}")
-                if not eq and i < len(words) and not words[i].startswith(("-", "|")):
-                    i += 1  # its value, most likely
-                continue
-            param = node.options[flag]
-            if param is not None and takes_value(param):
-                if not eq:
-                    if i >= len(words):
-                        continue  # `--tier` named alone, in prose
-                    value = words[i].strip("[]")
-                    i += 1
-                problems += _check_value(flag, param, value, where)
-            continue
-        if node.commands:
-            if _is_placeholder(word):
-                break
-            names = _alternatives(word)
-            if len(names) > 1:  # `show|map|resize --pool NAME`: the rest holds for each
-                found = []
-                for name in names:
-                    for problem in check_command([*words[: i - 1], name, *words[i:]], where):
-                        if problem not in found:
-                            found.append(problem)
-                return problems + found
-            unknown = [n for n in names if n not in node.commands]
-            if unknown:
-                problems.append(
-                    f"{where}: {' '.join(n.name for n in path)}: no command {', '.join(unknown)}"
-                    f" (it has {', '.join(node.commands)})"
+                self.problems += check_command(
+                    ["kvctl-agent", *self.words[self.i - 1 :]], self.where
                 )
-                break
-            path.append(node.commands[names[-1]])
-            positional = 0
-            continue
-        positional += 1
-        if node.arguments != -1 and positional > node.arguments and not _is_placeholder(word):
-            problems.append(f"{where}: {' '.join(n.name for n in path)}: extra argument {word}")
-        if [n.name for n in path[-2:]] == ["config", "set"]:
-            problems += _check_setting(word, where)
-    return problems
+            return False
+        if word.startswith("-") and len(word) > 1 and not re.fullmatch(r"-\d[\d.]*", word):
+            self._option(node, word)
+            return True
+        if node.commands:
+            return self._subcommand(node, word)
+        self._positional(node, word)
+        return True
+
+    def _separator(self, word: str) -> None:
+        words, i = self.words, self.i
+        if word == "|" and i < len(words) and not words[i].startswith(("-", "[")):
+            # `show | map`: an alternative to the last subcommand
+            if len(self.path) > 1:
+                self.path.pop()
+            self.positional = 0
+
+    def _option(self, node: Node, word: str) -> None:
+        words = self.words
+        flag, eq, value = word.partition("=")
+        if flag not in node.options:  # an option belongs to the command it follows
+            self.problems.append(f"{self.where}: {self._named()}: no option {flag}")
+            if not eq and self.i < len(words) and not words[self.i].startswith(("-", "|")):
+                self.i += 1  # its value, most likely
+            return
+        param = node.options[flag]
+        if param is None or not takes_value(param):
+            return
+        if not eq:
+            if self.i >= len(words):
+                return  # `--tier` named alone, in prose
+            value = words[self.i].strip("[]")
+            self.i += 1
+        self.problems += _check_value(flag, param, value, self.where)
+
+    def _subcommand(self, node: Node, word: str) -> bool:
+        if _is_placeholder(word):
+            return False
+        names = _alternatives(word)
+        if len(names) > 1:  # `show|map|resize --pool NAME`: the rest holds for each
+            words, i = self.words, self.i
+            for name in names:
+                for problem in check_command([*words[: i - 1], name, *words[i:]], self.where):
+                    if problem not in self.problems:
+                        self.problems.append(problem)
+            return False
+        unknown = [n for n in names if n not in node.commands]
+        if unknown:
+            self.problems.append(
+                f"{self.where}: {self._named()}: no command {', '.join(unknown)}"
+                f" (it has {', '.join(node.commands)})"
+            )
+            return False
+        self.path.append(node.commands[names[-1]])
+        self.positional = 0
+        return True
+
+    def _positional(self, node: Node, word: str) -> None:
+        self.positional += 1
+        if node.arguments != -1 and self.positional > node.arguments and not _is_placeholder(word):
+            self.problems.append(f"{self.where}: {self._named()}: extra argument {word}")
+        if [n.name for n in self.path[-2:]] == ["config", "set"]:
+            self.problems += _check_setting(word, self.where)
 
 
 SHELL_ENDS = frozenset({"&&", "||", ";", "<"})

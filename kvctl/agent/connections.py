@@ -60,7 +60,7 @@ class BoundedH11Protocol(H11Protocol):
         self._phase = ""  # "headers" or "body" while a deadline runs
         self._opened = 0.0
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # a TCP server's protocol is always given a Transport
         super().connection_made(transport)
         self._opened = self.loop.time()
         self._make_room()

@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, HTTPException, Request
 from prometheus_client import CollectorRegistry
@@ -26,7 +26,9 @@ from kvctl.api import ErrorBody
 
 T = TypeVar("T")
 
-ERRORS = {code: {"model": ErrorBody} for code in (401, 404, 409, 422)}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (401, 404, 409, 422)
+}
 """The error answers routes declare (for /openapi.json), all in OpenAI's shape."""
 
 

@@ -59,9 +59,9 @@ _MEDIUM_BITS = {MEDIUM_GPU: 1, "CPU": 2, "STORAGE": 4}
 
 class EventBatch(
     msgspec.Struct,
-    array_like=True,  # type: ignore[call-arg]
-    omit_defaults=True,  # type: ignore[call-arg]
-    gc=False,  # type: ignore[call-arg]
+    array_like=True,
+    omit_defaults=True,
+    gc=False,
 ):
     ts: float
     events: list[Any]
@@ -70,8 +70,8 @@ class EventBatch(
 
 class KVCacheEvent(
     msgspec.Struct,
-    omit_defaults=True,  # type: ignore[call-arg]
-    gc=False,  # type: ignore[call-arg]
+    omit_defaults=True,
+    gc=False,
     tag=True,
 ):
     """Tagged by class name under `type`, as vLLM's: the names are part of the format."""
@@ -106,8 +106,12 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
+AnyKVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+"""One event as sent (the tagged union a reader decodes)."""
+
+
 class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    events: list[AnyKVEvent]
 
 
 def wire_hash(digest: bytes) -> int:
@@ -140,7 +144,7 @@ class PageEventStream:
 
     def __init__(
         self,
-        submit: Callable[[bytes, list[KVCacheEvent]], None],
+        submit: Callable[[bytes, list[AnyKVEvent]], None],
         topic: str,
         page_size: int,
         layout: str,
@@ -151,7 +155,7 @@ class PageEventStream:
         self.page_size = page_size
         self.layout = layout
         self._roots: dict[IsolationKey, bytes] = {}
-        self._pending: list[KVCacheEvent] = []
+        self._pending: list[AnyKVEvent] = []
         self._pages: dict[int, _Page] = {}
         self._unheld: set[int] = set()
 
@@ -313,7 +317,7 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
         self._seq = itertools.count()
         self._lock = threading.Lock()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
         try:
@@ -382,7 +386,7 @@ class KVEventPublisher:
 
     # ---- the engine thread
 
-    def submit(self, topic: bytes, events: list[KVCacheEvent]) -> None:
+    def submit(self, topic: bytes, events: list[AnyKVEvent]) -> None:
         """Hand one step's events over; never blocks (a full queue drops and counts them)."""
         batch = KVEventBatch(ts=self.clock(), events=events, data_parallel_rank=0)
         with self._lock:
@@ -443,12 +447,13 @@ class KVEventPublisher:
                     log.warning("kv events: replay failed: %s", error)
             try:
                 item = self._queue.get(timeout=0.05)
+                waited = False
             except queue.Empty:
-                item = False
-            if item is None:
+                item, waited = None, True
+            if item is None and not waited:
                 return
             now = time.monotonic()
-            if item:
+            if item is not None:
                 topic, seq, batch = item
                 payload = encode(batch)
                 self._buffer.append((seq, topic, payload))

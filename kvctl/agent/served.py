@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvctl.agent.model.chat_template import ChatTemplate
+from kvctl.api import Capability
 
 
 @dataclass(frozen=True)
@@ -27,5 +28,5 @@ class ServedModel:
         return self.names[0]
 
     @property
-    def capabilities(self) -> list[str]:
+    def capabilities(self) -> list[Capability]:
         return ["completions", "chat"] if self.chat_template is not None else ["completions"]

@@ -20,7 +20,7 @@ import asyncio
 import hmac
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -90,7 +90,7 @@ def _encodable(text: str) -> str:
 def error_response(
     status: int,
     message: str,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
     error_type: str | None = None,
     param: str | None = None,
 ) -> JSONResponse:

@@ -120,7 +120,8 @@ def _literals(settings: AlertSettings) -> dict[str, str]:
     out = {}
     for name, field in AlertSettings.model_fields.items():
         value = getattr(settings, name)
-        unit = (field.json_schema_extra or {}).get("unit")  # type: ignore[union-attr]
+        extra = field.json_schema_extra
+        unit = extra.get("unit") if isinstance(extra, dict) else None
         if unit == "ratio":
             out[name] = text.percent(value)
         elif unit == "seconds":

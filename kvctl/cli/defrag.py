@@ -77,8 +77,8 @@ def defrag(
     if target.fleet:
         which = "pools" if pool is None else f"pool {pool}"
         confirm(f"Defragment the {which} of {len(target.agents)} agents now?", yes)
-    outcomes = on_each(target, lambda client: client.defrag(max_pages, pool))
-    finish(target, outcomes, lambda result: render.defrag_result(result, pool))
+    results = on_each(target, lambda client: client.defrag(max_pages, pool))
+    finish(target, results, lambda result: render.defrag_result(result, pool))
 
 
 def _pools(client: AgentClient, pool: str | None) -> list[PoolSnapshot]:

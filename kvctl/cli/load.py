@@ -234,10 +234,10 @@ def _print_profiles(as_json: bool) -> None:
     table = Table(show_edge=False, box=None)
     for column in ("profile", "what it sends", "default"):
         table.add_column(column, style="bold" if column == "profile" else None)
-    for row in rows:
-        rate = row["default_rate"]
+    for profile in PROFILES.values():
+        rate = profile.default_rate
         table.add_row(
-            row["profile"], row["summary"], f"open loop, {rate:g}/s" if rate else "closed loop"
+            profile.name, profile.summary, f"open loop, {rate:g}/s" if rate else "closed loop"
         )
     console().print(table)
 

@@ -36,7 +36,7 @@ from kvctl.view import poolmap, render
 if TYPE_CHECKING:
     from kvctl.api import PoolList, PoolRelease, PoolSnapshot, ResizeResult, TierReading
     from kvctl.client import AgentClient
-    from kvctl.sizing import ResizePlan
+    from kvctl.sizing import ResizePlan, ResizeSpec
 
 pool_app = typer.Typer(
     help="Show the pool, its page map, resize it, or release a pinned pool.",
@@ -215,7 +215,7 @@ def resize(
     moves no memory in or out of it until `kvctl pool release --pool NAME`.
     """
     target = resolve(ctx, agent, token, json_out, timeout)
-    spec = {"pages": pages, "size": size, "grow": grow, "shrink": shrink}
+    spec: ResizeSpec = {"pages": pages, "size": size, "grow": grow, "shrink": shrink}
     if sum(value is not None for value in spec.values()) != 1:
         fail("pool resize: give exactly one of --pages, --size, --grow or --shrink", ExitCode.USAGE)
     plans = _plans(target, spec, tier, pool)
@@ -252,7 +252,7 @@ class Planned:
 
 
 def _plans(
-    target: Target, spec: dict[str, str | int | None], tier: Tier, name: str | None
+    target: Target, spec: ResizeSpec, tier: Tier, name: str | None
 ) -> list[Outcome[Planned]]:
     """Each agent's plan from its current size; a bad spec stops here as a usage error, and an
     agent without the tier (or serving several models when no --pool names one) as an error,

@@ -52,10 +52,16 @@ class LoadRequest:
 class Profile(Protocol):
     """What a profile sends (`requests`) and, in open loop, when (`gaps`)."""
 
-    name: str
-    summary: str
-    default_rate: float | None
-    """Requests per second when the run gives no --rate; None means closed loop."""
+    # read-only properties: the profiles are frozen dataclasses
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def summary(self) -> str: ...
+
+    @property
+    def default_rate(self) -> float | None:
+        """Requests per second when the run gives no --rate; None means closed loop."""
 
     def requests(
         self, rng: random.Random, max_tokens: int, lexicon: Lexicon

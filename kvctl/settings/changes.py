@@ -16,12 +16,16 @@ from kvctl.units import parse_duration
 # ---- the table of settings --------------------------------------------------------------------
 
 
+SettingKind = Literal["bool", "int", "float", "choice"]
+_KINDS: dict[object, SettingKind] = {bool: "bool", int: "int", float: "float"}
+
+
 @dataclass(frozen=True)
 class SettingSpec:
     """One setting as the docs, the CLI and the error messages describe it."""
 
     key: str  # "section.name"
-    kind: Literal["bool", "int", "float", "choice"]
+    kind: SettingKind
     default: Any
     ge: float | None
     le: float | None
@@ -89,10 +93,11 @@ def _spec(section: str, name: str, field: Any) -> SettingSpec:
         nullable = True
         annotation = next(a for a in get_args(annotation) if a is not type(None))
     choices: tuple[str, ...] = ()
+    kind: SettingKind
     if get_origin(annotation) is Literal:
         kind, choices = "choice", tuple(get_args(annotation))
     else:
-        kind = {bool: "bool", int: "int", float: "float"}[annotation]
+        kind = _KINDS[annotation]
     ge = le = None
     for constraint in field.metadata:
         ge = getattr(constraint, "ge", ge)
@@ -100,7 +105,7 @@ def _spec(section: str, name: str, field: Any) -> SettingSpec:
     extra = field.json_schema_extra or {}
     return SettingSpec(
         key=f"{section}.{name}",
-        kind=kind,  # type: ignore[arg-type]
+        kind=kind,
         default=field.default,
         ge=ge,
         le=le,

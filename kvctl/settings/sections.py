@@ -399,8 +399,14 @@ class RuntimeSettings(Section):
     chat: ChatSettings = ChatSettings()
 
 
+def _section_type(name: str, annotation: object) -> type[Section]:
+    if not (isinstance(annotation, type) and issubclass(annotation, Section)):
+        raise TypeError(f"runtime setting {name!r} is not a section")
+    return annotation
+
+
 SECTIONS: dict[str, type[Section]] = {
-    name: field.annotation  # type: ignore[misc]
+    name: _section_type(name, field.annotation)
     for name, field in RuntimeSettings.model_fields.items()
 }
 

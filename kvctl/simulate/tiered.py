@@ -278,6 +278,16 @@ class TieredRun:
         }
 
 
+def _offset(progress: Progress | None, base: int, total: int) -> Callable[[int], None]:
+    """`progress` of one side's turns as a count over both sides'."""
+
+    def report(n: int) -> None:
+        if progress is not None:
+            progress(base + n, total)
+
+    return report
+
+
 def run_tiered(seed: int, progress: Progress | None = None, **overrides: Any) -> dict[str, Any]:
     """The tiered scenario for `seed`, without and with a host tier, on the same trace.
 
@@ -305,6 +315,6 @@ def run_tiered(seed: int, progress: Progress | None = None, **overrides: Any) ->
     for offset, (name, host) in enumerate(zip(SIDES, (0, host_pages), strict=True)):
         side = TieredRun(trace, device_pages, host, config, name)
         base = offset * conversations * config.turns
-        side.run(seed, lambda n, base=base: progress(base + n, total) if progress else None)
+        side.run(seed, _offset(progress, base, total))
         results[name] = side.result(working_set)
     return {"scenario": TIERED, "seed": seed, "results": results}

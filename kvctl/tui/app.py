@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from textual.app import App
 from textual.binding import Binding, BindingType
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.worker import Worker
 
@@ -185,11 +186,11 @@ class TopApp(App[None]):
             shown = reading if reading.up else good
             self.screen.show(agent, shown.alerts if shown else ())
 
-    def say(self, message: str, severity: str = "information") -> None:
+    def say(self, message: str, severity: SeverityLevel = "information") -> None:
         """Tell the operator what happened: a toast and the message line under the panels."""
         self.message = message
         self.detail.say(message)
-        self.notify(message, severity=severity)  # type: ignore[arg-type]
+        self.notify(message, severity=severity)
 
     # ---- navigation -----------------------------------------------------------------------
 

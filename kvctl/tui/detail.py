@@ -95,7 +95,7 @@ class DetailScreen(Screen[None]):
 
     @property
     def top(self) -> TopApp:
-        return self.app  # type: ignore[return-value]
+        return self.app  # type: ignore[return-value]  # Textual types it App[object]; only TopApp mounts this
 
     def compose(self) -> ComposeResult:
         yield self.bar

@@ -159,7 +159,7 @@ def sort_rows(readings: Sequence[Reading], sort: Sort) -> list[Reading]:
     value = BY_KEY[sort.key].value
     present = [r for r in readings if value(r) is not None]
     missing = [r for r in readings if value(r) is None]
-    present.sort(key=value, reverse=sort.descending)  # type: ignore[arg-type]
+    present.sort(key=value, reverse=sort.descending)  # type: ignore[arg-type]  # None filtered out above
     return present + missing
 
 

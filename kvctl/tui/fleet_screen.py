@@ -61,7 +61,7 @@ class FleetScreen(Screen[None]):
 
     @property
     def top(self) -> TopApp:
-        return self.app  # type: ignore[return-value]
+        return self.app  # type: ignore[return-value]  # Textual types it App[object]; only TopApp pushes this screen
 
     def compose(self) -> ComposeResult:
         yield Static(Text("connecting…", style="dim"), id="fleet-bar")

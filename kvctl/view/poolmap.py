@@ -98,9 +98,9 @@ def legend(pool_map: PoolMap) -> Text:
     for state, _start, length in pool_map.runs:
         counts[state] += length
     text = Text()
-    for state, count in counts.items():
-        text.append("■ ", style=STATE_STYLE[state])
-        text.append(f"{state} {count:,}   ")
+    for name, count in counts.items():
+        text.append("■ ", style=STATE_STYLE[name])
+        text.append(f"{name} {count:,}   ")
     segments = -(-pool_map.capacity_pages // max(1, pool_map.segment_pages))
     text.append(f"╵ segment start ({segments} × {pool_map.segment_pages} pages)", style="dim")
     return text

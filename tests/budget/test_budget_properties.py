@@ -436,6 +436,30 @@ class BudgetMachine(RuleBasedStateMachine):
             and self.now - member.took_at >= s.cooldown_s
         )
 
+    def _check_gave(
+        self, name: str, delta: int, used: int, above_share: bool, reclaiming: bool
+    ) -> None:
+        """A donor gave `-delta` bytes: it was calm long enough, or a pool below its share took
+        memory back, and it kept what it must keep."""
+        m, s = self.members[name], self.settings
+        share = self.budget.pools[name].share_pages
+        if self._may_give(m):
+            keep = max(m.resizer.min_pages, m.promised, used + int(used * s.headroom_ratio))
+            if reclaiming and above_share:
+                keep = min(keep, max(share, m.resizer.min_pages, m.promised))
+        else:
+            assert reclaiming and above_share, f"{name} gave memory without being calm long enough"
+            keep = max(share, m.resizer.min_pages, m.promised, used)
+            event("a busy pool gave memory back to a pool below its share")
+        assert m.pool.capacity >= keep, f"donor {name} shrank below what it must keep"
+        m.gave_at = self.now
+        m.bytes_out -= delta
+        event("a pool gave memory")
+        if used:
+            event("a donor with pages in use gave memory")
+        if m.resizer.last_evacuation and m.resizer.last_evacuation.pages_moved:
+            event("a donor moved pages to give memory")
+
     @rule()
     def rebalance(self) -> None:
         members, budget, s = self.members, self.budget, self.settings
@@ -488,28 +512,7 @@ class BudgetMachine(RuleBasedStateMachine):
                 m.bytes_in += delta
                 event("a pool took memory")
             if delta < 0:
-                if self._may_give(m):
-                    keep = max(
-                        m.resizer.min_pages,
-                        m.promised,
-                        used[name] + int(used[name] * s.headroom_ratio),
-                    )
-                    if reclaiming and capacity[name] > shares[name]:
-                        keep = min(keep, max(shares[name], m.resizer.min_pages, m.promised))
-                else:
-                    assert reclaiming and capacity[name] > shares[name], (
-                        f"{name} gave memory without being calm long enough"
-                    )
-                    keep = max(shares[name], m.resizer.min_pages, m.promised, used[name])
-                    event("a busy pool gave memory back to a pool below its share")
-                assert pool.capacity >= keep, f"donor {name} shrank below what it must keep"
-                m.gave_at = self.now
-                m.bytes_out -= delta
-                event("a pool gave memory")
-                if used[name]:
-                    event("a donor with pages in use gave memory")
-                if m.resizer.last_evacuation and m.resizer.last_evacuation.pages_moved:
-                    event("a donor moved pages to give memory")
+                self._check_gave(name, delta, used[name], capacity[name] > shares[name], reclaiming)
             seen = self.rebalancer.history[name]
             assert (seen.moved_bytes["in"], seen.moved_bytes["out"]) == (m.bytes_in, m.bytes_out)
         assert budget.unassigned_bytes == unassigned + sum(given.values()) - sum(taken.values())

@@ -140,6 +140,20 @@ def workloads(draw):
     return page_size, pages, budget, actions
 
 
+def add_checked(engine, page_size: int, action: tuple, admitted: list[Request]) -> None:
+    """Add one request of a random workload; one too large for any pool is refused at once."""
+    _, prefix, suffix_len, max_tokens, seed = action
+    if suffix_len == "fill":
+        max_tokens = 1 + max_tokens % 3
+        suffix_len = engine.pool.capacity * page_size - max_tokens - len(SHARED[prefix])
+    prompt = prompt_of(prefix, max(0, suffix_len), seed)
+    try:
+        admitted.append(engine.add_request(prompt, greedy(max_tokens)))
+    except RequestTooLarge:
+        need = engine.pool.pages_for(len(prompt) + max_tokens)
+        assert need > engine.pool.capacity
+
+
 @pytest.mark.slow
 @settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=workloads())
@@ -161,16 +175,7 @@ def test_random_workloads_on_tiny_pools_always_progress(make_engine, workload):
     aborted: set[str] = set()
     for action in actions:
         if action[0] == "add":
-            _, prefix, suffix_len, max_tokens, seed = action
-            if suffix_len == "fill":
-                max_tokens = 1 + max_tokens % 3
-                suffix_len = engine.pool.capacity * page_size - max_tokens - len(SHARED[prefix])
-            prompt = prompt_of(prefix, max(0, suffix_len), seed)
-            try:
-                admitted.append(engine.add_request(prompt, greedy(max_tokens)))
-            except RequestTooLarge:
-                need = engine.pool.pages_for(len(prompt) + max_tokens)
-                assert need > engine.pool.capacity
+            add_checked(engine, page_size, action, admitted)
         elif action[0] == "step":
             for _ in range(action[1]):
                 step_checked(engine)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -241,7 +241,7 @@ class _GenerationBlocks(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask markers) render
     their body unchanged."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance attribute)
 
     def parse(self, parser: Any) -> list[Any]:
         next(parser.stream)

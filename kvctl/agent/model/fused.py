@@ -155,7 +155,7 @@ class FusedDecoder(nn.Module):
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
         self.norm = decoder.norm
-        self.layers = nn.ModuleList(
+        self.blocks = [
             FusedLayer(
                 layer.self_attn,
                 layer.mlp,
@@ -163,20 +163,23 @@ class FusedDecoder(nn.Module):
                 layer.post_attention_layernorm,
                 kernels,
             )
-            for layer in decoder.layers
-        )
+            for layer in decoder.blocks
+        ]
+        """The layers, typed (`nn.ModuleList` yields plain modules); `layers` registers them."""
+        self.layers = nn.ModuleList(self.blocks)
         self.ops = layer_ops_for(decoder.embed_tokens.weight, kernels)
 
     def forward(self, token_ids: Tensor, positions: Tensor, attention: AttentionBackend) -> Tensor:
         ops = self.ops
         x = self.embed_tokens(token_ids)  # [T, hidden], the residual stream (updated in place)
         cos, sin = self.rotary_emb(positions, x.dtype)  # [T, head_dim] each
-        h = ops.rms_norm(x, self.layers[0].input_layernorm)
-        for i, layer in enumerate(self.layers):
+        blocks = self.blocks
+        h = ops.rms_norm(x, blocks[0].input_layernorm)
+        for i, layer in enumerate(blocks):
             h = ops.add_rms_norm_(
                 x, layer.attention(h, cos, sin, attention, ops), layer.post_attention_layernorm
             )
-            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            after = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else self.norm
             h = ops.add_rms_norm_(x, layer.mlp(h, ops), after)
         return h
 
@@ -184,14 +187,15 @@ class FusedDecoder(nn.Module):
 def fuse(model: LlamaModel, kernels: bool = True) -> LlamaModel:
     """Rewrite `model` in place into its serving form (once: a fused model is left as it is).
     `kernels=False` keeps every step in torch even where the CPU kernels run."""
-    if model.head is not None:
+    decoder = model.model
+    if model.head is not None or isinstance(decoder, FusedDecoder):
         return model
     with torch.no_grad():
-        tied = model.lm_head is None
-        weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
+        lm_head = model.lm_head
+        weight = model.model.embed_tokens.weight if lm_head is None else lm_head.weight
         model.head = Projection.of(weight, kernels=kernels)
         model.lm_head = None
-        model.model = FusedDecoder(model.model, kernels)
+        model.model = FusedDecoder(decoder, kernels)
     return model
 
 

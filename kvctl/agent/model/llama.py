@@ -10,6 +10,10 @@ so a checkpoint's state dict loads by name. With tied embeddings there is no `lm
 logits reuse `model.embed_tokens.weight`, just as tied checkpoints store no `lm_head.weight`.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -17,6 +21,9 @@ from torch import Tensor, nn
 from kvctl.agent.model.attention import AttentionBackend
 from kvctl.agent.model.config import ModelConfig
 from kvctl.agent.model.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from kvctl.agent.model.fused import FusedDecoder
 
 
 class RMSNorm(nn.Module):
@@ -104,14 +111,16 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.blocks = [DecoderLayer(config, i) for i in range(config.num_layers)]
+        """The layers, typed (`nn.ModuleList` yields plain modules); `layers` registers them."""
+        self.layers = nn.ModuleList(self.blocks)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(self, token_ids: Tensor, positions: Tensor, attention: AttentionBackend) -> Tensor:
         x = self.embed_tokens(token_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions, x.dtype)  # [T, head_dim] each
-        for layer in self.layers:
+        for layer in self.blocks:
             x = layer(x, cos, sin, attention)
         return self.norm(x)
 
@@ -124,7 +133,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = Decoder(config)
+        self.model: Decoder | FusedDecoder = Decoder(config)  # fused in place by `fused.fuse`
         self.lm_head = (
             None
             if config.tie_word_embeddings

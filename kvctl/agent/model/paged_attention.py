@@ -212,7 +212,7 @@ class PageTableAttention:
         pages of one layer; returns [table.count, h, d]."""
         h, d = q.shape[1:]
         rows = q if table.rows is None else q.index_select(0, table.rows)
-        padded = table.block_mask.kv_num_blocks.shape[0]  # type: ignore[attr-defined]
+        padded = table.block_mask.kv_num_blocks.shape[0]  # type: ignore[attr-defined]  # a BlockMask, typed object so flex_attention is imported only where used
         queries = rows.unsqueeze(2)  # [count, h, 1, d]
         if padded > table.count:
             queries = torch.cat([queries, queries.new_zeros(padded - table.count, h, 1, d)])

@@ -65,6 +65,19 @@ class TokenLogprobs:
 
 def check_processing(params: SamplingParams) -> None:
     """Raise ValueError naming the first processing field out of its range."""
+    _check_penalties(params)
+    _check_token_lists(params)
+    logprobs = params.logprobs
+    if logprobs is not None and (not _token(logprobs) or logprobs > MAX_LOGPROBS):
+        raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
+    if not _token(params.min_tokens) or params.min_tokens > params.max_tokens:
+        raise ValueError(
+            f"min_tokens must be an integer in [0, max_tokens {params.max_tokens}], "
+            f"got {params.min_tokens!r}"
+        )
+
+
+def _check_penalties(params: SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
         if not _finite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
@@ -72,6 +85,9 @@ def check_processing(params: SamplingParams) -> None:
     penalty = params.repetition_penalty
     if not _finite(penalty) or penalty <= 0:
         raise ValueError(f"repetition_penalty must be a number > 0 (1 is none), got {penalty!r}")
+
+
+def _check_token_lists(params: SamplingParams) -> None:
     bias = params.logit_bias
     if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
         raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to a bias")
@@ -85,19 +101,11 @@ def check_processing(params: SamplingParams) -> None:
         raise ValueError(f"allowed_token_ids must list at most {MAX_ALLOWED_TOKEN_IDS} token ids")
     if not all(_token(t) for t in allowed):
         raise ValueError(f"allowed_token_ids must be token ids ≥ 0, got {list(allowed)[:5]!r}")
-    logprobs = params.logprobs
-    if logprobs is not None and (not _token(logprobs) or logprobs > MAX_LOGPROBS):
-        raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
     stop_ids = params.stop_token_ids
     if not isinstance(stop_ids, tuple) or len(stop_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"stop_token_ids must list at most {MAX_STOP_TOKEN_IDS} token ids")
     if not all(_token(t) for t in stop_ids):
         raise ValueError(f"stop_token_ids must be token ids ≥ 0, got {list(stop_ids)!r}")
-    if not _token(params.min_tokens) or params.min_tokens > params.max_tokens:
-        raise ValueError(
-            f"min_tokens must be an integer in [0, max_tokens {params.max_tokens}], "
-            f"got {params.min_tokens!r}"
-        )
 
 
 def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:

@@ -152,7 +152,7 @@ class _Shaper:
             ChatChoice(
                 index=out.index,
                 message=ChatResponseMessage(content="".join(out.text)),
-                finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                finish_reason=out.finish_reason,
                 logprobs=self.logprobs(out.token_ids, out.logprobs) if body.logprobs else None,
                 token_ids=list(out.summary.output_ids) if body.return_token_ids else None,
                 finish_detail=out.summary.finish_detail,

@@ -39,9 +39,9 @@ async def prompt_list(gen: Generation, body: CompletionRequest) -> list[list[int
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
     elif prompt and isinstance(prompt[0], str | list):
-        prompts = list(prompt)  # type: ignore[arg-type]
+        prompts = list(prompt)
     else:
-        prompts = [prompt]  # type: ignore[list-item]
+        prompts = [prompt]  # type: ignore[list-item]  # a list of ints: isinstance cannot narrow it
     gen.check_choices(len(prompts), body.n)
     result = []
     for p, one in enumerate(prompts):
@@ -62,7 +62,7 @@ def echoes(gen: Generation, body: CompletionRequest, prompts: list[list[int]]) -
     if isinstance(body.prompt, str):
         return [body.prompt]
     if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-        return list(body.prompt)  # type: ignore[arg-type]
+        return list(body.prompt)
     tokenizer = gen.tokenizer
     if tokenizer is None:
         raise ApiError(400, "echo: this model has no tokenizer to turn token ids into text")
@@ -153,7 +153,7 @@ class _Shaper:
                 CompletionChoice(
                     index=out.index,
                     text=self._echo(out.index) + "".join(out.text),
-                    finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                    finish_reason=out.finish_reason,
                     logprobs=self.logprobs(
                         len(self._echo(out.index)), out.token_ids, out.logprobs, out.texts
                     ),

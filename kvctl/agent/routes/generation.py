@@ -33,6 +33,7 @@ from kvctl.agent.model.tokenizer import Span, Tokenizer
 from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.runtime import (
     Engine,
+    FinishReason,
     RequestRefused,
     RequestSummary,
     RequestTooLarge,
@@ -41,7 +42,7 @@ from kvctl.agent.runtime import (
 from kvctl.agent.runtime import Request as EngineRequest
 from kvctl.agent.served import ServedModel
 from kvctl.agent.service import QueueFull, RequestStream, ShuttingDown, UnknownPool
-from kvctl.api import GenerationFields, PromptTokensDetails, Usage
+from kvctl.api import FinishReasonName, GenerationFields, PromptTokensDetails, Usage
 
 GENERATION_ERRORS = {code: ERRORS[409] for code in (400, 404, 429, 503)} | ERRORS
 """The error answers of the generation routes, all in OpenAI's shape (for /openapi.json)."""
@@ -79,13 +80,24 @@ class ChoiceOutput:
 
     @property
     def summary(self) -> RequestSummary:
-        assert self.last is not None and self.last.summary is not None, "a finished choice"
-        return self.last.summary
+        last = self.last
+        if last is None or last.summary is None:
+            raise RuntimeError("the summary of a choice that has not finished")
+        return last.summary
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReasonName | None:
         reason = self.last.finish_reason if self.last is not None else None
-        return reason.value if reason is not None else None
+        return FINISH_NAMES[reason] if reason is not None else None
+
+
+FINISH_NAMES: dict[FinishReason, FinishReasonName] = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.CAPACITY: "capacity",
+}
+"""The engine's reasons by their names in the answers (the same words, typed for the API)."""
 
 
 @dataclass

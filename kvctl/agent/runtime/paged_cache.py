@@ -427,6 +427,6 @@ def _paged_kernel(
     return None
 
 
-def _long(values: Sequence[int]) -> Tensor:
+def _long(values: Sequence[int] | np.ndarray) -> Tensor:
     """A host int64 tensor of `values`, built through numpy (one conversion, no torch dispatch)."""
     return torch.from_numpy(np.asarray(values, dtype=np.int64))

@@ -327,7 +327,7 @@ class Scheduler:
         tokens = request.num_tokens
         if match is None or not match.tokens:
             self.pool.allocate(request.seq_id, tokens)
-            copies = []
+            copies: list[CopyOnWrite] = []
         else:
             _, copies = self.pool.adopt(request.seq_id, match.pages, match.tokens, tokens)
         request.num_computed = request.admitted_computed = match.tokens if match else 0

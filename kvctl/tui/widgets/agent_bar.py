@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import RenderableType
 from rich.text import Text
 from textual.widget import Widget
@@ -18,8 +20,8 @@ class AgentBar(Widget):
     AgentBar { height: auto; background: $boost; }
     """
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.text = Text("connecting…", style="dim")
 
     def show(

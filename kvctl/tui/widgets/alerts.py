@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.text import Text
@@ -46,8 +47,8 @@ class AlertsPanel(Widget):
     AlertsPanel { height: auto; }
     """
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.alerts: tuple[Alert, ...] = ()
 
     def show(self, alerts: Sequence[Alert]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import RenderableType
 from rich.text import Text
 from textual.widget import Widget
@@ -22,8 +24,8 @@ class BudgetBar(Widget):
     BudgetBar { height: 1; }
     """
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.reading: Reading | None = None
         self.shown: str | None = None
 

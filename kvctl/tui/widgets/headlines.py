@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Group, RenderableType
 from rich.text import Text
 from textual.widget import Widget
@@ -19,8 +21,8 @@ class Headlines(Widget):
     Headlines { height: 3; }
     """
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.pool: PoolSnapshot | None = None
         self.history: History | None = None
         self.stale = False

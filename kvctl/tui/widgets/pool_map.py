@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import RenderableType
 from rich.text import Text
 from textual.widget import Widget
@@ -17,8 +19,8 @@ class PoolMapView(Widget):
     PoolMapView { height: 1fr; min-height: 3; }
     """
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.page_map: PoolMap | None = None
 
     def show(self, page_map: PoolMap | None) -> None:

@@ -3,6 +3,8 @@ a budget where the agent's pools share one, GPU memory."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Group, RenderableType
 from rich.text import Text
 from textual.widget import Widget
@@ -19,8 +21,8 @@ class RequestsPanel(Widget):
     RequestsPanel { height: auto; }
     """
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.pool: PoolSnapshot | None = None
 
     def show(self, pool: PoolSnapshot | None) -> None:

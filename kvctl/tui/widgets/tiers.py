@@ -4,6 +4,8 @@ has tiers, so an agent without them keeps the screen it always had."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Group, RenderableType
 from rich.styled import Styled
 from rich.table import Table
@@ -38,8 +40,8 @@ class TierPanel(Widget):
     TierPanel { height: auto; }
     """
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.pool: PoolSnapshot | None = None
         self.rates: TierRates | None = None
         self.stale = False
