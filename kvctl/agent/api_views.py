@@ -34,17 +34,8 @@ def occupancy_view(reading: PoolOccupancy) -> api.PoolOccupancy:
 
 def defrag_view(report: DefragReport) -> api.DefragResult:
     """The API's model of what one defragmentation (or session of them) did."""
-    return api.DefragResult(
-        trigger=report.trigger.value,
-        fragmentation_before=report.fragmentation_before,
-        fragmentation_after=report.fragmentation_after,
-        free_extents_before=report.free_extents_before,
-        free_extents_after=report.free_extents_after,
-        pages_moved=report.pages_moved,
-        bytes_moved=report.bytes_moved,
-        seconds=report.seconds,
-        complete=report.complete,
-    )
+    carried = {f.name: getattr(report, f.name) for f in fields(report)}
+    return api.DefragResult(**carried | {"trigger": report.trigger.value})
 
 
 def tier_name(name: str) -> api.TierName:
