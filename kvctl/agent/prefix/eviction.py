@@ -18,9 +18,25 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from kvctl.agent.prefix.radix_tree import RadixNode, RadixTree
+
+
+class Recorded(Protocol):
+    """What a policy reads of an entry: a radix-tree node, or a page of a tier below the pool."""
+
+    @property
+    def node_id(self) -> int: ...
+
+    @property
+    def created(self) -> int: ...
+
+    @property
+    def last_access(self) -> int: ...
+
+    @property
+    def hits(self) -> int: ...
 
 
 class EvictionPolicy(ABC):
@@ -34,7 +50,7 @@ class EvictionPolicy(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def priority(self, node: RadixNode) -> tuple[int, ...]: ...
+    def priority(self, node: Recorded) -> tuple[int, ...]: ...
 
 
 class LeastRecentlyUsed(EvictionPolicy):
@@ -42,7 +58,7 @@ class LeastRecentlyUsed(EvictionPolicy):
 
     name = "lru"
 
-    def priority(self, node: RadixNode) -> tuple[int, ...]:
+    def priority(self, node: Recorded) -> tuple[int, ...]:
         return (node.last_access, node.node_id)
 
 
@@ -51,7 +67,7 @@ class LeastFrequentlyUsed(EvictionPolicy):
 
     name = "lfu"
 
-    def priority(self, node: RadixNode) -> tuple[int, ...]:
+    def priority(self, node: Recorded) -> tuple[int, ...]:
         return (node.hits, node.last_access, node.node_id)
 
 
@@ -60,7 +76,7 @@ class FirstInFirstOut(EvictionPolicy):
 
     name = "fifo"
 
-    def priority(self, node: RadixNode) -> tuple[int, ...]:
+    def priority(self, node: Recorded) -> tuple[int, ...]:
         return (node.created, node.node_id)
 
 

@@ -173,12 +173,12 @@ class TierIndex:
         return list(range(self._clock, start - 1, -1))
 
     def _push(self, entry: TierEntry) -> None:
-        heapq.heappush(self._heap, (self.policy.priority(entry), entry.version, entry))  # type: ignore[arg-type]  # the policies read only what a TierEntry shares with a RadixNode
+        heapq.heappush(self._heap, (self.policy.priority(entry), entry.version, entry))
         if len(self._heap) > 2 * len(self.entries) + 64:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        self._heap = [(self.policy.priority(e), e.version, e) for e in self.entries.values()]  # type: ignore[arg-type]  # as in _push
+        self._heap = [(self.policy.priority(e), e.version, e) for e in self.entries.values()]
         heapq.heapify(self._heap)
 
     # ---- checking -------------------------------------------------------------------------
