@@ -29,6 +29,11 @@ log = logging.getLogger("kvctl.agent")
 DEMO_SHAPE = (4, 4)  # layers, KV heads of `--model demo`
 
 
+def whole_segments(pages: int, segment: int) -> int:
+    """`pages` rounded up to whole segments, as the engine allocates a pool."""
+    return -(-pages // segment) * segment
+
+
 @dataclass(frozen=True)
 class ModelPages:
     """What the plan needs of one loaded model: its name, its `[[models]]` (or `--model`)
@@ -96,7 +101,7 @@ class PoolPlan:
     @property
     def capacity(self) -> int:
         """The start size in whole segments, as the engine allocates it."""
-        return -(-self.pages // self.segment) * self.segment
+        return whole_segments(self.pages, self.segment)
 
     @property
     def limits(self) -> StartupLimits:
@@ -183,7 +188,7 @@ def plan_pools(
             f"{format_bytes(budget)}; give smaller pools or a larger --kv-budget"
         )
     floors = [
-        -(-(m.spec.min_pool_pages or segment) // segment) * segment
+        whole_segments(m.spec.min_pool_pages or segment, segment)
         for (segment, _), m in zip(sized, models, strict=True)
     ]
     kept = sum(f * m.bytes_per_page for f, m in zip(floors, models, strict=True))
@@ -231,7 +236,7 @@ def _start_size(config: AgentConfig, loaded: ModelPages, share: int | None) -> t
     if size.pool_pages or size.pool_memory or share is None:
         pages = pool_pages(size, per_page, None, f"model {loaded.name}: pool_memory")
         segment = _segment(loaded.spec, config, pages)
-        return segment, -(-pages // segment) * segment
+        return segment, whole_segments(pages, segment)
     pages = share // per_page
     if pages < 1:
         raise ConfigError(
