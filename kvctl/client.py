@@ -3,6 +3,8 @@
 Every answer is parsed into the models of `kvctl.api`, and every failure (no connection, a
 timeout, a 401, a refused resize, an agent that is not a kvctl agent) becomes an `AgentError`
 whose message is one line that names the agent and says what to do, so callers print it as is.
+Every answer is read within the timeout in all and a size cap (`kvctl.bounded_read`), so a node
+that drips or floods costs one timeout, like one that hangs.
 `AgentClient` is synchronous for the CLI; `AsyncAgentClient` has the same methods as coroutines
 for the TUI and the load generator, which must not block while waiting on an agent. Both take an
 optional httpx transport, so tests can answer without a socket.
@@ -25,7 +27,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from kvctl import __version__
+from kvctl import __version__, bounded_read
 from kvctl.api import (
     DEFAULT_PORT,
     POOL_REQUIRED,
@@ -50,10 +52,13 @@ from kvctl.api import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvctl.bounded_read import MAX_EXPOSITION_BYTES, MAX_JSON_BYTES, ReadLimit, Sink, check_depth
+from kvctl.exposition import Exposition, ExpositionReader
 
 DEFAULT_AGENT = f"http://127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT = 10.0
-"""Seconds to wait for one answer; a pool read takes milliseconds, so this only bounds a hang."""
+"""Seconds to wait for one answer, complete (`kvctl.bounded_read`); a pool read takes
+milliseconds, so this only bounds a hang."""
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -220,17 +225,32 @@ def _body(body: BaseModel | None) -> Any:
 def transport_error(agent: str, error: httpx.TransportError, timeout: float) -> AgentError:
     """The one-line reason an agent could not be reached."""
     if isinstance(error, httpx.TimeoutException):
-        return AgentUnreachable(
-            agent,
-            f"agent {agent} did not answer within {timeout:g} s; "
-            "is it overloaded or stuck? check its log or raise --timeout",
-            reason=f"no answer within {timeout:g} s",
+        return _no_answer(
+            agent, f"did not answer within {timeout:g} s", f"no answer within {timeout:g} s"
         )
     reason = str(error).split("] ")[-1].strip().lower() or type(error).__name__
     return AgentUnreachable(
         agent,
         f"cannot reach agent at {agent} ({reason}); is kvctl-agent running? use --agent URL",
         reason=reason,
+    )
+
+
+def _no_answer(agent: str, what: str, reason: str) -> AgentUnreachable:
+    return AgentUnreachable(
+        agent,
+        f"agent {agent} {what}; is it overloaded or stuck? check its log or raise --timeout",
+        reason=reason,
+    )
+
+
+def limit_error(agent: str, error: ReadLimit) -> AgentError:
+    """The one-line reason an answer was not read: too slow, too large or nested too deep;
+    the node is shown as one that did not answer."""
+    if isinstance(error, bounded_read.TooSlow):
+        return _no_answer(agent, f"sent {error}", str(error))
+    return AgentUnreachable(
+        agent, f"{agent}: {error}, so it was not read; check --agent URL", reason=str(error)
     )
 
 
@@ -245,8 +265,9 @@ def _error_message(response: httpx.Response) -> str:
 def _error_body(response: httpx.Response) -> ErrorBody | None:
     """The error body every kvctl agent sends with a 4xx/5xx, or None (someone else answered)."""
     try:
+        check_depth(response.content)
         return ErrorBody.model_validate_json(response.content)
-    except (ValidationError, ValueError):
+    except (ValidationError, ValueError, ReadLimit):
         return None
 
 
@@ -303,6 +324,10 @@ def status_error(
 
 def parse_answer(agent: str, endpoint: Endpoint[M], content: bytes | str) -> M:
     """A 2xx body as `endpoint.model`, or an AgentProtocolError saying what was off."""
+    try:
+        check_depth(content)
+    except ReadLimit as error:
+        raise limit_error(agent, error) from None
     try:
         return endpoint.model.model_validate_json(content)
     except ValidationError as error:
@@ -392,11 +417,20 @@ class AgentClient:
     def close(self) -> None:
         self._http.close()
 
-    def _call(self, endpoint: Endpoint[M], body: BaseModel | None = None) -> M:
+    def _send(
+        self, method: str, path: str, json: Any = None, cap: int = MAX_JSON_BYTES
+    ) -> httpx.Response:
+        """One exchange, read whole within the timeout and `cap` bytes."""
+        request = self._http.build_request(method, path, json=json)
         try:
-            response = self._http.request(endpoint.method, endpoint.path, json=_body(body))
+            return bounded_read.read(self._http, request, self.timeout, cap)
         except httpx.TransportError as error:
             raise transport_error(self.url, error, self.timeout) from None
+        except ReadLimit as error:
+            raise limit_error(self.url, error) from None
+
+    def _call(self, endpoint: Endpoint[M], body: BaseModel | None = None) -> M:
+        response = self._send(endpoint.method, endpoint.path, _body(body))
         _check(self.url, endpoint, response, self.token)
         return parse_answer(self.url, endpoint, response.content)
 
@@ -449,21 +483,18 @@ class AgentClient:
         """POST /v1/alerts/test: the agent sends a test alert to its Alertmanager with its own
         labels and credentials (and audits it); returns `{"sent": true, "alert": {...}}`."""
         endpoint = Endpoint("POST", "/v1/alerts/test", BaseModel, "alert test")
-        try:
-            response = self._http.post(endpoint.path)
-        except httpx.TransportError as error:
-            raise transport_error(self.url, error, self.timeout) from None
+        response = self._send(endpoint.method, endpoint.path)
         _check(self.url, endpoint, response, self.token)
+        try:
+            check_depth(response.content)
+        except ReadLimit as error:
+            raise limit_error(self.url, error) from None
         return response.json()
 
     def metrics(self) -> str:
         """The Prometheus exposition text of GET /metrics."""
-        endpoint = Endpoint("GET", "/metrics", BaseModel, "metrics read")
-        try:
-            response = self._http.get(endpoint.path)
-        except httpx.TransportError as error:
-            raise transport_error(self.url, error, self.timeout) from None
-        _check(self.url, endpoint, response, self.token)
+        response = self._send(METRICS.method, METRICS.path, cap=MAX_EXPOSITION_BYTES)
+        _check(self.url, METRICS, response, self.token)
         return response.text
 
     def stream_completion(self, request: CompletionRequest) -> Iterator[CompletionResponse]:
@@ -512,25 +543,38 @@ class AsyncAgentClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, endpoint: Endpoint[M], body: BaseModel | None = None) -> M:
+    async def _send(
+        self,
+        request: httpx.Request,
+        cap: int = MAX_JSON_BYTES,
+        sink: Sink | None = None,
+    ) -> httpx.Response:
+        """One exchange, read whole within the timeout and `cap` bytes (a 2xx body into
+        `sink` where given)."""
         try:
-            response = await self._http.request(endpoint.method, endpoint.path, json=_body(body))
+            return await bounded_read.aread(self._http, request, self.timeout, cap, sink)
         except httpx.TransportError as error:
             raise transport_error(self.url, error, self.timeout) from None
+        except ReadLimit as error:
+            raise limit_error(self.url, error) from None
+
+    async def _call(self, endpoint: Endpoint[M], body: BaseModel | None = None) -> M:
+        request = self._http.build_request(endpoint.method, endpoint.path, json=_body(body))
+        response = await self._send(request)
         _check(self.url, endpoint, response, self.token)
         return parse_answer(self.url, endpoint, response.content)
 
     async def health(self) -> Health:
         return await self._call(HEALTH)
 
-    async def metrics_text(self, path: str = METRICS.path) -> str:
-        """The node's exposition at `path`, as text (a kvctl agent's or an engine's)."""
-        try:
-            response = await self._http.get(path, headers={"Accept": "text/plain"})
-        except httpx.TransportError as error:
-            raise transport_error(self.url, error, self.timeout) from None
+    async def exposition(self, path: str = METRICS.path) -> Exposition:
+        """The node's exposition at `path` (a kvctl agent's or an engine's), parsed as it
+        arrives; ExpositionError where it is not one."""
+        reader = ExpositionReader()
+        request = self._http.build_request("GET", path, headers={"Accept": "text/plain"})
+        response = await self._send(request, MAX_EXPOSITION_BYTES, reader.feed)
         _check(self.url, METRICS, response, self.token)
-        return response.text
+        return reader.close()
 
     async def pools(self) -> PoolList:
         """Every pool of the agent with the budget they share; from an agent older than

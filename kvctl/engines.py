@@ -71,6 +71,26 @@ class Engine:
         """The start of the names of its alerts in the rule files: "Vllm", "Sglang"."""
         return self.name.capitalize()
 
+    @property
+    def series(self) -> frozenset[str]:
+        """Every series name its figures are read from: what a reader of its exposition keeps."""
+        prefix, capacity = self.prefix, self.capacity
+        names = (
+            self.marker,
+            self.utilization,
+            self.waiting,
+            self.running,
+            self.preemptions,
+            prefix.hits,
+            prefix.queries,
+            prefix.gauge,
+            capacity.info,
+            capacity.block_size,
+            capacity.blocks,
+            capacity.tokens,
+        )
+        return frozenset(name for name in names if name)
+
     def exports(self, headline: str) -> bool:
         """Whether it exports the figure of a headline ("alloc success", "fragmentation",
         "utilisation", "prefix hits") or "preemptions": an absent figure of one it exports
@@ -187,6 +207,8 @@ BY_NAME = {engine.name: engine for engine in ENGINES}
 KVCTL = "kvctl"
 """The `engine` of a kvctl agent's row."""
 KVCTL_MARKER = "kvctl_pool_capacity_pages"
+READ_SERIES = frozenset({KVCTL_MARKER}).union(*(engine.series for engine in ENGINES))
+"""The series an exposition is read for; the rest of it is dropped as it is parsed."""
 
 
 def split_engine(text: str) -> tuple[str | None, str]:

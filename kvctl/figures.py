@@ -3,12 +3,18 @@
 A kvctl agent answers every field; vLLM, SGLang and TensorRT-LLM export some of them, and a
 field a source does not export stays None, which every view prints as "–". Nothing here is
 estimated: an engine that reports no fragmentation has none to show, not a zero.
+
+Nor is anything nonsensical shown: a source's NaN, ±Inf, negative count or ratio outside 0..1
+becomes None too (`from_source`), with a note saying what the source reported, so a broken or
+hostile node costs its own cells and never the fleet's table.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvctl.api import PoolSnapshot
@@ -61,8 +67,71 @@ def pool_figures(pool: PoolSnapshot) -> Figures:
     )
 
 
+RATIOS = frozenset(
+    {
+        "alloc_success_ratio",
+        "fragmentation_ratio",
+        "utilization_ratio",
+        "pressure_ratio",
+        "prefix_hit_ratio",
+    }
+)
+WHOLE = frozenset(
+    {
+        "requests_running",
+        "requests_waiting",
+        "capacity_tokens",
+        "capacity_bytes",
+        "block_tokens",
+        "blocks",
+    }
+)
+"""Counts shown as whole numbers; `preemptions` (an increase over a window) may be fractional."""
+
+
+def sane(name: str, value: float | None) -> tuple[float | None, str | None]:
+    """`value` of figure (or counter) `name` if it can be one, else None and the note that says
+    what the source reported: NaN and ±Inf never, a ratio in 0..1, anything else at least 0."""
+    if value is None:
+        return None, None
+    what = name.removesuffix("_ratio").replace("_", " ")
+    if math.isnan(value):
+        said = "NaN"
+    elif math.isinf(value):
+        said = "+Inf" if value > 0 else "-Inf"
+    elif name in RATIOS and not 0.0 <= value <= 1.0:
+        said = f"{value:g}, outside 0..1"
+    elif name not in RATIOS and value < 0:
+        said = f"{value:g}, below zero"
+    else:
+        return value, None
+    return None, f"{what}: the source reported {said}; shown as –"
+
+
+def from_source(
+    values: Mapping[str, float | None], **spans: str | None
+) -> tuple[Figures, tuple[str, ...]]:
+    """Figures from a source's raw numbers (keyed by field) and spans, with a note for each
+    number left out as nonsense (`sane`); tokens of capacity are blocks × tokens per block
+    where the source gives no token count."""
+    fields: dict[str, Any] = dict(spans)
+    notes = []
+    for name, raw in values.items():
+        value, note = sane(name, raw)
+        if note is not None:
+            notes.append(note)
+        fields[name] = round(value) if value is not None and name in WHOLE else value
+    block_tokens, blocks = fields.get("block_tokens"), fields.get("blocks")
+    if fields.get("capacity_tokens") is None and block_tokens is not None and blocks is not None:
+        fields["capacity_tokens"] = block_tokens * blocks
+    return Figures(**fields), tuple(notes)
+
+
 def ratio(hits: float | None, queries: float | None) -> float | None:
-    """hits / queries, None when nothing was asked (a ratio of nothing is not 0 % or 100 %)."""
+    """hits / queries, None when nothing was asked (a ratio of nothing is not 0 % or 100 %)
+    or either is not a number."""
     if hits is None or queries is None or queries <= 0:
+        return None
+    if not (math.isfinite(hits) and math.isfinite(queries)):
         return None
     return min(1.0, max(0.0, hits / queries))

@@ -3,7 +3,8 @@
 `kvctl status`, `kvctl top --once/--headless` and the TUI all show the same `Reading`, so a
 number means the same thing on every screen. Agents are read concurrently: one agent that hangs
 costs the fleet one timeout, not one timeout per agent. A reading that failed keeps the error,
-so an unreachable agent is a row in the fleet table rather than an exception.
+so an unreachable agent is a row in the fleet table rather than an exception; so is a node
+whose answer could not be made into figures (`read_fleet` isolates each node).
 
 An agent serving several models has a pool for each; its reading holds them all and shows one
 (`pool`), and `per_pool()` splits it into one reading per pool, which is how the fleet views get
@@ -35,7 +36,7 @@ from kvctl.client import (
     normalize_url,
 )
 from kvctl.engines import BY_NAME, ENGINES, KVCTL, METRICS_PATHS, split_engine
-from kvctl.exposition import Exposition, ExpositionError, ModelFigures, between, detect, engine_rows
+from kvctl.exposition import ExpositionError, ModelFigures, between, detect, engine_rows
 from kvctl.figures import Figures, pool_figures
 
 
@@ -288,7 +289,7 @@ async def _read_exposition(
     previous: Reading | None,
 ) -> Reading:
     try:
-        exposition = Exposition.parse(await client.metrics_text(path))
+        exposition = await client.exposition(path)
     except AgentError as error:
         return Reading(agent=client.url, engine=engine or KVCTL, error=error)
     except ExpositionError as error:
@@ -314,7 +315,7 @@ async def _read_exposition(
         models=tuple(rows),
         model=shown.model or None,
         source="metrics",
-        notes=spec.pitfalls,
+        notes=spec.pitfalls + tuple(note for row in rows for note in row.notes),
     )
 
 
@@ -331,11 +332,28 @@ async def read_fleet(
     return list(
         await asyncio.gather(
             *(
-                read_node(c, kinds.get(c.url), with_map, shown.get(c.url), last.get(c.url))
+                _isolated(c, kinds.get(c.url), with_map, shown.get(c.url), last.get(c.url))
                 for c in clients
             )
         )
     )
+
+
+async def _isolated(
+    client: AsyncAgentClient,
+    engine: str | None,
+    with_map: bool,
+    pool: str | None,
+    previous: Reading | None,
+) -> Reading:
+    """`read_node`, with a failure to make its answer into figures kept as the node's error:
+    one node's nonsense must not cost the other nodes their rows."""
+    try:
+        return await read_node(client, engine, with_map, pool, previous)
+    except (ValueError, ArithmeticError, TypeError, RecursionError) as error:
+        said = " ".join(str(error).split()) or type(error).__name__
+        message = f"{client.url}: its answer could not be read ({said})"
+        return Reading(agent=client.url, error=AgentProtocolError(client.url, message))
 
 
 @dataclass

@@ -10,6 +10,11 @@ from its column's answer, so the row shows "–".
 
 Ratios of counters are taken over `WINDOW` (5m), the span Prometheus users read them over; a
 target gone stale has no samples, so its figures vanish instead of freezing.
+
+Each answer is read within the timeout and `MAX_JSON_BYTES`, and refused nested past
+`MAX_JSON_DEPTH` (`kvctl.bounded_read`): a Prometheus that drips, floods or nests is one line
+and an exit, like one that is down. A node's nonsense (a negative count, an info label of
++Inf) is "–" in its own row, with a note.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from typing import Any, Literal
 import httpx
 
 from kvctl.api import Alert
-from kvctl.client import DEFAULT_TIMEOUT, AgentUnreachable, tls_context
+from kvctl.bounded_read import MAX_JSON_BYTES, ReadLimit, aread, check_depth
+from kvctl.client import DEFAULT_TIMEOUT, AgentProtocolError, AgentUnreachable, tls_context
 from kvctl.engines import ENGINES, KVCTL, Engine
 from kvctl.exposition import ModelFigures
-from kvctl.figures import Figures
+from kvctl.figures import Figures, from_source
 from kvctl.fleet import Reading
 
 WINDOW = "5m"
@@ -228,12 +234,18 @@ class PrometheusFleet:
         return build_readings(dict(zip(queries, answers, strict=True)))
 
     async def _query(self, query: str) -> list[Series]:
+        request = self._http.build_request("GET", "/api/v1/query", params={"query": query})
         try:
-            response = await self._http.get("/api/v1/query", params={"query": query})
+            response = await aread(self._http, request, self.timeout, MAX_JSON_BYTES)
+            check_depth(response.content)
         except httpx.TransportError as error:
             reason = str(error) or type(error).__name__
             raise PrometheusError(
                 f"cannot reach Prometheus at {self.url} ({reason}); check --prometheus URL"
+            ) from None
+        except ReadLimit as error:
+            raise PrometheusError(
+                f"Prometheus at {self.url}: {error}, so it was not read; check --prometheus URL"
             ) from None
         try:
             body = response.json()
@@ -246,7 +258,13 @@ class PrometheusFleet:
                 "check --prometheus URL and --selector",
                 refused=response.status_code == 400,
             )
-        return [_series(item) for item in body.get("data", {}).get("result", [])]
+        try:
+            return [_series(item) for item in body.get("data", {}).get("result", [])]
+        except (AttributeError, TypeError, IndexError, KeyError):
+            raise PrometheusError(
+                f"Prometheus at {self.url} answered something that is not a query result; "
+                "check --prometheus URL"
+            ) from None
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -260,7 +278,8 @@ def _series(item: Mapping[str, Any]) -> Series:
         value = None
     if value is not None and (math.isnan(value) or math.isinf(value)):
         value = None  # 0/0: nothing was asked over the window
-    return Series(dict(item.get("metric", {})), value)
+    labels = item.get("metric", {})
+    return Series({str(k): str(v) for k, v in labels.items()}, value)
 
 
 Key = tuple[str, str, str]
@@ -293,24 +312,44 @@ def build_readings(answers: Mapping[str, Sequence[Series]]) -> list[Reading]:
         if instance in down or instance not in rows:
             readings.append(_down(down.get(instance, ""), instance, found))
             continue
-        models = [
-            ModelFigures(key[2], _figures(engine, values[key])) for key, engine in rows[instance]
-        ]
-        models = _first_of_each(models)
-        engine = rows[instance][0][1]
-        readings.append(
-            Reading(
-                agent=_url(instance),
-                engine=engine,
-                figures=models[0].figures,
-                models=tuple(models) if len(models) > 1 else (),
-                model=models[0].model or None,
-                source="prometheus",
-                alerts=found,
-                notes=() if engine == KVCTL else _engine(engine).pitfalls,
-            )
-        )
+        try:
+            readings.append(_reading(instance, rows[instance], values, found))
+        except (ValueError, ArithmeticError, TypeError) as error:  # its own row says so
+            agent = _url(instance)
+            said = " ".join(str(error).split()) or type(error).__name__
+            message = f"{agent}: its figures in Prometheus could not be read ({said})"
+            failed = AgentProtocolError(agent, message)
+            readings.append(Reading(agent=agent, source="prometheus", alerts=found, error=failed))
     return readings
+
+
+def _reading(
+    instance: str,
+    keys: Sequence[tuple[Key, str]],
+    values: Mapping[Key, Mapping[str, float | None]],
+    alerts: tuple[Alert, ...],
+) -> Reading:
+    """One instance's reading: a row per model, with a note for each nonsense number."""
+    models = _first_of_each([_model(key[2], engine, values[key]) for key, engine in keys])
+    engine = keys[0][1]
+    pitfalls = () if engine == KVCTL else _engine(engine).pitfalls
+    return Reading(
+        agent=_url(instance),
+        engine=engine,
+        figures=models[0].figures,
+        models=tuple(models) if len(models) > 1 else (),
+        model=models[0].model or None,
+        source="prometheus",
+        alerts=alerts,
+        notes=pitfalls + tuple(note for model in models for note in model.notes),
+    )
+
+
+def _model(model: str, engine: str, row: Mapping[str, float | None]) -> ModelFigures:
+    figures, notes = _figures(engine, row)
+    if model and notes:
+        notes = tuple(f"{model}: {note}" for note in notes)
+    return ModelFigures(model, figures, notes=notes)
 
 
 def _down_instances(ups: Sequence[Series]) -> dict[str, str]:
@@ -382,36 +421,31 @@ def _alerts(series: Sequence[Series]) -> dict[str, tuple[Alert, ...]]:
     return {key: tuple(value) for key, value in out.items()}
 
 
-def _int(value: float | None) -> int | None:
-    return None if value is None else round(value)
-
-
 def _url(instance: str) -> str:
     return instance if "://" in instance else f"http://{instance}"
 
 
-def _figures(engine: str, row: Mapping[str, float | None]) -> Figures:
-    block_tokens, blocks = _int(row.get("block_tokens")), _int(row.get("blocks"))
-    tokens = _int(row.get("tokens"))
-    if tokens is None and block_tokens is not None and blocks is not None:
-        tokens = block_tokens * blocks
+def _figures(engine: str, row: Mapping[str, float | None]) -> tuple[Figures, tuple[str, ...]]:
+    """A row's figures from its columns, and the notes of numbers left out as nonsense."""
     preemptions = row.get("preemptions")
     gauge = engine != KVCTL and _engine(engine).prefix.gauge is not None
-    return Figures(
-        alloc_success_ratio=row.get("alloc"),
-        fragmentation_ratio=row.get("frag"),
-        utilization_ratio=row.get("util"),
-        pressure_ratio=row.get("pressure"),
-        prefix_hit_ratio=row.get("prefix"),
+    return from_source(
+        {
+            "alloc_success_ratio": row.get("alloc"),
+            "fragmentation_ratio": row.get("frag"),
+            "utilization_ratio": row.get("util"),
+            "pressure_ratio": row.get("pressure"),
+            "prefix_hit_ratio": row.get("prefix"),
+            "requests_running": row.get("running"),
+            "requests_waiting": row.get("waiting"),
+            "preemptions": preemptions,
+            "capacity_tokens": row.get("tokens"),
+            "capacity_bytes": row.get("bytes"),
+            "block_tokens": row.get("block_tokens"),
+            "blocks": row.get("blocks"),
+        },
         prefix_span="engine's own" if gauge else WINDOW,
-        requests_running=_int(row.get("running")),
-        requests_waiting=_int(row.get("waiting")),
-        preemptions=preemptions,
         preemptions_span=None if preemptions is None else WINDOW,
-        capacity_tokens=tokens,
-        capacity_bytes=_int(row.get("bytes")),
-        block_tokens=block_tokens,
-        blocks=blocks,
     )
 
 

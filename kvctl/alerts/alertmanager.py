@@ -25,6 +25,7 @@ import httpx
 
 from kvctl import api
 from kvctl.alerts.catalog import RULES_RUNBOOK_BASE, runbook_url
+from kvctl.bounded_read import MAX_JSON_BYTES, ReadLimit, check_depth, read
 from kvctl.engines import ENGINES
 
 log = logging.getLogger(__name__)
@@ -341,7 +342,7 @@ def post_test_alert(
         ca_file=ca_file,
         timeout=timeout,
     )
-    _exchange(client, "POST", url, "refused the test alert", json=[alert])
+    _exchange(client, "POST", url, "refused the test alert", timeout, json=[alert])
     return alert
 
 
@@ -350,19 +351,28 @@ def _exchange(
     method: str,
     url: str,
     refusal: str,
+    timeout: float,
     json: object = None,
     params: dict[str, str] | None = None,
 ) -> httpx.Response:
-    """One call to Alertmanager's alerts endpoint; failures become one-line AlertmanagerErrors."""
+    """One call to Alertmanager's alerts endpoint, its answer read within `timeout` in all and
+    `MAX_JSON_BYTES`; failures become one-line AlertmanagerErrors."""
     with client:
+        request = client.build_request(
+            method, url.rstrip("/") + ALERTS_PATH, json=json, params=params
+        )
         try:
-            response = client.request(
-                method, url.rstrip("/") + ALERTS_PATH, json=json, params=params
-            )
+            response = read(client, request, timeout, MAX_JSON_BYTES)
+            if response.is_success:
+                check_depth(response.content)
         except httpx.HTTPError as error:
             raise AlertmanagerError(
                 f"cannot reach Alertmanager at {url}: {_clause(error)}; "
                 "check the URL and that it listens"
+            ) from None
+        except ReadLimit as error:
+            raise AlertmanagerError(
+                f"Alertmanager at {url}: {error}, so it was not read; check the URL"
             ) from None
     if not response.is_success:
         raise AlertmanagerError(
@@ -395,7 +405,7 @@ def fetch_alerts(
         ca_file=ca_file,
         timeout=timeout,
     )
-    return _exchange(client, "GET", url, "answered", params=params).json()
+    return _exchange(client, "GET", url, "answered", timeout, params=params).json()
 
 
 def _clause(error: Exception) -> str:
