@@ -60,7 +60,7 @@ def caller_of(scope: Scope) -> str:
 class ServerContext:
     """What the routes share: the service, the configuration, the agent's advertised URL (for
     the commands in error messages) and the audit trail; and, one per application, when it
-    started, its metrics registry and the locks that tokenize one prompt at a time per route."""
+    started, its metrics registry and the lock that tokenizes one text at a time."""
 
     service: AgentService
     config: AgentConfig
@@ -68,7 +68,11 @@ class ServerContext:
     audit: AuditLog
     started_wall: float = field(default_factory=time.time)
     registry: CollectorRegistry = field(init=False, repr=False)
-    _tokenizing: dict[str, asyncio.Semaphore] = field(default_factory=dict, init=False, repr=False)
+    tokenizing: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(1), init=False, repr=False
+    )
+    """Every route tokenizes a text under it, on a worker thread: one text at a time, whatever
+    the number of requests and routes, so memory and the worker stay bounded."""
 
     def __post_init__(self) -> None:
         service = self.service
@@ -82,14 +86,6 @@ class ServerContext:
     def kvctl(self) -> str:
         """The CLI command that reaches this agent, for remediation text."""
         return f"kvctl --agent {self.advertised}"
-
-    def tokenizing(self, route: str) -> asyncio.Semaphore:
-        """The lock under which `route` tokenizes on a worker thread: one text at a time per
-        route, whatever the number of requests."""
-        lock = self._tokenizing.get(route)
-        if lock is None:
-            lock = self._tokenizing[route] = asyncio.Semaphore(1)
-        return lock
 
     async def on_engine(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread between two steps and await its result."""

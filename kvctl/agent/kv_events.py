@@ -15,7 +15,10 @@ out to every subscriber).
 
 The engine thread only builds small structs and puts each step's batch on a bounded queue (a
 full queue drops the batch and counts it); a thread of its own owns the sockets, encodes and
-sends.
+sends. That thread sleeps in a poll on the replay socket and a wake-up pipe the engine thread
+writes to, and each pass does a bounded amount of each kind of work: a burst of replay requests
+is drained at socket speed without holding back the live batches, and cannot starve a request
+that arrives behind it.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import contextlib
 import itertools
 import logging
 import queue
+import socket
 import threading
 import time
 from array import array
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -48,7 +53,18 @@ BUFFER_STEPS = 10_000  # batches kept for replay (vLLM's buffer_steps)
 HWM = 100_000  # the PUB socket's high-water mark (vLLM's hwm)
 MAX_QUEUE_SIZE = 100_000  # batches waiting for the sending thread (vLLM's max_queue_size)
 IDLE_FLUSH_S = 0.1  # events of admin commands between steps go out within this
+IDLE_POLL_MS = 50  # how often an idle sending thread looks for such events
 CLOSE_TIMEOUT_S = 1.0
+BATCHES_PER_PASS = 1000
+"""Queued batches sent in one pass of the sending thread before the replay socket is read."""
+REPLAY_READS_PER_PASS = 1000
+"""Replay requests read in one pass: a burst is drained at socket speed (reading a malformed
+request costs a receive), while the live batches still go out between bursts."""
+REPLAY_ANSWERS_PER_PASS = 16
+"""Well-formed requests answered in one pass: each answer may be the whole buffer."""
+REPLAY_MAX_FRAME = 256
+"""Largest frame of a replay request (a request's are 0 and 8 bytes): ZMQ disconnects a peer
+that sends more, so a flood cannot fill memory with large messages."""
 _ROOTS_KEPT = 4096  # partitions whose root digest is remembered
 
 _MEDIUM_BITS = {MEDIUM_GPU: 1, "CPU": 2, "STORAGE": 4}
@@ -311,12 +327,16 @@ class KVEventPublisher:
         self.dropped_batches = 0
         self.dropped_events = 0
         self.published_batches = 0
+        self.ignored_replay_requests = 0
         self._queue: queue.Queue[tuple[bytes, int, KVEventBatch] | None] = queue.Queue(
             maxsize=max_queue_size
         )
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
         self._seq = itertools.count()
         self._lock = threading.Lock()
+        self._wake_recv, self._wake_send = socket.socketpair()
+        self._wake_recv.setblocking(False)
+        self._wake_send.setblocking(False)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
@@ -326,6 +346,7 @@ class KVEventPublisher:
             self.replay_endpoint = None
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_FRAME)
                 self.replay_endpoint = _open(self._replay, replay_endpoint)
         except (zmq.ZMQError, ValueError) as error:
             self._close_sockets()
@@ -393,6 +414,7 @@ class KVEventPublisher:
             seq = next(self._seq)
             try:
                 self._queue.put_nowait((topic, seq, batch))
+                self._wake()
             except queue.Full:
                 self.dropped_batches += 1
                 self.dropped_events += len(events)
@@ -402,6 +424,12 @@ class KVEventPublisher:
                         self.dropped_batches,
                         self.dropped_events,
                     )
+
+    def _wake(self) -> None:
+        """Wake the sending thread (a byte on its pipe: a full pipe wakes it already; a closed
+        one means it is gone)."""
+        with contextlib.suppress(OSError):
+            self._wake_send.send(b"\0")
 
     def _flush_all(self) -> None:
         self._flush_asked = False
@@ -419,6 +447,8 @@ class KVEventPublisher:
             self._running = False
             with contextlib.suppress(queue.Full):
                 self._queue.put(None, timeout=timeout)
+            with self._lock:
+                self._wake()
             self._thread.join(timeout)
         if not self._thread.is_alive():
             self._close_sockets(linger_ms=int(timeout * 1000))
@@ -433,39 +463,57 @@ class KVEventPublisher:
         self._pub.close(linger=linger_ms)
         if self._replay is not None:
             self._replay.close(linger=0)
+        with self._lock:
+            self._wake_send.close()
+            self._wake_recv.close()
 
     # ---- the sending thread
 
     def _run(self) -> None:
         encode = msgspec.msgpack.Encoder().encode
+        poller = zmq.Poller()
+        poller.register(self._wake_recv, zmq.POLLIN)
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
         last_flush = time.monotonic()
         while True:
-            if self._replay is not None and self._replay.poll(0):
-                try:
-                    self._answer_replay()
-                except zmq.ZMQError as error:
-                    log.warning("kv events: replay failed: %s", error)
-            try:
-                item = self._queue.get(timeout=0.05)
-                waited = False
-            except queue.Empty:
-                item, waited = None, True
-            if item is None and not waited:
+            sent = self._send_queued(encode)
+            if sent is None:
                 return
             now = time.monotonic()
-            if item is not None:
-                topic, seq, batch = item
-                payload = encode(batch)
-                self._buffer.append((seq, topic, payload))
-                self.published_batches += 1
-                try:
-                    self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
-                except zmq.ZMQError as error:
-                    log.warning("kv events: send failed: %s", error)
+            if sent:
                 last_flush = now
             elif now - last_flush >= IDLE_FLUSH_S:
                 self._ask_flush()
                 last_flush = now
+            ready = dict(poller.poll(0 if sent == BATCHES_PER_PASS else IDLE_POLL_MS))
+            if self._wake_recv in ready:
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_recv.recv(4096)
+            if self._replay is not None and self._replay in ready:
+                try:
+                    self._answer_replays()
+                except zmq.ZMQError as error:
+                    log.warning("kv events: replay failed: %s", error)
+
+    def _send_queued(self, encode: Callable[[Any], bytes]) -> int | None:
+        """Send up to `BATCHES_PER_PASS` queued batches; how many, or None at the stop mark."""
+        for sent in range(BATCHES_PER_PASS):
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return sent
+            if item is None:
+                return None
+            topic, seq, batch = item
+            payload = encode(batch)
+            self._buffer.append((seq, topic, payload))
+            self.published_batches += 1
+            try:
+                self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+            except zmq.ZMQError as error:
+                log.warning("kv events: send failed: %s", error)
+        return BATCHES_PER_PASS
 
     def _ask_flush(self) -> None:
         """Events recorded between steps wait for a step: when none comes, ask for a flush."""
@@ -475,21 +523,46 @@ class KVEventPublisher:
             self._flush_asked = True
             self._request_flush(self._flush_all)
 
-    def _answer_replay(self) -> None:
-        """A request is `(identity, b"", start seq as 8 bytes big-endian)`; the answer is every
-        kept batch from there as `(identity, b"", topic, seq, payload)`, then `(identity, b"",
-        b"", -1, b"")`, as vLLM's replay socket answers."""
+    def _answer_replays(self) -> None:
+        """Answer the requests waiting, within a pass's bounds. A request is `(identity, b"",
+        start seq as 8 bytes big-endian)`; the answer is every kept batch from there as
+        `(identity, b"", topic, seq, payload)`, then `(identity, b"", b"", -1, b"")`, as vLLM's
+        replay socket answers. Malformed requests, and a peer's requests after its first of the
+        pass (a client waits for its end marker before asking again), are counted and dropped."""
         assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3:
-            log.warning("kv events: a replay request of %d frames is ignored", len(frames))
-            return
-        client, _, start_bytes = frames
-        start = int.from_bytes(start_bytes, "big")
-        for seq, topic, payload in list(self._buffer):
-            if seq >= start:
-                self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        answered: set[bytes] = set()
+        for _ in range(REPLAY_READS_PER_PASS):
+            try:
+                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or frames[0] in answered:
+                self._ignore(frames)
+                continue
+            client, _, start_bytes = frames
+            answered.add(client)
+            self._answer(client, int.from_bytes(start_bytes, "big"))
+            if len(answered) == REPLAY_ANSWERS_PER_PASS:
+                return
+
+    def _answer(self, client: bytes, start: int) -> None:
+        assert self._replay is not None
+        first = bisect_left(self._buffer, start, key=lambda kept: kept[0])
+        for seq, topic, payload in itertools.islice(self._buffer, first, None):
+            self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def _ignore(self, frames: list[bytes]) -> None:
+        """Count a request that gets no answer; logged at the first and every 1,000th, so a
+        flood of them does not become a flood of log lines."""
+        self.ignored_replay_requests += 1
+        if self.ignored_replay_requests == 1 or not self.ignored_replay_requests % 1000:
+            log.warning(
+                "kv events: %d replay requests ignored so far (this one has %d frames; a request "
+                "has 3, and a peer's repeats before its answer are dropped)",
+                self.ignored_replay_requests,
+                len(frames),
+            )
 
 
 def _open(sock: zmq.Socket, endpoint: str) -> str:

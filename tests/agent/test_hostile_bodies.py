@@ -1,7 +1,8 @@
 """Bodies that used to crash a handler (a 500 and a traceback): text with a lone surrogate, which
-has no UTF-8 form, token ids outside the vocabulary with `echo`, and JSON nested past the stack.
-Each is a 400 in OpenAI's error shape naming the field, and leaves the agent as it was: settings,
-pages and counters unchanged, and the next ordinary request served.
+has no UTF-8 form, token ids outside the vocabulary with `echo`, and JSON nested past the stack;
+and texts too long to be a prompt, which /v1/tokenize used to tokenize, holding the GIL for most
+of a second per megabyte. Each is a 400 in OpenAI's error shape naming the field, and leaves the
+agent as it was: settings, pages and counters unchanged, and the next ordinary request served.
 
 The bodies are sent as raw bytes: a JSON `\\ud800` escape decodes to a lone surrogate, which no
 client library would encode for us."""
@@ -77,7 +78,36 @@ def assert_refused(response: httpx.Response, message: str, param: str | None) ->
     assert error["param"] == param
 
 
+DEMO_TEXT_LIMIT = 65536
+"""16 bytes per token of the demo model's 4096-token context."""
+TOO_LONG = b"x" * (DEMO_TEXT_LIMIT + 1)
+TOO_LONG_MESSAGE = f"is {DEMO_TEXT_LIMIT + 1} bytes, over this agent's limit of {DEMO_TEXT_LIMIT}"
+
 CASES = [
+    pytest.param(
+        "POST",
+        "/v1/tokenize",
+        b'{"prompt": "' + TOO_LONG + b'"}',
+        f"prompt: the prompt {TOO_LONG_MESSAGE}",
+        "prompt",
+        id="tokenize-too-long",
+    ),
+    pytest.param(
+        "POST",
+        "/v1/tokenize",
+        b'{"prompt": ["ok", "' + TOO_LONG + b'"]}',
+        f"prompt.1: the prompt {TOO_LONG_MESSAGE}",
+        "prompt.1",
+        id="tokenize-batch-too-long",
+    ),
+    pytest.param(
+        "POST",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "' + TOO_LONG + b'"}], "max_tokens": 2}',
+        f"over this agent's limit of {DEMO_TEXT_LIMIT}",
+        None,
+        id="chat-too-long",
+    ),
     pytest.param(
         "POST",
         "/v1/completions",
@@ -247,8 +277,9 @@ def test_a_hostile_body_is_a_400_that_changes_nothing(
     assert not [line for line in agent.log[logged:] if "Traceback" in line]
 
 
-def test_a_valid_surrogate_pair_and_ordinary_nesting_are_served(agent) -> None:
-    """An escaped pair is one character (an emoji), and nesting that bodies need is fine."""
+def test_a_surrogate_pair_ordinary_nesting_and_the_longest_text_are_served(agent) -> None:
+    """An escaped pair is one character (an emoji), nesting that bodies need is fine, and a
+    text of exactly the byte limit is tokenized."""
     with httpx.Client(base_url=agent.url, timeout=60) as http:
         pair = post(http, "POST", "/v1/tokenize", b'{"prompt": "\\ud83d\\ude00"}')
         assert pair.status_code == 200 and pair.json()["results"][0]["count"] == 1 + 4
@@ -256,6 +287,11 @@ def test_a_valid_surrogate_pair_and_ordinary_nesting_are_served(agent) -> None:
         assert http.post("/v1/completions", json=nested).status_code == 200
         escaped = {"prompt": "[" * 100 + '"\\' + "{" * 100}  # brackets in a string are text
         assert http.post("/v1/tokenize", json=escaped).status_code == 200
+        longest = http.post("/v1/tokenize", json={"prompt": "x" * DEMO_TEXT_LIMIT})
+        assert (
+            longest.status_code == 200
+            and longest.json()["results"][0]["count"] == 1 + DEMO_TEXT_LIMIT
+        )
 
 
 @pytest.mark.parametrize(

@@ -239,14 +239,14 @@ def received(sub: zmq.Socket, count: int, timeout_ms: int = 5000) -> list[tuple[
     return out
 
 
-def replay(endpoint: str, start: int) -> list[list[bytes]]:
-    """Every answer to one replay request, the end marker included."""
+def replay(endpoint: str, start: int, timeout_ms: int = 5000) -> list[list[bytes]]:
+    """Every answer to one replay request, the end marker included; each within `timeout_ms`."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
     dealer.send_multipart([b"", start.to_bytes(8, "big")])
     answers = []
-    while dealer.poll(5000):
+    while dealer.poll(timeout_ms):
         frames = dealer.recv_multipart()
         answers.append(frames)
         if frames[2] == kv.END_SEQ:
@@ -301,6 +301,68 @@ def test_replay_answers_from_a_sequence_number_as_vllm_does() -> None:
     finally:
         publisher.close()
         sub.close()
+
+
+def dealers(endpoint: str, count: int) -> list[zmq.Socket]:
+    sockets = []
+    for _ in range(count):
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        sockets.append(dealer)
+    return sockets
+
+
+def test_a_burst_of_garbage_replay_requests_does_not_starve_a_valid_one() -> None:
+    """2,000 malformed requests from 200 connections: the ROUTER takes one message per peer in
+    turn, so a sending thread that read one request per 50 ms answered a newcomer after ~10 s."""
+    publisher = kv.KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    flooders = dealers(publisher.replay_endpoint, 200)
+    try:
+        publisher.start()
+        publisher.submit(b"t", one_event(7))
+        for dealer in flooders:
+            for _ in range(10):
+                dealer.send(b"garbage")  # two frames at the ROUTER: not a request
+        time.sleep(0.3)  # the burst reaches the ROUTER first
+        started = time.monotonic()
+        answers = replay(publisher.replay_endpoint, 0, timeout_ms=2000)
+        assert [a[2] for a in answers] == [(0).to_bytes(8, "big"), kv.END_SEQ]
+        assert time.monotonic() - started < 2
+        assert not any(dealer.poll(0) for dealer in flooders)  # garbage gets no answer
+    finally:
+        publisher.close()
+        for dealer in flooders:
+            dealer.close()
+
+
+def end_markers(dealer: zmq.Socket, timeout_ms: int = 500) -> int:
+    """Answers to the replay requests `dealer` sent, counted by their end markers."""
+    ends = 0
+    while dealer.poll(timeout_ms):
+        ends += dealer.recv_multipart()[2] == kv.END_SEQ
+    return ends
+
+
+def test_a_peer_gets_one_answer_per_pass_however_many_times_it_asks() -> None:
+    """Each answer may be the whole buffer: a peer repeating its request in one burst gets one
+    answer a pass, and a peer asking once beside it is answered too."""
+    publisher = kv.KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    greedy, polite = dealers(publisher.replay_endpoint, 2)
+    try:
+        publisher.submit(b"t", one_event(7))
+        for _ in range(50):
+            greedy.send_multipart([b"", (0).to_bytes(8, "big")])
+        polite.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(1)  # the requests reach the ROUTER before the thread reads any
+        publisher.start()
+        assert end_markers(polite) == 1
+        assert 1 <= end_markers(greedy) <= 3  # one, unless the burst straggled in
+        assert publisher.ignored_replay_requests >= 47
+    finally:
+        publisher.close()
+        greedy.close()
+        polite.close()
 
 
 def test_events_between_steps_go_out_without_a_step(make_engine) -> None:

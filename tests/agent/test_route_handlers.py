@@ -205,12 +205,6 @@ def test_the_context_is_the_applications() -> None:
     assert context(Request(scope)) is app.state.context
 
 
-def test_each_route_tokenizes_under_its_own_lock() -> None:
-    ctx = make_context("demo")
-    assert ctx.tokenizing("cmpl") is ctx.tokenizing("cmpl")
-    assert ctx.tokenizing("cmpl") is not ctx.tokenizing("chatcmpl")
-
-
 # ---- health, pools ------------------------------------------------------------------------
 
 

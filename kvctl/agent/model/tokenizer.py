@@ -141,7 +141,9 @@ class HFTokenizer:
     def encode(
         self, text: str, add_special_tokens: bool = True, plain_spans: Sequence[Span] = ()
     ) -> list[int]:
-        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # encode_batch lets go of the GIL while it works (encode holds it throughout), so a
+        # long text tokenized on a worker thread does not stall the event loop or the engine
+        [encoding] = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
         if not plain_spans:
             return encoding.ids
         return self._with_plain_spans(text, encoding, plain_spans)

@@ -3,11 +3,12 @@ choice of a request, and reading their tokens back as one stream.
 
 Every limit is checked before the work it protects: the model's name, `max_tokens`, a text
 prompt's size in bytes before it is tokenized (a prompt of many times the model's context can only
-be refused, so it is never turned into a token list), tokenizing on a worker thread one prompt at a
-time (the engine thread never waits on it), and the queue's length on the engine thread. A refusal
-says what was exceeded and what to do: 429 with `Retry-After` when the queue is full, 400 naming
-the pages needed and the resize that would make room when a request could never fit, 503 while the
-agent drains.
+be refused, so it is never turned into a token list), tokenizing on a worker thread one text at a
+time across all routes, /v1/tokenize included (a tokenizer holds the GIL, so the engine thread
+waits on at most one), and the queue's length on the engine thread. A refusal says what was
+exceeded and what to do: 429 with `Retry-After` when the queue is full, 400 naming the pages
+needed and the resize that would make room when a request could never fit, 503 while the agent
+drains.
 
 A request with `n` choices (or several prompts) is one engine request per choice; choices of one
 prompt share its pages (`kvctl.agent.runtime.choices`). A client that goes away is noticed and
@@ -26,6 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from kvctl.agent.config import AgentConfig
 from kvctl.agent.http_context import ERRORS, ApiError, ServerContext
 from kvctl.agent.model.processing import TokenLogprobs
 from kvctl.agent.model.sampling import SamplingParams
@@ -50,11 +52,42 @@ GENERATION_ERRORS = {code: ERRORS[409] for code in (400, 404, 429, 503)} | ERROR
 MAX_BYTES_PER_TOKEN = 16
 """A text prompt longer than this many bytes per token of its limit is refused untokenized:
 tokenizers average 1 (byte-level) to about 4-5 bytes per token on text and code, so such a
-prompt is far over the limit anyway, and tokenizing it would only cost memory."""
+prompt is far over the limit anyway, and tokenizing it would only cost memory and time."""
 RETRY_AFTER_S = 1
 """`Retry-After` of a 429: a slot in the queue opens as soon as one request is admitted."""
 MAX_TOTAL_CHOICES = 64
 """Choices of one request in all (prompts × n): each is a sequence in the batch."""
+
+
+def prompt_limit(config: AgentConfig, served: ServedModel) -> int:
+    """The most tokens a prompt of `served` may have on this agent."""
+    return min(config.max_prompt_tokens, served.context_length)
+
+
+def oversized(text: str, limit: int) -> str | None:
+    """Why `text` is refused before it is tokenized, as a prompt of at most `limit` tokens; None
+    when it may be tokenized. Tokenizing costs time in proportion to the text's length, so a
+    text far over any limit is only measured."""
+    size, byte_limit = len(text.encode("utf-8")), limit * MAX_BYTES_PER_TOKEN
+    if size <= byte_limit:
+        return None
+    return (
+        f"the prompt is {size} bytes, over this agent's limit of {byte_limit} "
+        f"({MAX_BYTES_PER_TOKEN} bytes per token of a {limit}-token prompt); shorten it"
+    )
+
+
+async def encode(
+    ctx: ServerContext,
+    tokenizer: Tokenizer,
+    text: str,
+    add_special_tokens: bool = True,
+    plain_spans: Sequence[Span] = (),
+) -> list[int]:
+    """`text` as token ids, on a worker thread and one text at a time across all routes, so
+    the event loop and the engine thread wait for at most one tokenization."""
+    async with ctx.tokenizing:
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens, plain_spans)
 
 
 @dataclass
@@ -130,7 +163,6 @@ class Generation:
         self.prefix = prefix
         self.pool = pool
         self.tokens_as_ids = tokens_as_ids  # the request's return_tokens_as_token_ids
-        self._tokenizing = ctx.tokenizing(prefix)
 
     @property
     def served(self) -> ServedModel:
@@ -142,7 +174,7 @@ class Generation:
 
     @property
     def prompt_limit(self) -> int:
-        return min(self.config.max_prompt_tokens, self.served.context_length)
+        return prompt_limit(self.config, self.served)
 
     def refuse(self, status: int, reason: str, message: str, param: str | None = None) -> ApiError:
         self.pool.rejected.add(reason)
@@ -216,17 +248,10 @@ class Generation:
         tokenizer = self.tokenizer
         if tokenizer is None:
             raise self.refuse(400, "invalid", "this model has no tokenizer: send token ids")
-        limit = self.prompt_limit
-        size, byte_limit = len(text.encode("utf-8")), limit * MAX_BYTES_PER_TOKEN
-        if size > byte_limit:
-            raise self.refuse(
-                400,
-                "invalid",
-                f"the prompt is {size} bytes, over this agent's limit of {byte_limit} "
-                f"({MAX_BYTES_PER_TOKEN} bytes per token of a {limit}-token prompt); shorten it",
-            )
-        async with self._tokenizing:
-            return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens, plain_spans)
+        refusal = oversized(text, self.prompt_limit)
+        if refusal is not None:
+            raise self.refuse(400, "invalid", refusal)
+        return await encode(self.ctx, tokenizer, text, add_special_tokens, plain_spans)
 
     def check_vocabulary(self, ids: Sequence[int], field: str) -> None:
         """400 naming the first id of a token-id prompt that the model has no token for, before

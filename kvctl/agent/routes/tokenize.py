@@ -2,17 +2,18 @@
 
 A client that sizes prompts in tokens (`kvctl load`) may run on another host than the agent and
 should not need the model's files or torch: it asks the agent, which counts exactly as
-/v1/completions does (`usage.prompt_tokens`). Tokenizing runs on a worker thread, one call at a
-time, so the engine thread and other requests never wait on it; the body limit bounds the work.
+/v1/completions does (`usage.prompt_tokens`). Each text is bounded as a completions prompt is (a
+text longer than 16 bytes per token of the prompt limit is refused before anything is tokenized)
+and tokenized on the same worker, under the same lock, one text at a time, so a large batch
+delays the engine thread and other requests by at most one text's tokenization.
 """
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter
 
 from kvctl.agent.http_context import ApiError, Context
+from kvctl.agent.routes.generation import encode, oversized, prompt_limit
 from kvctl.agent.service import UnknownPool
 from kvctl.api import TokenizedText, TokenizeRequest, TokenizeResponse
 
@@ -21,7 +22,8 @@ router = APIRouter()
 
 @router.post("/v1/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, ctx: Context) -> TokenizeResponse:
-    """Token ids and counts of one text or a batch, in the order given."""
+    """Token ids and counts of one text or a batch, in the order given; 400 naming the limit
+    for a text too long to be a prompt, before any text is tokenized."""
     try:
         pool = ctx.service.pool(body.model)
     except UnknownPool as unknown:
@@ -32,12 +34,13 @@ async def tokenize(body: TokenizeRequest, ctx: Context) -> TokenizeResponse:
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer (no tokenizer.json): nothing to count")
     texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-
-    def encode_all() -> list[list[int]]:
-        return [tokenizer.encode(t, add_special_tokens=body.add_special_tokens) for t in texts]
-
-    async with ctx.tokenizing("tokenize"):
-        encoded = await asyncio.to_thread(encode_all)
+    limit = prompt_limit(ctx.config, served)
+    for i, text in enumerate(texts):
+        refusal = oversized(text, limit)
+        if refusal is not None:
+            param = "prompt" if isinstance(body.prompt, str) else f"prompt.{i}"
+            raise ApiError(400, f"{param}: {refusal}", param=param)
+    encoded = [await encode(ctx, tokenizer, t, body.add_special_tokens) for t in texts]
     results = [
         TokenizedText(count=len(ids), tokens=ids if body.return_token_ids else None)
         for ids in encoded
