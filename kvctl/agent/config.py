@@ -17,7 +17,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import socket
+import stat
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -28,7 +30,7 @@ from pydantic.fields import FieldInfo
 
 from kvctl import settings as runtime
 from kvctl.api import DEFAULT_PORT, MAX_COMPLETION_TOKENS
-from kvctl.units import parse_duration, parse_size
+from kvctl.units import format_bytes, parse_duration, parse_size
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 KV_EVENTS_TOPIC = "kv@{hostname}@{model}"
@@ -56,6 +58,17 @@ CPU_PREFILL_WHILE_DECODING = 32
 a CPU about as much as 1/30 of a whole decode step of a 135M model, so ~32 of them keep the
 streams' gap under 3x (docs/performance.md); a GPU computes hundreds for the price of one decode
 step."""
+
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest config file (or token file) the agent reads: a real one is a few KiB, and the
+bound keeps a wrong path (a log file, a link to /dev/zero) from filling memory."""
+MAX_CONFIG_DEPTH = 32
+"""The deepest nesting of arrays, inline tables and dotted keys' parts a config file may have
+(the settings need 3): tomllib recurses once per bracket, so a deep file would exhaust Python's
+stack, and its time and memory grow with the square of a dotted key's parts (20 GB for 10^5)."""
+MAX_MODELS = 64
+"""The most models one agent serves: each is loaded and gets a pool before it serves, so a
+file listing thousands would fill memory before anything said no."""
 
 StartupUnit = Literal["", "bytes", "seconds"]
 
@@ -378,6 +391,14 @@ class AgentConfig(BaseModel):
     def _models(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("model", "models", mode="before")
+    @classmethod
+    def _at_most_max_models(cls, value: Any) -> Any:
+        """Counted before each table is validated, so that a long list costs nothing."""
+        if isinstance(value, list) and len(value) > MAX_MODELS:
+            raise ValueError(f"at most {MAX_MODELS} models, not {len(value)}")
+        return value
+
     @field_validator(
         "pool_memory", "host_tier_memory", "disk_tier_size", "kv_budget", mode="before"
     )
@@ -676,26 +697,114 @@ def _local(endpoint: str) -> bool:
         return False
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def read_config_file(path: Path, label: str) -> str:
+    """The text of a file named by a flag (`label`: "--config", "--token-file"): a regular file
+    of at most MAX_CONFIG_BYTES of UTF-8, else ConfigError. A FIFO, device, socket or directory
+    is refused before it is opened, and again on the descriptor, opened without blocking: one
+    swapped in between can neither hang the agent nor be read without end."""
     try:
-        with path.open("rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
+        _regular(os.stat(path).st_mode, path, label)
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(descriptor, "rb") as file:
+            _regular(os.fstat(descriptor).st_mode, path, label)
+            data = file.read(MAX_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"{label} {path}: {error.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{label} {path}: larger than {format_bytes(MAX_CONFIG_BYTES)}, "
+            "the most a config file may be"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{label} {path}: not UTF-8 text "
+            f"(byte 0x{data[error.start]:02x} at offset {error.start})"
+        ) from None
+
+
+_FILE_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def _regular(mode: int, path: Path, label: str) -> None:
+    if not stat.S_ISREG(mode):
+        kind = _FILE_KINDS.get(stat.S_IFMT(mode), "a special file")
+        raise ConfigError(f"{label} {path}: not a regular file ({kind})")
+
+
+_TOML_TOKEN = re.compile(r"""[\[\]{}"'#.\n=,]""")
+"""Where the nesting scan stops: brackets, the start of a string or a comment, a dotted key's
+dot, and what ends a key."""
+_TOML_STRING_END = {
+    '"""': re.compile(r'(?:[^"\\]|\\.|"(?!""))*+"""(?:""?)?', re.DOTALL),
+    "'''": re.compile(r"(?:[^']|'(?!''))*+'''(?:''?)?"),
+    '"': re.compile(r'(?:[^"\\\n]|\\.)*+"'),
+    "'": re.compile(r"[^'\n]*+'"),
+}
+"""From just after a string's opening quotes to just after its closing ones (a multi-line
+string may end with one or two quotes of its own)."""
+
+
+def _check_nesting(text: str, source: str) -> None:
+    """Refuse nesting deeper than MAX_CONFIG_DEPTH in one linear pass, before tomllib reads
+    `text`: brackets count outside strings and comments, and so do a dotted key's parts."""
+    depth = parts = at = 0
+    while match := _TOML_TOKEN.search(text, at):
+        token, at = match.group(), match.end()
+        if token in "[{":
+            depth, parts = depth + 1, 0
+        elif token in "]}":
+            depth, parts = max(depth - 1, 0), 0
+        elif token == ".":
+            parts += 1
+        elif token in "\n=,":
+            parts = 0
+        elif token == "#":
+            at = text.find("\n", at)
+            if at < 0:
+                return
+        else:
+            opening = text[match.start() : match.start() + 3]
+            opening = opening if opening in ('"""', "'''") else token
+            end = _TOML_STRING_END[opening].match(text, match.start() + len(opening))
+            if end is None:
+                return  # a string left open: tomllib says where
+            at = end.end()
+        if depth + parts > MAX_CONFIG_DEPTH:
+            line = text.count("\n", 0, match.start()) + 1
+            raise ConfigError(
+                f"{source}: line {line}: nested deeper than {MAX_CONFIG_DEPTH} levels "
+                "(arrays, inline tables and the parts of dotted keys)"
+            )
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    source = f"--config {path}"
+    text = read_config_file(path, "--config")
+    _check_nesting(text, source)
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+        raise ConfigError(f"{source}: not valid TOML: {error}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to read") from None
     values = {key.replace("-", "_"): value for key, value in data.items()}
     for old, key in ALIASES.items():  # the former name, so that a flag can override it
         if old not in values:
             continue
         if key in values:
-            raise ConfigError(
-                f"config file {path}: {old} is another name of {key}; give one of them"
-            )
+            raise ConfigError(f"{source}: {old} is another name of {key}; give one of them")
         values[key] = values.pop(old)
     unknown = [key for key in values if key not in toml_keys() and key != "token"]  # refused later
     if unknown:
-        raise ConfigError(f"config {path}: {unknown[0]}: {UNKNOWN_KEY}")
+        raise ConfigError(f"{source}: {unknown[0]}: {UNKNOWN_KEY}")
     return values
 
 
@@ -710,12 +819,7 @@ def toml_keys() -> frozenset[str]:
 
 def _read_token(config: AgentConfig) -> str | None:
     if config.token_file is not None:
-        try:
-            token = config.token_file.read_text().strip()
-        except OSError as error:
-            raise ConfigError(
-                f"cannot read --token-file {config.token_file}: {error.strerror}"
-            ) from None
+        token = read_config_file(config.token_file, "--token-file").strip()
         if not token:
             raise ConfigError(f"--token-file {config.token_file} is empty")
         return token
@@ -774,7 +878,7 @@ def load_config(
     """The configuration from `flags` (None means not given) over the TOML file's values, with
     `--set` `assignments` of runtime settings last."""
     from_file: dict[str, Any] = _read_toml(config_file) if config_file else {}
-    source = f"config {config_file}" if config_file else "kvctl-agent"
+    source = f"--config {config_file}" if config_file else "kvctl-agent"
     if "token" in from_file:
         raise ConfigError(
             f"{source}: token: do not write the token into the config file; put it in a file "

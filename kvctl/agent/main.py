@@ -25,7 +25,7 @@ from kvctl.agent.config import ConfigError, load_config
 from kvctl.agent.startup_settings import setting_parameters
 from kvctl.agent.wiring import serve
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 COMMAND_PARAMETERS = [
     inspect.Parameter(
@@ -33,7 +33,8 @@ COMMAND_PARAMETERS = [
         inspect.Parameter.KEYWORD_ONLY,
         default=None,
         annotation=Annotated[
-            Path | None, typer.Option(help="TOML file with any of these settings.")
+            Path | None,
+            typer.Option(metavar="FILE", help="TOML file with any of these settings."),
         ],
     ),
     inspect.Parameter(

@@ -23,7 +23,15 @@ import typer
 from pydantic.fields import FieldInfo
 
 from kvctl import settings as runtime
-from kvctl.agent.config import FLAG_KEYS, AgentConfig, ModelSpec, startup_extra
+from kvctl.agent.config import (
+    FLAG_KEYS,
+    MAX_CONFIG_BYTES,
+    MAX_CONFIG_DEPTH,
+    MAX_MODELS,
+    AgentConfig,
+    ModelSpec,
+    startup_extra,
+)
 
 CliType = type[str] | type[int] | type[float] | type[bool] | type[Path]
 
@@ -40,6 +48,7 @@ class StartupSpec:
     default_text: str  # the default as the help and the docs show it
     help: str
     accepts: str  # what the key accepts, in words
+    metavar: str | None = None  # what the flag's value is, as the help names it: SIZE, N
 
     @property
     def flag(self) -> str | None:
@@ -58,7 +67,9 @@ class StartupSpec:
         """The command's parameter for this flag: not given (None) unless on the command line,
         so that a TOML value is not overridden by a default."""
         base: Any = list[str] if self.repeatable else self.cli_type  # lists are of text
-        option = typer.Option(*self.option_declarations(), help=self.option_help())
+        option = typer.Option(
+            *self.option_declarations(), help=self.option_help(), metavar=self.metavar
+        )
         return inspect.Parameter(
             self.key,
             inspect.Parameter.KEYWORD_ONLY,
@@ -175,7 +186,28 @@ def _spec(key: str, field: FieldInfo, extra: dict[str, Any]) -> StartupSpec:
         default_text=extra.get("default_text") or _default_text(field.default, unit),
         help=field.description or "",
         accepts=_accepts(item, field, unit, repeatable),
+        metavar=_metavar(key, item, unit),
     )
+
+
+NAMED_VALUES = {"model": "[NAME=]PATH", "served_model_name": "NAME", "host": "ADDRESS"}
+"""Values the help names better than their type does."""
+
+
+def _metavar(key: str, kind: Any, unit: str) -> str | None:
+    """The flag's value in one word, as the help shows it after the flag (None: a switch)."""
+    if kind is bool:
+        return None
+    if key in NAMED_VALUES:
+        return NAMED_VALUES[key]
+    if key.endswith(("_url", "_endpoint")):
+        return key.rpartition("_")[2].upper()
+    if unit:
+        return {"bytes": "SIZE", "seconds": "DURATION"}.get(unit, unit.upper())
+    if get_origin(kind) is Literal:
+        return "|".join(str(choice) for choice in get_args(kind))
+    named = {ModelSpec: "MODEL", Path: "PATH", int: "N", float: "NUMBER"}
+    return named.get(kind, "TEXT")
 
 
 SPECS: dict[str, StartupSpec] = {
@@ -201,7 +233,8 @@ def runtime_flag_parameters() -> Iterator[inspect.Parameter]:
     the setting's type."""
     for key, spec in FLAG_KEYS.items():
         assert spec.flag is not None  # FLAG_KEYS holds only the settings with a flag
-        option = typer.Option(spec.flag, help=runtime_flag_help(spec.flag))
+        metavar = "|".join(spec.choices) or _metavar(key, str, spec.unit)
+        option = typer.Option(spec.flag, help=runtime_flag_help(spec.flag), metavar=metavar)
         yield inspect.Parameter(
             key,
             inspect.Parameter.KEYWORD_ONLY,
@@ -260,6 +293,13 @@ def render_startup_markdown() -> str:
             "contradictory choices are refused before anything starts, with one line naming the",
             f"key. Former names: {aliases}.",
             "",
+            "The file (and `token_file`) must be a regular file of at most "
+            f"{format_size(MAX_CONFIG_BYTES)} of UTF-8",
+            "text: a directory, FIFO, device or socket is refused before it is read, and so is",
+            f"a file nested more than {MAX_CONFIG_DEPTH} levels deep (arrays, inline tables and "
+            "the parts of",
+            "dotted keys).",
+            "",
             "| key | flag | accepts | default | what it does |",
             "|---|---|---|---|---|",
             *_rows(),
@@ -268,6 +308,7 @@ def render_startup_markdown() -> str:
             "",
             "Each table is one model with a pool of its own (instead of `--model` flags); sizes",
             "left out come from the top-level keys, then from an equal share of `kv_budget`.",
+            f"One agent serves at most {MAX_MODELS} models (tables or `--model` flags).",
             "",
             "| key | default | what it is |",
             "|---|---|---|",

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from kvctl.agent.config import AgentConfig, ConfigError, ModelSpec
+from kvctl.agent.config import AgentConfig, ConfigError, ModelSpec, read_config_file
 from kvctl.agent.planning import (
     ModelPages,
     Plan,
@@ -283,10 +283,12 @@ class AlertmanagerAuth:
     @classmethod
     def of(cls, config: AgentConfig) -> AlertmanagerAuth:
         user = config.alertmanager_basic_auth_user
-        password = _secret(config.alertmanager_basic_auth_password_file, "password file")
+        password = _secret(
+            config.alertmanager_basic_auth_password_file, "alertmanager_basic_auth_password_file"
+        )
         return cls(
             (user, password) if user and password is not None else None,
-            _secret(config.alertmanager_bearer_token_file, "bearer token file"),
+            _secret(config.alertmanager_bearer_token_file, "alertmanager_bearer_token_file"),
             str(config.alertmanager_ca_file) if config.alertmanager_ca_file else None,
         )
 
@@ -294,10 +296,7 @@ class AlertmanagerAuth:
 def _secret(path: Path | None, flag: str) -> str | None:
     if path is None:
         return None
-    try:
-        return path.read_text().strip()
-    except OSError as error:
-        raise ConfigError(f"cannot read {flag} {path}: {error.strerror}") from None
+    return read_config_file(path, flag).strip()
 
 
 def alert_loop(service: AgentService, config: AgentConfig, advertised: str) -> AlertLoop:
