@@ -21,6 +21,7 @@ from kvctl.cli.options import (
 )
 from kvctl.cli.output import console, finish, on_each, print_json
 from kvctl.view import render
+from kvctl.view.untrusted import PROSE_LIMIT, clean
 
 alerts_app = typer.Typer(
     help="List firing alerts, print the Prometheus rule file, send a test alert.",
@@ -241,10 +242,12 @@ def test_alert(
         return
     target = resolve(ctx, agent, token, json_out, timeout)
 
-    def render_sent(sent: dict) -> str:
+    def render_sent(sent: dict) -> Any:
+        from rich.text import Text
+
         labels = sent.get("alert", {}).get("labels", {})
-        shown = ", ".join(f"{k}={v}" for k, v in labels.items())
-        return f"test alert sent to the agent's Alertmanager ({shown}); check your receivers"
+        shown = ", ".join(f"{clean(k)}={clean(v)}" for k, v in labels.items())
+        return Text(f"test alert sent to the agent's Alertmanager ({shown}); check your receivers")
 
     finish(target, on_each(target, lambda client: client.send_test_alert()), render_sent)
 
@@ -262,4 +265,5 @@ def _test_alertmanager(ctx: typer.Context, url: str, json_out: bool, timeout: fl
         print_json({"alertmanager_url": url, "sent": True, "alert": alert})
         return
     labels = ", ".join(f"{k}={v}" for k, v in alert.get("labels", {}).items())
-    typer.echo(f"test alert sent to {url} ({labels}); check that your receivers got it")
+    said = f"test alert sent to {url} ({labels}); check that your receivers got it"
+    typer.echo(clean(said, PROSE_LIMIT))

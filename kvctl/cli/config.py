@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from kvctl.cli.options import (
     AgentOption,
@@ -100,5 +101,5 @@ def settings_table(settings: RuntimeSettings) -> Table:
     table.add_column("value")
     for section in SECTIONS:
         for key, value in getattr(settings, section).model_dump(mode="json").items():
-            table.add_row(f"{section}.{key}", json.dumps(value))
+            table.add_row(Text(f"{section}.{key}"), Text(json.dumps(value)))
     return table

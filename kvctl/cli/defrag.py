@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Group, RenderableType
 from rich.rule import Rule
+from rich.text import Text
 
 from kvctl.cli.options import (
     AgentOption,
@@ -24,6 +25,7 @@ from kvctl.cli.options import (
 )
 from kvctl.cli.output import ExitCode, confirm, finish, on_each, to_jsonable
 from kvctl.view import render
+from kvctl.view.untrusted import clean
 
 if TYPE_CHECKING:
     from kvctl.api import PoolSnapshot
@@ -91,7 +93,7 @@ def _render_states(pools: list[PoolSnapshot]) -> RenderableType:
     parts: list[RenderableType] = []
     for pool in pools:
         parts += [
-            Rule(f"pool {pool.pool}", align="left", style="dim"),
+            Rule(Text(f"pool {clean(pool.pool)}"), align="left", style="dim"),
             render.defrag_state(pool, named=True),
         ]
     return Group(*parts)

@@ -30,6 +30,7 @@ from kvctl.cli.options import (
 )
 from kvctl.cli.output import console, exit_code_of, only_one, print_json, report_error
 from kvctl.view import fmt
+from kvctl.view.untrusted import PROSE_LIMIT, clean, safe
 
 if TYPE_CHECKING:
     from kvctl.load.report import LoadReport
@@ -166,7 +167,7 @@ async def _drive(target: Target, settings: LoadSettings) -> LoadReport:
         await client.health()
         plan = await prepare(client, settings.model)
         for notice in plan.notices:
-            typer.echo(f"kvctl load: {notice}", err=True)
+            typer.echo(f"kvctl load: {clean(notice, PROSE_LIMIT)}", err=True)
         run = LoadRun(client, settings, plan=plan)
         with _stopping_on_signals(run):
             if target.json:
@@ -245,7 +246,7 @@ def _print_profiles(as_json: bool) -> None:
 def report_view(report: LoadReport) -> Group:
     """Percentiles of time to first token and of total latency, then throughput and errors."""
     data = report.to_json()
-    title = f"kvctl load: {report.profile}, seed {report.seed}, {report.endpoint}"
+    title = Text(f"kvctl load: {report.profile}, seed {report.seed}, {clean(report.endpoint)}")
     latency = Table(title=title, show_edge=False)
     latency.add_column("seconds", style="bold")
     for column in QUANTILES:
@@ -282,11 +283,14 @@ def _summary(report: LoadReport, data: dict[str, Any]) -> Table:
         f"{tokens['prompt']:,} prompt, {_cached_text(tokens['cached_prompt'])}",
     )
     for message, count in list(data["errors"].items())[:5]:
-        table.add_row(Text(f"error ×{count}", style=fmt.BAD), message)
+        table.add_row(Text(f"error ×{count}", style=fmt.BAD), safe(message, limit=PROSE_LIMIT))
     return table
 
 
 def _cached_text(cached: int | None) -> str:
     if cached is None:
-        return "prefix-cache hits not reported by the agent (--report-cached-tokens)"
+        return (
+            "cached prompt tokens not in the answers (`kvctl status` shows the prefix hit rate; "
+            "an agent started with --report-cached-tokens puts them in each answer)"
+        )
     return f"{cached:,} from the prefix cache"

@@ -163,8 +163,11 @@ class Target:
 
 
 def fail(message: str, code: ExitCode | int) -> NoReturn:
-    """Stop with one line on stderr; the message says what to do."""
-    typer.echo(f"kvctl: {message}", err=True)
+    """Stop with one line on stderr; the message says what to do. It may quote a source (a
+    Prometheus's or an Alertmanager's answer), so it is escaped (`untrusted.clean`)."""
+    from kvctl.view.untrusted import PROSE_LIMIT, clean
+
+    typer.echo(f"kvctl: {clean(message, PROSE_LIMIT)}", err=True)
     raise typer.Exit(int(code))
 
 

@@ -18,6 +18,7 @@ from rich.console import Console, RenderableType
 from rich.rule import Rule
 
 from kvctl.cli.options import ExitCode, Target, fail
+from kvctl.view.untrusted import PROSE_LIMIT, clean, safe
 
 if TYPE_CHECKING:
     from kvctl.client import AgentClient, AgentError
@@ -59,7 +60,8 @@ def exit_code_of(error: AgentError) -> ExitCode:
 
 
 def report_error(error: AgentError) -> None:
-    typer.echo(f"kvctl: {error}", err=True)
+    """One line on stderr; the message may quote the agent's answer, so it is escaped."""
+    typer.echo(f"kvctl: {clean(error, PROSE_LIMIT)}", err=True)
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def finish(
         for outcome in outcomes:
             if outcome.result is not None:
                 if target.fleet:
-                    out.print(Rule(outcome.agent, align="left"))
+                    out.print(Rule(safe(outcome.agent), align="left"))
                 out.print(render(outcome.result))
     for outcome in outcomes:
         if outcome.error is not None:

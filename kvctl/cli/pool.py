@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Group, RenderableType
 from rich.rule import Rule
+from rich.text import Text
 
 from kvctl.cli.options import (
     AgentOption,
@@ -32,6 +33,7 @@ from kvctl.cli.options import (
 )
 from kvctl.cli.output import Outcome, confirm, console, finish, on_agent, on_each, to_jsonable
 from kvctl.view import poolmap, render
+from kvctl.view.untrusted import clean
 
 if TYPE_CHECKING:
     from kvctl.api import PoolList, PoolRelease, PoolSnapshot, ResizeResult, TierReading
@@ -121,7 +123,7 @@ def _render_pools(shown: Shown, requests: int) -> RenderableType:
     ]
     for pool in pools:
         if len(pools) > 1:
-            parts.append(Rule(f"pool {pool.pool}", align="left", style="dim"))
+            parts.append(Rule(Text(f"pool {clean(pool.pool)}"), align="left", style="dim"))
         parts.append(_render_pool(pool, shown.contexts.get(pool.pool), requests))
     return Group(*parts)
 
@@ -227,6 +229,10 @@ def resize(
     if ready:
         lines = "\n".join("  " + o.result.line for o in ready if o.result is not None)
         what = "pool(s)" if tier is Tier.DEVICE else f"{tier.value} tier(s)"
+        if yes and not json_out:  # no prompt to read the rounding from: say it before the result
+            for o in ready:
+                if o.result is not None and o.result.plan.rounded:
+                    console().print(o.result.line, markup=False, soft_wrap=True)
         confirm(f"Resize {len(ready)} {what}:\n{lines}\nProceed?", yes)
     outcomes = [_apply(target, o, pool) for o in plans]
     finish(

@@ -34,6 +34,7 @@ from kvctl.tui.fleet_screen import FleetScreen
 from kvctl.tui.history import WINDOWS, History, RateWindow
 from kvctl.tui.screens import AlertsScreen, ConfirmScreen, HelpScreen, ResizeScreen
 from kvctl.tui.source import DataSource
+from kvctl.view.untrusted import PROSE_LIMIT, clean
 
 
 class TopApp(App[None]):
@@ -187,10 +188,12 @@ class TopApp(App[None]):
             self.screen.show(agent, shown.alerts if shown else ())
 
     def say(self, message: str, severity: SeverityLevel = "information") -> None:
-        """Tell the operator what happened: a toast and the message line under the panels."""
+        """Tell the operator what happened: a toast and the message line under the panels,
+        with the agent's words escaped (`untrusted.clean`), never read as markup."""
+        message = clean(message, PROSE_LIMIT)
         self.message = message
         self.detail.say(message)
-        self.notify(message, severity=severity)
+        self.notify(message, severity=severity, markup=False)
 
     # ---- navigation -----------------------------------------------------------------------
 

@@ -155,7 +155,8 @@ class DetailScreen(Screen[None]):
         self.budget.show(reading, shown)
 
     def say(self, message: str) -> None:
-        self.message.update(message)
+        """Show `message` (already cleaned by the app) as it reads, not as markup."""
+        self.message.update(Text(message))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Acting keys are not offered at all with --readonly, and shown disabled while the

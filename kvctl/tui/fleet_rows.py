@@ -21,6 +21,7 @@ from kvctl.engines import BY_NAME, KVCTL
 from kvctl.fleet import Reading
 from kvctl.tui.widgets.alerts import ORDER
 from kvctl.view import fmt
+from kvctl.view.untrusted import PROSE_LIMIT, clean
 
 SortValue = float | str | None
 
@@ -100,10 +101,11 @@ def pool_column(readings: Sequence[Reading]) -> bool:
 
 
 def pool_label(reading: Reading) -> str | None:
-    """The pool column of a row: the pool's name, or an engine's name and its model's."""
+    """The pool column of a row: the pool's name, or an engine's name and its model's (as
+    `untrusted.clean` shows them)."""
     if reading.engine == KVCTL:
-        return reading.row_name
-    return f"{BY_NAME[reading.engine].title} {reading.row_name or ''}".rstrip()
+        return None if reading.row_name is None else clean(reading.row_name)
+    return f"{BY_NAME[reading.engine].title} {clean(reading.row_name or '')}".rstrip()
 
 
 def row_key(agent: str, pool: str | None) -> str:
@@ -175,8 +177,9 @@ def matches(reading: Reading, text: str) -> bool:
 
 
 def short_agent(url: str) -> str:
-    """The URL as a row shows it: `http://` is the default and says nothing."""
-    return url.removeprefix("http://")
+    """The URL as a row shows it (`untrusted.clean`): `http://` is the default and says
+    nothing."""
+    return clean(url.removeprefix("http://"))
 
 
 def ellipsize(text: str, width: int) -> str:
@@ -206,7 +209,7 @@ def alerts_text(reading: Reading, width: int) -> Text:
     """Firing alert names, worst first, whole where they fit, then `+N`; the error of a down
     agent; `N pending` or `none` when nothing fires."""
     if not reading.up:
-        reason = reading.error.reason if reading.error else "no answer"
+        reason = clean(reading.error.reason, PROSE_LIMIT) if reading.error else "no answer"
         return Text(ellipsize(reason, width), style=fmt.BAD)
     firing = sorted(reading.firing, key=lambda a: (ORDER[a.severity], a.name))
     if not firing:
@@ -215,20 +218,19 @@ def alerts_text(reading: Reading, width: int) -> Text:
         return Text(ellipsize(label, width), style=style)
     text = Text()
     for index, alert in enumerate(firing):
+        name = clean(alert.name)
         more = len(firing) - index - 1
         tail = f" +{more}" if more else ""
         sep = ", " if index else ""
-        if len(text) + len(sep) + len(alert.name) + len(tail) > width:
+        if len(text) + len(sep) + len(name) + len(tail) > width:
             if index == 0:
-                text.append(
-                    ellipsize(alert.name, width - len(tail)), fmt.severity_style(alert.severity)
-                )
+                text.append(ellipsize(name, width - len(tail)), fmt.severity_style(alert.severity))
                 text.append(tail)
             else:
                 text.append(f" +{len(firing) - index}")
             break
         text.append(sep)
-        text.append(alert.name, style=fmt.severity_style(alert.severity))
+        text.append(name, style=fmt.severity_style(alert.severity))
     return text
 
 

@@ -19,6 +19,7 @@ from kvctl.fleet import Reading
 from kvctl.tui import fleet_rows
 from kvctl.tui.fleet_rows import Sort
 from kvctl.view import fmt
+from kvctl.view.untrusted import clean
 
 if TYPE_CHECKING:
     from kvctl.tui.app import TopApp
@@ -146,10 +147,10 @@ class FleetScreen(Screen[None]):
         if self.filter_text:
             rows = sum(len(r.per_pool()) for r in self.readings)
             status += (
-                f" · filter “{self.filter_text}”: {len(self.shown)} of "
+                f" · filter “{clean(self.filter_text)}”: {len(self.shown)} of "
                 f"{rows} {self.rows_noun} (esc clears)"
             )
-        self.query_one("#fleet-status", Static).update(status)
+        self.query_one("#fleet-status", Static).update(Text(status))
 
     # ---- keys and clicks ------------------------------------------------------------------
 

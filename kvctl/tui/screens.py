@@ -19,6 +19,7 @@ from kvctl.sizing import ResizePlan, plan_from_text
 from kvctl.tui.widgets.alert_list import alert_blocks
 from kvctl.units import format_bytes
 from kvctl.view import render
+from kvctl.view.untrusted import PROSE_LIMIT, clean, safe
 
 DIALOG_CSS = """
 {name} {{ align: center middle; }}
@@ -31,7 +32,8 @@ DIALOG_CSS = """
 
 
 class ConfirmScreen(ModalScreen[bool]):
-    """A yes/no question; `y` or Enter on the button says yes, `n` or Escape says no."""
+    """A yes/no question; `y` or Enter on the button says yes, `n` or Escape says no. The
+    question names agents and pools, so it is shown cleaned (`untrusted.clean`)."""
 
     DEFAULT_CSS = DIALOG_CSS.format(name="ConfirmScreen")
     BINDINGS: ClassVar[list[BindingType]] = [
@@ -45,7 +47,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Label(self.question, id="question")
+            yield Label(safe(self.question, limit=PROSE_LIMIT), id="question")
             with Horizontal():
                 yield Button("No", id="no")
                 yield Button("Yes", id="yes", variant="warning")
@@ -73,15 +75,17 @@ class ResizeScreen(ModalScreen[ResizePlan | None]):
 
     def compose(self) -> ComposeResult:
         pool = self.pool
-        which = f"pool {pool.pool}" if self.named else "the pool"
+        which = f"pool {clean(pool.pool)}" if self.named else "the pool"
         pins = ""
         if pool.share is not None and not pool.share.pinned:
             pins = "\nthe new size is pinned: the agent stops moving memory in or out of it"
         with Vertical():
             yield Label(
-                f"Resize {which} of {self.agent}\nnow {pool.capacity_pages:,} pages "
-                f"({format_bytes(pool.capacity_bytes)}), {pool.used_pages:,} used, "
-                f"segments of {pool.segment_pages} pages{pins}"
+                Text(
+                    f"Resize {which} of {clean(self.agent)}\nnow {pool.capacity_pages:,} pages "
+                    f"({format_bytes(pool.capacity_bytes)}), {pool.used_pages:,} used, "
+                    f"segments of {pool.segment_pages} pages{pins}"
+                )
             )
             yield Input(placeholder="768 pages, 8GiB, +1GiB or -64", id="size")
             yield Static("", id="plan")
@@ -97,7 +101,7 @@ class ResizeScreen(ModalScreen[ResizePlan | None]):
             self.plan = None
             plan_line.update(Text(str(error), style="yellow"))
         else:
-            plan_line.update(render.resize_plan("new size", self.plan))
+            plan_line.update(Text(render.resize_plan("new size", self.plan)))
         self.query_one("#resize", Button).disabled = self.plan is None
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -226,7 +230,7 @@ class AlertsScreen(Screen[None]):
         self.agent, self.alerts = agent, alerts
         firing = sum(1 for alert in alerts if alert.state == "firing")
         title = Text.assemble(
-            (f" alerts of {agent} ", "reverse"),
+            (f" alerts of {clean(agent)} ", "reverse"),
             f"  {firing} firing, {len(alerts) - firing} pending",
         )
         self.query_one("#alerts-title", Static).update(title)

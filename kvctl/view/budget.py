@@ -15,6 +15,7 @@ from rich.text import Text
 
 from kvctl.units import format_bytes
 from kvctl.view import fmt
+from kvctl.view.untrusted import clean
 
 if TYPE_CHECKING:
     from kvctl.api import PoolSnapshot
@@ -105,7 +106,7 @@ def legend(
             text.append("  ")
         text.append(f"{glyph} ", style=colour)
         name_style = "bold underline" if pool.pool == shown and len(pools) > 1 else "bold"
-        text.append(pool.pool, style=name_style)
+        text.append(clean(pool.pool), style=name_style)
         if form < 2:
             text.append(f" {format_bytes(pool.capacity_bytes)}")
         if form < 3 and (flagged := flags(pool, short=form > 0)):
@@ -150,7 +151,7 @@ def share_rows(pool: PoolSnapshot) -> list[tuple[str, Text]]:
         pinned = Text.assemble(
             ("yes", fmt.WARN),
             ": the agent moves no memory in or out of it; ",
-            (f"kvctl pool release --pool {pool.pool}", "bold"),
+            (f"kvctl pool release --pool {clean(pool.pool)}", "bold"),
             " hands it back",
         )
     else:

@@ -12,6 +12,7 @@ from rich.text import Text
 from kvctl.engines import BY_NAME, KVCTL
 from kvctl.units import format_bytes
 from kvctl.view import fmt
+from kvctl.view.untrusted import PROSE_LIMIT, clean, safe
 
 if TYPE_CHECKING:
     from kvctl.figures import Figures
@@ -24,14 +25,15 @@ def title_of(engine: str) -> str:
     return "kvctl" if engine == KVCTL else BY_NAME[engine].title
 
 
-def row_label(reading: Reading) -> str:
+def row_label(reading: Reading) -> Text:
     """The pool column: the pool and its device for an agent, else the engine and its model
     (first, so a long model name cut to the column keeps the engine)."""
     if reading.pool is not None and reading.source == "agent":
-        return f"{reading.pool.pool} ({reading.pool.device})"
+        return Text(f"{clean(reading.pool.pool)} ({clean(reading.pool.device)})")
     if reading.engine == KVCTL:
-        return f"{reading.row_name or '–'} (kvctl)"
-    return f"{title_of(reading.engine)} {reading.row_name or ''}".rstrip()  # cut: the model
+        return Text(f"{clean(reading.row_name or '–')} (kvctl)")
+    model = clean(reading.row_name or "")
+    return Text(f"{title_of(reading.engine)} {model}".rstrip())  # cut: the model
 
 
 def capacity_text(reading: Reading) -> str:
@@ -57,7 +59,7 @@ def tokens(count: int | None) -> str:
 def detail(reading: Reading) -> RenderableType:
     """One node read from its /metrics (or from Prometheus): every figure with where it
     comes from, every model's row when it serves several, and its engine's pitfalls."""
-    title = Text.assemble(("● up  ", fmt.OK), (reading.agent, "bold"))
+    title = Text.assemble(("● up  ", fmt.OK), (clean(reading.agent), "bold"))
     title.append(f"  {title_of(reading.engine)}, read from {SOURCES[reading.source]}", "dim")
     rows = reading.per_pool()
     parts: list[RenderableType] = [title]
@@ -70,7 +72,7 @@ def detail(reading: Reading) -> RenderableType:
         notes.add_column(style="yellow", no_wrap=True)
         notes.add_column()
         for note in reading.notes:
-            notes.add_row("!", note)
+            notes.add_row("!", safe(note, limit=PROSE_LIMIT))
         parts.append(notes)
     return Group(*parts)
 
@@ -87,7 +89,8 @@ def figures_table(figures: Figures, model: str | None = None, engine: str = KVCT
     table.add_column(style="bold", no_wrap=True)
     table.add_column()
     if model is not None:
-        table.title, table.title_justify, table.title_style = f"model {model}", "left", "bold"
+        table.title = Text(f"model {clean(model)}")
+        table.title_justify, table.title_style = "left", "bold"
     for headline in fmt.figure_headlines(figures):
         text = Text(headline.text, style=headline.style)
         if headline.ratio is None and headline.text == "–":

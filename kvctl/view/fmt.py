@@ -132,6 +132,12 @@ def figure_headlines(figures: Figures) -> tuple[Headline, ...]:
     )
 
 
+def counted(number: int, noun: str) -> str:
+    """`number` of `noun` with thousands separators, the noun plural unless there is one:
+    "1 free extent", "1,024 pages"."""
+    return f"{number:,} {noun}" if number == 1 else f"{number:,} {noun}s"
+
+
 def count(value: float | None) -> str:
     """A count for a cell, "–" where the source exports none."""
     return "–" if value is None else f"{value:,.0f}"

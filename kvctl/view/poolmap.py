@@ -1,8 +1,10 @@
 """The pool map as a heat strip: every page's state, shrunk to the width of a terminal.
 
-Each cell stands for an equal slice of the page ids. Its glyph rises with how full the slice is
-(used + cached pages), its colour says which state dominates, so holes between live pages, the
-cached prefix pages and an empty tail all stay visible at any pool size. A ruler under the strip
+Each cell stands for an equal slice of the page ids. Its glyph grows with how full the slice is
+(used + cached pages): a bar rising for a slice mostly in use, a shade darkening for one mostly
+cached, `·` for an empty one. So holes between live pages, the cached prefix pages and an empty
+tail all stay visible at any pool size, without colour too (NO_COLOR); the colour repeats the
+state. A ruler under the strip
 marks where each segment (the unit the pool grows and shrinks by) begins.
 """
 
@@ -19,6 +21,11 @@ if TYPE_CHECKING:
     from kvctl.api import PoolMap
 
 GLYPHS = " ▁▂▃▄▅▆▇█"
+"""A slice mostly in use, by eighths full."""
+SHADES = " ░░░▒▒▒▓▓"
+"""A slice mostly cached, by eighths full: never a bar, so it reads apart without colour."""
+EMPTY = "·"
+LEGEND_GLYPH = {"used": GLYPHS[-1], "cached": SHADES[-1], "free": EMPTY}
 STATE_STYLE = {"used": "magenta", "cached": "cyan", "free": "bright_black"}
 
 
@@ -81,8 +88,8 @@ def strip(pool_map: PoolMap, width: int) -> Text:
     text = Text()
     for cell in cells(pool_map, width):
         level = round(cell.fill * (len(GLYPHS) - 1))
-        glyph = GLYPHS[level] if level else "·"
-        text.append(glyph, style=STATE_STYLE[cell.state])
+        glyphs = SHADES if cell.state == "cached" else GLYPHS
+        text.append(glyphs[level] if level else EMPTY, style=STATE_STYLE[cell.state])
     return text
 
 
@@ -93,16 +100,17 @@ def ruler(pool_map: PoolMap, width: int) -> Text:
 
 
 def legend(pool_map: PoolMap) -> Text:
-    """Page counts per state, coloured like the strip."""
+    """Page counts per state, each after the glyph of a full slice of it, coloured like the
+    strip."""
     counts: dict[str, int] = {"used": 0, "cached": 0, "free": 0}
     for state, _start, length in pool_map.runs:
         counts[state] += length
     text = Text()
     for name, count in counts.items():
-        text.append("■ ", style=STATE_STYLE[name])
+        text.append(f"{LEGEND_GLYPH[name]} ", style=STATE_STYLE[name])
         text.append(f"{name} {count:,}   ")
     segments = -(-pool_map.capacity_pages // max(1, pool_map.segment_pages))
-    text.append(f"╵ segment start ({segments} × {pool_map.segment_pages} pages)", style="dim")
+    text.append(f"╵ segment start ({segments:,} × {pool_map.segment_pages:,} pages)", style="dim")
     return text
 
 

@@ -6,6 +6,7 @@ print the same thing and tests can render them without an agent.
 
 from __future__ import annotations
 
+import textwrap
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from rich.text import Text
 
 from kvctl.units import format_bytes
 from kvctl.view import budget, engine, fmt, tiers
+from kvctl.view.untrusted import PROSE_LIMIT, clean, safe
 
 if TYPE_CHECKING:
     from kvctl.api import (
@@ -48,7 +50,8 @@ def headline_table(pool: PoolSnapshot) -> Table:
         f"{pool.window_alloc_attempts:,} attempts, {pool.window_alloc_failures:,} failed in the "
         f"last {fmt.seconds(pool.window_seconds)} ({pool.alloc_failures_total:,} failed of "
         f"{pool.alloc_attempts_total:,} since start)",
-        f"{pool.free_extents:,} free extents, largest free run {pool.largest_free_run:,} pages",
+        f"{fmt.counted(pool.free_extents, 'free extent')}, largest free run "
+        f"{fmt.counted(pool.largest_free_run, 'page')}",
         f"{pool.used_pages:,} used + {pool.cached_pages:,} cached of "
         f"{fmt.pages(pool.capacity_pages, pool.bytes_per_page)}",
         f"{pool.prefix_hits_tokens_total:,} of {pool.prefix_queries_tokens_total:,} prompt "
@@ -64,11 +67,11 @@ def headline_table(pool: PoolSnapshot) -> Table:
 def pool_table(pool: PoolSnapshot) -> Table:
     """Geometry, requests and defragmentation of one pool, and its tiers when it has any."""
     table = _pairs()
-    table.add_row("pool", f"{pool.pool} on {pool.device}")
+    table.add_row("pool", Text(f"{clean(pool.pool)} on {clean(pool.device)}"))
     table.add_row(
         "capacity",
-        f"{fmt.pages(pool.capacity_pages, pool.bytes_per_page)} in {pool.segments} segments "
-        f"of {pool.segment_pages} pages; max "
+        f"{fmt.pages(pool.capacity_pages, pool.bytes_per_page)} in {pool.segments:,} segments "
+        f"of {pool.segment_pages:,} pages; max "
         + ("unbounded" if pool.max_pool_pages is None else f"{pool.max_pool_pages:,} pages"),
     )
     table.add_row(
@@ -81,7 +84,7 @@ def pool_table(pool: PoolSnapshot) -> Table:
         f"{pool.requests_running} running, {pool.requests_waiting} waiting, "
         f"{pool.preemptions_total:,} preemptions",
     )
-    table.add_row("defrag", defrag_summary(pool))
+    table.add_row("defrag", Text(defrag_summary(pool)))
     grows, shrinks = pool.resizes_total.get("grow", 0), pool.resizes_total.get("shrink", 0)
     table.add_row("resizes", f"{grows} grows, {shrinks} shrinks")
     for gpu in pool.gpus:
@@ -125,7 +128,7 @@ def pools_table(pools: Sequence[PoolSnapshot], budget_bytes: int | None) -> Tabl
         success, frag, util, prefix = fmt.headlines(pool)
         share = pool.share
         table.add_row(
-            pool.pool,
+            safe(pool.pool),
             fmt.pages(pool.capacity_pages, pool.bytes_per_page),
             fmt.percent(pool.capacity_bytes / total if total else None),
             "–" if share is None else f"{share.floor_pages:,}–{share.ceiling_pages:,}",
@@ -165,7 +168,7 @@ def defrag_summary(pool: PoolSnapshot) -> str:
     if pool.last_defrag is not None:
         last = pool.last_defrag
         text += (
-            f"; last ({last.trigger}, {fmt.seconds(pool.last_defrag_age_seconds)} ago) "
+            f"; last ({clean(last.trigger)}, {fmt.seconds(pool.last_defrag_age_seconds)} ago) "
             f"{last.fragmentation_before:.2f} → {last.fragmentation_after:.2f}"
         )
     return text
@@ -174,9 +177,8 @@ def defrag_summary(pool: PoolSnapshot) -> str:
 def gpu_text(name: str, used: int, total: int) -> Text:
     ratio = used / total if total else 0.0
     style = fmt.BAD if ratio >= fmt.limits().gpu_memory_max else fmt.OK
-    return Text.assemble(
-        f"{name}: {format_bytes(used)} of {format_bytes(total)} ", (fmt.percent(ratio), style)
-    )
+    shown = f"{clean(name)}: {format_bytes(used)} of {format_bytes(total)} "
+    return Text.assemble(shown, (fmt.percent(ratio), style))
 
 
 def alerts_table(alerts: Sequence[Alert], now: float | None = None) -> RenderableType:
@@ -198,11 +200,11 @@ def alerts_table(alerts: Sequence[Alert], now: float | None = None) -> Renderabl
         table.add_row(
             Text(alert.severity, style=style),
             alert.state,
-            alert.name,
-            *((alert.labels.get("pool", "–"),) if pools else ()),
+            safe(alert.name),
+            *((safe(alert.labels.get("pool", "–")),) if pools else ()),
             fmt.seconds(max(0.0, now - alert.active_since)),
-            alert.summary,
-            Text(alert.remediation, style="bold"),
+            safe(alert.summary, limit=PROSE_LIMIT),
+            safe(alert.remediation, "bold", PROSE_LIMIT),
         )
     return table
 
@@ -212,12 +214,10 @@ def status_detail(reading: Reading) -> RenderableType:
     pools, the budget they share and one row per pool instead of one pool's numbers."""
     assert reading.pool is not None
     pool = reading.pool
-    title = Text.assemble(("● up  ", fmt.OK), (reading.agent, "bold"))
+    title = Text.assemble(("● up  ", fmt.OK), (clean(reading.agent), "bold"))
     if reading.health is not None:
-        title.append(
-            f"  kvctl {reading.health.version}, up {fmt.seconds(reading.health.uptime_seconds)}",
-            style="dim",
-        )
+        version, up = clean(reading.health.version), fmt.seconds(reading.health.uptime_seconds)
+        title.append(f"  kvctl {version}, up {up}", style="dim")
     if reading.several:
         pools = reading.pools
         hint = Text(
@@ -242,6 +242,9 @@ numbers keep their room and the agent and alert names give way, cut with an elli
 _NUMBERS = {"util": 6, "frag": 4, "alloc ok": 8, "prefix": 6, "preempt": 7, "run/wait": 8}
 _NARROW_NUMBERS = {key: width for key, width in _NUMBERS.items() if key != "preempt"}
 _GAP = 2  # spaces between two columns
+MIN_ALERTS = 16
+"""The alerts column's width before the agent's name gives way (a node is found by its name
+first); on a narrow terminal the two share what is left."""
 
 
 class FleetTable:
@@ -281,10 +284,15 @@ def fleet_table(readings: Sequence[Reading], width: int = WIDE_FLEET) -> Table:
         rows = [(row[0], row[1], _cut(row[2], pool), *row[3:]) for row in rows]
     left = width - state - sum(max(w, len(c)) for c, w in numbers.items())
     left -= _GAP * (len(numbers) + 2 + named) + pool
-    alerts = max(6, min(max((_width(row[-1]) for row in rows), default=6), max(12, left // 2)))
+    # the agent's name is whole where it fits beside the shortest alerts column, and depends on
+    # the agents alone, so the columns stay put from one frame to the next as alerts come and go
     longest = max((len(str(row[0])) for row in rows), default=8)
-    agent = max(8, min(longest, left - alerts))
-    rows = [(_cut(row[0], agent), *row[1:-1], _cut(row[-1], alerts)) for row in rows]
+    agent = max(8, min(longest, max(left // 2, left - MIN_ALERTS)))
+    alerts = max(6, left - agent)
+    rows = [
+        (_cut(row[0], agent), *row[1:-1], _last_cell(row[-1], alerts, reading.up))
+        for row, reading in zip(rows, shown, strict=True)
+    ]
     table = Table(box=None, show_edge=False, pad_edge=False, padding=(0, _GAP // 2))
     table.add_column("agent", no_wrap=True, width=agent)
     table.add_column("state", no_wrap=True, width=state)
@@ -292,20 +300,23 @@ def fleet_table(readings: Sequence[Reading], width: int = WIDE_FLEET) -> Table:
         table.add_column("pool", no_wrap=True, width=max(4, pool))
     for column, least in numbers.items():
         table.add_column(column, justify="right", no_wrap=True, min_width=max(least, len(column)))
-    table.add_column("alerts", no_wrap=True)
+    table.add_column("alerts", no_wrap=True, width=alerts)
     for row in rows:
         table.add_row(*row)
     return table
 
 
-def _width(cell: RenderableType) -> int:
-    """The cells a text cell takes (its longest line)."""
-    text = Text(cell) if isinstance(cell, str) else cell
-    return max((len(line) for line in text.split("\n")), default=0) if isinstance(text, Text) else 0
+def _last_cell(cell: RenderableType, width: int, up: bool) -> RenderableType:
+    """Alert names cut to `width` (one a line, never folded); a down node's reason folded over
+    as many lines as it takes, never cut: it is the one thing its row says."""
+    if up or not isinstance(cell, Text):
+        return _cut(cell, width)
+    lines = textwrap.wrap(cell.plain, width, break_on_hyphens=False) or [""]
+    return Text("\n".join(lines), style=cell.style)
 
 
-def _pool_name(reading: Reading) -> str:
-    return reading.row_name or "–"
+def _pool_name(reading: Reading) -> Text:
+    return safe(reading.row_name or "–")
 
 
 def _cut(cell: RenderableType, width: int) -> RenderableType:
@@ -324,12 +335,13 @@ def fleet_row(reading: Reading) -> tuple[RenderableType, ...]:
     "–" where the node's source exports no such figure."""
     figures = reading.row_figures
     if not reading.up or figures is None:
-        reason = reading.error.reason if reading.error else "no answer"
+        reason = clean(reading.error.reason, PROSE_LIMIT) if reading.error else "no answer"
         blank = ("–",) * 8
-        return (reading.agent, Text("DOWN", style=fmt.BAD), *blank, Text(reason, style=fmt.BAD))
+        agent = safe(reading.agent)
+        return (agent, Text("DOWN", style=fmt.BAD), *blank, Text(reason, style=fmt.BAD))
     success, frag, util, prefix = fmt.figure_headlines(figures)
     return (
-        reading.agent,
+        safe(reading.agent),
         Text("up", style=fmt.OK),
         engine.row_label(reading),
         engine.capacity_text(reading),
@@ -361,9 +373,9 @@ def alerts_cell(alerts: Sequence[Alert]) -> Text:
         if index:
             text.append("\n")
         if alert.state == "firing":
-            text.append(alert.name, style=fmt.severity_style(alert.severity))
+            text.append(clean(alert.name), style=fmt.severity_style(alert.severity))
         else:
-            text.append(f"{alert.name} (pending)", style="dim")
+            text.append(f"{clean(alert.name)} (pending)", style="dim")
     return text
 
 
@@ -385,12 +397,12 @@ def defrag_state(pool: PoolSnapshot, named: bool = False) -> Table:
         "fragmentation",
         Text.assemble(
             (f"{pool.fragmentation_ratio:.2f}", style),
-            f"  {pool.free_extents:,} free extents, largest free run "
-            f"{pool.largest_free_run:,} pages",
+            f"  {fmt.counted(pool.free_extents, 'free extent')}, largest free run "
+            f"{fmt.counted(pool.largest_free_run, 'page')}",
         ),
     )
-    table.add_row("defrag", defrag_summary(pool))
-    command = "kvctl defrag --now" + (f" --pool {pool.pool}" if named else "")
+    table.add_row("defrag", Text(defrag_summary(pool)))
+    command = "kvctl defrag --now" + (f" --pool {clean(pool.pool)}" if named else "")
     table.add_row("hint", Text(f"{command} compacts the pool now", style="dim"))
     return table
 
@@ -399,7 +411,7 @@ def defrag_result(result: DefragResult, pool: str | None = None) -> Table:
     """What a defragmentation did (to pool `pool`, when one was named)."""
     table = _pairs()
     if pool is not None:
-        table.add_row("pool", pool)
+        table.add_row("pool", safe(pool))
     style = fmt.fragmentation_style(result.fragmentation_after)
     table.add_row(
         "fragmentation",
@@ -419,7 +431,7 @@ def defrag_result(result: DefragResult, pool: str | None = None) -> Table:
 
 def resize_plan(agent: str, plan: ResizePlan) -> str:
     line = (
-        f"{agent}: {plan.old_pages:,} pages ({format_bytes(plan.old_bytes)}) → "
+        f"{clean(agent)}: {plan.old_pages:,} pages ({format_bytes(plan.old_bytes)}) → "
         f"{plan.new_pages:,} pages ({format_bytes(plan.new_bytes)})"
     )
     return f"{line}; {rounding_note(plan)}" if plan.rounded else line
@@ -440,8 +452,9 @@ def tier_resize_plan(agent: str, pool: PoolSnapshot, tier: TierReading, plan: Re
     """A tier's resize as the confirmation shows it, with what happens to the pages it holds:
     those that no longer fit go to the tier below, or are dropped from the last one."""
     line = (
-        f"{agent} {tier.tier} tier: {plan.old_pages:,} pages ({format_bytes(plan.old_bytes)}) → "
-        f"{plan.new_pages:,} pages ({format_bytes(plan.new_bytes)})"
+        f"{clean(agent)} {tier.tier} tier: {plan.old_pages:,} pages "
+        f"({format_bytes(plan.old_bytes)}) → {plan.new_pages:,} pages "
+        f"({format_bytes(plan.new_bytes)})"
     )
     notes = []
     if plan.new_pages == plan.old_pages:
@@ -470,7 +483,7 @@ def resize_result(result: ResizeResult, pool: str | None = None) -> Table:
     table = _pairs()
     device = result.tier == "device"
     if pool is not None:
-        table.add_row("pool", pool)
+        table.add_row("pool", safe(pool))
     table.add_row(
         result.direction if device else f"{result.tier} tier {result.direction}",
         f"{result.old_pages:,} pages ({format_bytes(result.old_bytes)}) → "
@@ -484,7 +497,7 @@ def resize_result(result: ResizeResult, pool: str | None = None) -> Table:
     elif result.pages_moved or result.pages_evicted:
         table.add_row("moved", f"{result.pages_moved:,} pages, {result.pages_evicted:,} evicted")
     if result.pinned:
-        release = "kvctl pool release" + ("" if pool is None else f" --pool {pool}")
+        release = "kvctl pool release" + ("" if pool is None else f" --pool {clean(pool)}")
         table.add_row(
             "pinned",
             Text.assemble(
@@ -501,10 +514,10 @@ def release_result(result: PoolRelease) -> Text:
     """What releasing a pool did: the pin is gone, or there was none."""
     if result.was_pinned:
         return Text.assemble(
-            (f"pool {result.pool} released", fmt.OK),
+            (f"pool {clean(result.pool)} released", fmt.OK),
             ": the agent may move memory in and out of it again",
         )
-    return Text(f"pool {result.pool} was not pinned; nothing changed", style="dim")
+    return Text(f"pool {clean(result.pool)} was not pinned; nothing changed", style="dim")
 
 
 def sizing_table(pool: PoolSnapshot, context: int | None, requests: int = 8) -> Table:
@@ -535,7 +548,7 @@ def sizing_table(pool: PoolSnapshot, context: int | None, requests: int = 8) -> 
     several = pool.share is not None and pool.share.pools_total > 1
     text = (
         f"{requests} full contexts at once: {fmt.pages(pages, pool.bytes_per_page)}; "
-        f"kvctl pool resize --pages {pages}" + (f" --pool {pool.pool}" if several else "")
+        f"kvctl pool resize --pages {pages}" + (f" --pool {clean(pool.pool)}" if several else "")
     )
     if pool.share is not None and pages > pool.share.ceiling_pages:
         text += (
@@ -544,5 +557,5 @@ def sizing_table(pool: PoolSnapshot, context: int | None, requests: int = 8) -> 
         )
     elif pool.max_pool_pages is not None and pages > pool.max_pool_pages:
         text += f" (above the max of {pool.max_pool_pages:,}: restart with --max-pool-pages)"
-    table.add_row("to hold", text)
+    table.add_row("to hold", Text(text))
     return table

@@ -16,6 +16,7 @@ from rich.text import Text
 
 from kvctl.units import format_bytes
 from kvctl.view import fmt
+from kvctl.view.untrusted import clean
 
 if TYPE_CHECKING:
     from kvctl.api import PoolSnapshot, TierReading
@@ -36,8 +37,8 @@ def hit_shares(by_tier: Mapping[str, float], names: Sequence[str]) -> dict[str, 
 
 def failures(tier: TierReading) -> dict[str, int]:
     """The tier's non-zero failure counters as "store full", "load checksum", ..."""
-    found = {f"store {why}": n for why, n in tier.store_failures_total.items() if n}
-    found.update({f"load {why}": n for why, n in tier.load_failures_total.items() if n})
+    found = {f"store {clean(why)}": n for why, n in tier.store_failures_total.items() if n}
+    found.update({f"load {clean(why)}": n for why, n in tier.load_failures_total.items() if n})
     return found
 
 
@@ -99,9 +100,9 @@ def tier_rows(pool: PoolSnapshot) -> list[tuple[str, Text]]:
 
 def tier_text(tier: TierReading, share: float | None, pool: PoolSnapshot) -> Text:
     """One tier in a line: policy, used of capacity, where (disk), reuse, loads, failures."""
-    text = Text(f"{tier.policy}; {capacity_text(tier)}")
+    text = Text(f"{clean(tier.policy)}; {capacity_text(tier)}")
     if tier.path is not None:
-        text.append(f" in {tier.path}")
+        text.append(f" in {clean(tier.path)}")
         if tier.filesystem_free_bytes is not None and tier.filesystem_size_bytes is not None:
             text.append(
                 f" (filesystem {format_bytes(tier.filesystem_free_bytes)} free of "

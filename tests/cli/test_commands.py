@@ -14,7 +14,14 @@ import sys
 
 import pytest
 
-from kvctl.api import DefragResult, Health, PoolSnapshot, ResizeResult, RuntimeSettings
+from kvctl.api import (
+    DefragResult,
+    Health,
+    PoolSnapshot,
+    ResizeRequest,
+    ResizeResult,
+    RuntimeSettings,
+)
 from kvctl.cli.defrag import STATE_KEYS
 from kvctl.client import AgentClient
 
@@ -245,6 +252,27 @@ def test_resize_grow_then_back(kvctl, agent) -> None:
     back = kvctl("-a", agent.url, "pool", "resize", "--pages", str(before), input="y\n")
     assert back.exit_code == 0, back.output
     assert f"shrink  {before + 32} pages" in back.stdout
+    assert capacity(agent) == before
+
+
+def test_resize_with_yes_names_the_rounding(kvctl, agent) -> None:
+    """`--grow 1MiB --yes` printed a grow eight times what was asked with no word on why."""
+    with AgentClient(agent.url) as client:
+        pool = client.pool()
+    before, segment = pool.capacity_pages, pool.segment_pages
+    asked = -(-(1 << 20) // pool.bytes_per_page)
+    assert asked % segment, "the test needs a grow that is not whole segments"
+    result = kvctl("-a", agent.url, "pool", "resize", "--grow", "1MiB", "--yes")
+    try:
+        assert result.exit_code == 0, result.output
+        rounded = -(-(before + asked) // segment) * segment
+        assert (
+            f"{before + asked:,} pages asked, rounded up to whole segments of {segment:,} pages"
+        ) in " ".join(result.stdout.split())
+        assert capacity(agent) == rounded
+    finally:
+        with AgentClient(agent.url) as client:
+            client.resize(ResizeRequest(pages=before))
     assert capacity(agent) == before
 
 

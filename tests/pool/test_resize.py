@@ -67,6 +67,19 @@ def test_refused_shrink_leaves_everything_as_it_was() -> None:
     pool.check_invariants()
 
 
+def test_a_refusal_names_the_pages_asked_and_the_rounding() -> None:
+    """`--pages 5000` used to be refused as "5120 pages is above the maximum", a number the
+    operator never typed."""
+    _, resizer, _ = setup()
+    with pytest.raises(ResizeRefused) as refused:
+        resizer.resize(33)
+    assert str(refused.value).startswith(
+        "33 pages (rounded up to 36, whole segments of 4 pages) is above the maximum of 32 pages"
+    )
+    with pytest.raises(ResizeRefused, match=r"^40 pages is above the maximum of 32 pages"):
+        resizer.resize(40)
+
+
 def test_shrink_refuses_when_cached_pages_cannot_be_evicted() -> None:
     pool, resizer, _ = setup()
     pool.allocate("a", 40)

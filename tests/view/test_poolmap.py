@@ -46,7 +46,7 @@ def test_segment_marks() -> None:
 def test_glyph_height_is_fill_and_colour_is_dominant_state() -> None:
     layout = page_map([("used", 0, 4), ("cached", 4, 2), ("free", 6, 10)])
     heat = strip(layout, 4)
-    assert heat.plain == "█▄··"
+    assert heat.plain == "█▒··"
     assert [span.style for span in heat.spans] == [
         "magenta",
         "cyan",
@@ -63,4 +63,16 @@ def test_grid_rows_start_with_their_first_page() -> None:
     lines = console.end_capture().splitlines()
     assert lines[0].startswith("  0 ███")
     assert lines[2].startswith("128 ···")
-    assert lines[-1].startswith("■ used 100   ■ cached 0   ■ free 156")
+    assert lines[-1].startswith("█ used 100   ▓ cached 0   · free 156")
+
+
+def test_the_strip_and_its_legend_read_without_colour() -> None:
+    """The legend's three ■ differed only by colour, and so did a cell mostly in use from one
+    mostly cached: with NO_COLOR both were unreadable."""
+    layout = page_map([("used", 0, 4), ("cached", 4, 4), ("free", 8, 8)], capacity=16)
+    console = Console(width=100, no_color=True)
+    console.begin_capture()
+    console.print(grid(layout, 7, 1))  # 4 cells after the row label
+    heat, _, legend = console.end_capture().splitlines()
+    assert heat.split()[-1] == "█▓··"
+    assert legend.startswith("█ used 4   ▓ cached 4   · free 8")

@@ -10,8 +10,9 @@ from pool_readings import pool_snapshot
 from rich.console import Console
 
 from kvctl.api import Alert
+from kvctl.client import AgentUnreachable
 from kvctl.fleet import Reading
-from kvctl.view.render import FleetTable, alerts_table
+from kvctl.view.render import FleetTable, alerts_table, headline_table
 
 NAMES = ("KvctlAllocationFailures", "KvctlGpuMemoryNearCapacity", "KvctlPreemptionStorm")
 
@@ -76,3 +77,40 @@ def test_pending_alerts_are_named_after_the_firing_ones() -> None:
     lines = rendered(FleetTable([reading]), 160).splitlines()
     assert lines[1].rstrip().endswith(NAMES[0])
     assert lines[2].rstrip().endswith("KvctlPoolOverProvisioned (pending)")
+
+
+def test_the_columns_stay_put_when_an_alert_appears() -> None:
+    """At 120 columns (`kvctl top --headless` without a terminal) the agent's URL used to be cut
+    ("http://127.0.0.1:8…") and the columns moved in the frame where an alert appeared."""
+    url = "http://127.0.0.1:8477"
+    calm = rendered(FleetTable([Reading(agent=url, pool=pool_snapshot())]), 120).splitlines()
+    loud = Reading(agent=url, pool=pool_snapshot(), alerts=(alert("KvctlPreemptionStorm"),))
+    alerted = rendered(FleetTable([loud]), 120).splitlines()
+    assert calm[0] == alerted[0]  # the header, so every column, where it was
+    assert alerted[1].startswith(url + " ")
+    assert alerted[1][alerted[0].index("alerts") :].startswith("KvctlPreemption")
+
+
+def test_a_down_agents_reason_is_folded_whole_not_cut() -> None:
+    reason = (
+        "cannot reach agent at http://gpu-node-17.example.com:8477 (connection refused by the "
+        "host after three tries)"
+    )
+    down = Reading(agent="http://gpu-node-17.example.com:8477", error=AgentUnreachable("x", reason))
+    up = Reading(agent="http://node1:8477", pool=pool_snapshot())
+    for width in (80, 120):
+        lines = rendered(FleetTable([up, down]), width).splitlines()
+        start = lines[0].index("alerts")
+        assert "…" not in "".join(line[start:] for line in lines[2:]), "\n".join(lines)
+        folded = "".join("".join(line[start:].split()) for line in lines[2:])
+        assert folded == "".join(reason.split()), "\n".join(lines)
+        assert max(len(line) for line in lines) <= width
+
+
+def test_one_free_extent_is_singular() -> None:
+    """The status detail read "1 free extents"."""
+    pool = pool_snapshot(free_extents=1, largest_free_run=1)
+    text = " ".join(rendered(headline_table(pool), 120).split())
+    assert "1 free extent, largest free run 1 page" in text
+    many = " ".join(rendered(headline_table(pool_snapshot(free_extents=1200)), 120).split())
+    assert "1,200 free extents" in many

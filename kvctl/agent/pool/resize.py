@@ -74,44 +74,55 @@ class PoolResizer:
         seg = self.pool.segment_pages
         return -(-pages // seg) * seg
 
+    def _asked(self, pages: int, target: int) -> str:
+        """What was asked, in the words of a refusal: the rounding named when there was one,
+        so the number refused is one the operator can trace to what they typed."""
+        if target == pages:
+            return f"{pages:,} pages"
+        return (
+            f"{pages:,} pages (rounded up to {target:,}, whole segments of "
+            f"{self.pool.segment_pages:,} pages)"
+        )
+
     def check(self, pages: int) -> int:
         """The capacity a resize to `pages` would give; raises `ResizeRefused` if it cannot."""
         pool = self.pool
         target = self.round_to_segments(pages)
+        asked = self._asked(pages, target)
         if pages < 1 or target < self.min_pages:
             raise ResizeRefused(
-                f"the pool cannot be smaller than {self.min_pages} pages; asked for {pages}"
+                f"the pool cannot be smaller than {self.min_pages:,} pages; asked for {pages:,}"
             )
         if self.max_pages is not None and target > self.max_pages:
             raise ResizeRefused(
-                f"{target} pages is above the maximum of {self.max_pages}; "
+                f"{asked} is above the maximum of {self.max_pages:,} pages; "
                 "raise --max-pool-pages to allow it"
             )
         if target > pool.capacity and self.room is not None:
             extra, room = (target - pool.capacity) * pool.bytes_per_page, self.room()
             if extra > room:
                 raise ResizeRefused(
-                    f"{target} pages need {format_bytes(extra)} more and the KV budget the pools "
+                    f"{asked} needs {format_bytes(extra)} more and the KV budget the pools "
                     f"share has {format_bytes(room)} unassigned; shrink another pool first or "
                     "restart with a larger --kv-budget"
                 )
         promised = self.promised() if self.promised is not None else 0
         if target < min(promised, pool.capacity):  # a grow toward the promise is fine
             raise ResizeRefused(
-                f"an admitted request may need {promised} pages to finish (its prompt plus "
-                f"max_tokens); the new size {target} could never hold it; wait for it to finish "
-                f"or choose a size of at least {self.round_to_segments(promised)} pages"
+                f"an admitted request may need {promised:,} pages to finish (its prompt plus "
+                f"max_tokens); the new size {target:,} could never hold it; wait for it to finish "
+                f"or choose a size of at least {self.round_to_segments(promised):,} pages"
             )
         if target < pool.used_pages:
             raise ResizeRefused(
-                f"{pool.used_pages} pages in use above the new size {target}; "
+                f"{pool.used_pages:,} pages in use above the new size {target:,}; "
                 "wait for requests to finish or choose a size of at least "
-                f"{self.round_to_segments(pool.used_pages)} pages"
+                f"{self.round_to_segments(pool.used_pages):,} pages"
             )
         if target < pool.used_pages + pool.cached_pages and not pool.can_evict:
             raise ResizeRefused(
-                f"{pool.used_pages + pool.cached_pages} pages are used or cached above the new "
-                f"size {target} and nothing can evict the cached ones; choose a larger size"
+                f"{pool.used_pages + pool.cached_pages:,} pages are used or cached above the new "
+                f"size {target:,} and nothing can evict the cached ones; choose a larger size"
             )
         return target
 

@@ -10,6 +10,7 @@ from textual.widget import Widget
 
 from kvctl.fleet import Reading
 from kvctl.view import fmt
+from kvctl.view.untrusted import PROSE_LIMIT, clean
 
 
 class AgentBar(Widget):
@@ -36,14 +37,14 @@ class AgentBar(Widget):
         """`pool_position` (n, N): the pool shown is the n-th (from 0) of the agent's N."""
         index, count = position
         text = Text.assemble(
-            (f" agent {index + 1}/{count} ", "reverse"), " ", (reading.agent, "bold")
+            (f" agent {index + 1}/{count} ", "reverse"), " ", (clean(reading.agent), "bold")
         )
         if reading.up and reading.pool is not None:
-            text.append(f"  pool {reading.pool.pool}", style="dim")
+            text.append(f"  pool {clean(reading.pool.pool)}", style="dim")
             if pool_position is not None:
                 shown, pools = pool_position
                 text.append(f" ({shown + 1}/{pools}, p next)", style="dim")
-            text.append(f" on {reading.pool.device}", style="dim")
+            text.append(f" on {clean(reading.pool.device)}", style="dim")
             if reading.health is not None:
                 text.append(f"  up {fmt.seconds(reading.health.uptime_seconds)}", style="dim")
         else:
@@ -52,7 +53,7 @@ class AgentBar(Widget):
                 if last_good_age is None
                 else f"last answer {fmt.seconds(last_good_age)} ago"
             )
-            reason = reading.error.reason if reading.error else "no answer"
+            reason = clean(reading.error.reason, PROSE_LIMIT) if reading.error else "no answer"
             text.append(f"  ✖ connection lost: {reason}", style=fmt.BAD)
             text.append(f"  ({seen}; retrying every {fmt.seconds(interval)})", style=fmt.WARN)
         if readonly:

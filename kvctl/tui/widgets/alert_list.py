@@ -12,6 +12,7 @@ from rich.text import Text
 from kvctl.api import Alert
 from kvctl.tui.widgets.alerts import heading, worst_first
 from kvctl.view import fmt
+from kvctl.view.untrusted import PROSE_LIMIT, clean
 
 
 def alert_block(alert: Alert, now: float) -> list[RenderableType]:
@@ -22,11 +23,11 @@ def alert_block(alert: Alert, now: float) -> list[RenderableType]:
     age = fmt.seconds(max(0.0, now - alert.active_since))
     state_style = "bold" if alert.state == "firing" else "dim"
     top.add_row(heading(alert), Text(f"{alert.state} for {age}", style=state_style))
-    lines: list[RenderableType] = [top, Text(f"  {alert.summary}")]
+    lines: list[RenderableType] = [top, Text(f"  {clean(alert.summary, PROSE_LIMIT)}")]
     if alert.description:
-        lines.append(Text(f"  {alert.description}", style="dim"))
-    lines.append(Text(f"  → {alert.remediation}", style="bold"))
-    lines.append(Text(f"  runbook {alert.runbook_url}", style="dim"))
+        lines.append(Text(f"  {clean(alert.description, PROSE_LIMIT)}", style="dim"))
+    lines.append(Text(f"  → {clean(alert.remediation, PROSE_LIMIT)}", style="bold"))
+    lines.append(Text(f"  runbook {clean(alert.runbook_url, PROSE_LIMIT)}", style="dim"))
     return lines
 
 

@@ -11,6 +11,7 @@ from textual.widget import Widget
 
 from kvctl.api import Alert
 from kvctl.view import fmt
+from kvctl.view.untrusted import PROSE_LIMIT, clean
 
 ORDER = {"critical": 0, "warning": 1, "info": 2}
 
@@ -30,11 +31,11 @@ def heading(alert: Alert, width: int | None = None) -> Text:
     name cuts the name with an ellipsis rather than breaking it."""
     text = Text.assemble(
         (f"● {alert.severity} ", fmt.severity_style(alert.severity)),
-        (alert.name, "bold"),
+        (clean(alert.name), "bold"),
         no_wrap=True,
         overflow="ellipsis",
     )
-    summary = f"  {alert.summary}"
+    summary = f"  {clean(alert.summary, PROSE_LIMIT)}"
     if width is not None and len(text) + min(len(summary), SUMMARY_MIN) <= width:
         text.append(summary)
     return text
@@ -64,7 +65,7 @@ class AlertsPanel(Widget):
         lines: list[Text] = []
         for alert in firing:
             lines.append(heading(alert, self.size.width))
-            lines.append(Text(f"  → {alert.remediation}", style="bold"))
+            lines.append(Text(f"  → {clean(alert.remediation, PROSE_LIMIT)}", style="bold"))
         if pending:
             lines.append(Text(f"{pending} pending (a: all alerts)", style="dim"))
         return Group(*lines)

@@ -12,6 +12,7 @@ from textual.widget import Widget
 from kvctl.api import PoolSnapshot
 from kvctl.units import format_bytes
 from kvctl.view import fmt, render
+from kvctl.view.untrusted import clean
 
 
 class RequestsPanel(Widget):
@@ -43,7 +44,7 @@ class RequestsPanel(Widget):
                 (f"{pool.preemptions_total:,}", "bold"),
             ),
             Text(
-                f"pool {pool.pool} on {pool.device}: "
+                f"pool {clean(pool.pool)} on {clean(pool.device)}: "
                 f"{fmt.pages(pool.capacity_pages, pool.bytes_per_page)}, {pool.segments} × "
                 f"{pool.segment_pages}-page segments, {pool.page_size} tokens/page"
             ),
@@ -57,7 +58,8 @@ class RequestsPanel(Widget):
 
     def _gpus(self, pool: PoolSnapshot) -> list[Text]:
         if not pool.gpus:
-            return [Text(f"GPU memory: none measured on this host ({pool.device})", style="dim")]
+            device = clean(pool.device)
+            return [Text(f"GPU memory: none measured on this host ({device})", style="dim")]
         return [
             Text.assemble(
                 f"gpu{gpu.index} ", render.gpu_text(gpu.name, gpu.used_bytes, gpu.total_bytes)

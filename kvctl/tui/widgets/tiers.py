@@ -24,6 +24,7 @@ from kvctl.view.tiers import (
 )
 from kvctl.view.tiers import failures as failure_counts
 from kvctl.view.tiers import failures_text as failure_list
+from kvctl.view.untrusted import safe
 
 WIDE = 72
 """Columns from which the tiers are a table with a header, their used bytes, load cost per token
@@ -132,7 +133,7 @@ def _wide_table(pool: PoolSnapshot, rates: TierRates | None, width: int) -> Tabl
         full = fill_ratio(tier.used_pages, tier.capacity_pages)
         table.add_row(
             tier.tier,
-            *([tier.policy] if policy else []),
+            *([safe(tier.policy)] if policy else []),
             _used_wide(tier),
             fmt.percent(full, 0),
             fmt.byte_rate(loaded),
