@@ -11,6 +11,7 @@ import sys
 from typing import Annotated
 
 import typer
+import typer.main
 
 from kvctl import __version__
 from kvctl.cli.agent import agent_app
@@ -29,6 +30,7 @@ from kvctl.cli.pool import pool_app
 from kvctl.cli.simulate import simulate
 from kvctl.cli.status import status
 from kvctl.cli.top import top
+from kvctl.command_help import flowing
 
 app = typer.Typer(
     name="kvctl",
@@ -90,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Not standalone: usage errors come back here to be printed as one line, and an
         # `Exit(code)` comes back as the return value.
-        code = app(args=argv, prog_name="kvctl", standalone_mode=False)
+        command = flowing(typer.main.get_command(app))
+        code = command(args=argv, prog_name="kvctl", standalone_mode=False)
     except typer.Abort:
         typer.echo("kvctl: aborted", err=True)
         return 5
@@ -98,12 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         message = error.format_message() if hasattr(error, "format_message") else str(error)
         if not message:  # `kvctl` alone: the help was the answer
             return 0
-        typer.echo(f"kvctl: error: {message}; see kvctl --help", err=True)
+        typer.echo(f"kvctl: error: {message.rstrip('.')}; see kvctl --help", err=True)
         return getattr(error, "exit_code", 2)
     except SystemExit as stop:
         return _exit_code(stop.code)
     except Exception as error:
-        typer.echo(f"kvctl: error: {error or type(error).__name__}", err=True)
+        from kvctl.view.untrusted import PROSE_LIMIT, clean
+
+        typer.echo(f"kvctl: error: {clean(error or type(error).__name__, PROSE_LIMIT)}", err=True)
         return 1
     return code if isinstance(code, int) else 0
 
