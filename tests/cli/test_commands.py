@@ -199,7 +199,7 @@ def test_pool_map(kvctl, agent) -> None:
     assert human.exit_code == 0
     lines = human.stdout.splitlines()
     assert lines[0].lstrip().startswith("0 ")
-    assert lines[-1].startswith("■ used ")
+    assert lines[-1].startswith("█ used ")
     assert "segment start" in lines[-1]
 
 

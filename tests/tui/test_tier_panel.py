@@ -81,7 +81,7 @@ async def test_snapshot(fakes, size: tuple[int, int]) -> None:
 @pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
 async def test_the_panel_and_the_map_share_the_bottom_and_nothing_is_cut(fakes, size) -> None:
     text = await screen(fakes, [tiered(fakes, i) for i in range(POLLS)], size)
-    for seen in ("tiers below the device", "pool map", "■ used", "host", "disk", "? help"):
+    for seen in ("tiers below the device", "pool map", "█ used", "host", "disk", "? help"):
         assert seen in text, text
     # 118 tokens/s reused in all; the split over the last 10 s: device 25 %, host 68 %, disk 7 %
     assert "118 tok/s" in text

@@ -48,7 +48,7 @@ async def test_panels_show_the_reading(fakes) -> None:
         bar = fakes.widget_text(app.query_one(AgentBar))
     assert "98.50 %" in headlines and "0.78" in headlines and "91.0 %" in headlines
     assert "42.0 %" in headlines
-    assert "■ used 150   ■ cached 83   ■ free 23" in pool_map
+    assert "█ used 150   ▓ cached 83   · free 23" in pool_map
     assert "running 7   waiting 2   preemptions 5" in requests
     assert "gpu0 H200: 100 GiB of 140 GiB 71.4 %" in requests
     assert "● critical KvctlFragmentationHigh" in alerts
