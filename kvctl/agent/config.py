@@ -294,8 +294,8 @@ class AgentConfig(BaseModel):
     )
     max_connections: Annotated[int, Field(ge=16, le=1 << 20)] = startup(
         2048,
-        "Most open connections (fitted to the open-file limit); past it the oldest idle ones "
-        "are closed.",
+        "Most open connections (fitted to the open-file limit); past it idle ones are closed, "
+        "never-used first and answered keep-alive ones last.",
         flag=False,
     )
     advertise_url: str | None = startup(

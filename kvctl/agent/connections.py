@@ -9,13 +9,18 @@ after an idle keep-alive pause), and its body within `body_timeout` of the heade
 that misses one is closed.
 
 And idle clients cannot crowd out working ones. When a new connection takes the count past
-`max_connections`, the oldest connections whose request has not reached the application (idle
-keep-alive ones first, then those still sending a request) are closed to make room, so the
-count never passes the limit while any of them are left. Only then, with every connection
-carrying a request the agent is working on, are new requests answered 503; `/healthz` never is,
-so a liveness probe cannot be failed by a flood. uvicorn's own `limit_concurrency` is not used:
-it counts idle connections too, and answered 503 to everything, probes included, one connection
-before the idle ones were closed.
+`max_connections`, connections that wait on their client are closed to make room, in this
+order: those that never sent a byte (oldest first), then those still sending a request, then
+idle keep-alive ones that have been answered (least recently active first), so a scraper's or a
+client's keep-alive connection goes only once no idle flood connection is left. A connection
+whose request has arrived is never closed, even while its bytes still wait in the kernel's
+socket buffer for a busy event loop to read them (closing it then would reset it, RST, instead
+of answering), and uvicorn's keep-alive timeout spares it too. Connections already closing do
+not count, or one accept batch closed far more than it needed. Only when no connection can be
+closed, with every one carrying a request the agent is working on, are new requests answered
+503; `/healthz` never is, so a liveness probe cannot be failed by a flood. uvicorn's own
+`limit_concurrency` is not used: it counts idle connections too, and answered 503 to
+everything, probes included, one connection before the idle ones were closed.
 
 The limit must also fit the process's file descriptors, or `accept()` fails first (EMFILE) and
 asyncio logs a traceback for every attempt: `fit_connections_to_file_limit` raises the soft
@@ -29,12 +34,21 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Set
+import struct
+from collections.abc import Callable, Set
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    import fcntl
+    import termios
+
+    _FIONREAD: int | None = termios.FIONREAD
+except ImportError:  # not POSIX: no way to look into the socket's buffer
+    _FIONREAD = None
 
 log = logging.getLogger("kvctl.agent")
 
@@ -55,10 +69,12 @@ class BoundedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limit_concurrency = None  # uvicorn's check counts idle connections; ours does not
-        self.app = BusyLimit(self.app, self.connections, self.tasks, self.max_connections)
+        self.app = BusyLimit(self.app, self._make_room, self.tasks, self.max_connections)
         self._deadline: asyncio.TimerHandle | None = None
         self._phase = ""  # "headers" or "body" while a deadline runs
         self._opened = 0.0
+        self._active = 0.0  # when its last response was complete
+        self._heard = False  # a byte has arrived
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # a TCP server's protocol is always given a Transport
         super().connection_made(transport)
@@ -67,12 +83,20 @@ class BoundedH11Protocol(H11Protocol):
         self._arm("headers", self.header_timeout)
 
     def data_received(self, data: bytes) -> None:
+        self._heard = True
         super().data_received(data)
         self._follow_request()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._active = self.loop.time()
         self._disarm()  # uvicorn's keep-alive timer takes over until the next byte arrives
+
+    def timeout_keep_alive_handler(self) -> None:
+        """uvicorn's keep-alive timeout, unless the next request has arrived and waits for a
+        busy loop to read it: closing then would reset a request sent in time."""
+        if not unread_bytes(self.transport):
+            super().timeout_keep_alive_handler()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -123,38 +147,67 @@ class BoundedH11Protocol(H11Protocol):
             self.conn.send(h11.ConnectionClosed())
         self.transport.close()
 
-    def _make_room(self) -> None:
-        """Close the oldest idle connections, then the oldest still sending a request, until
-        the count is back at the limit."""
-        excess = len(self.connections) - self.max_connections
-        if excess <= 0:
-            return
-        others = [
+    def _room_order(self) -> tuple[int, float]:
+        """Where this connection stands among those closed to make room, first to last."""
+        if not self._heard:
+            return (0, self._opened)
+        if self._phase:  # headers or body on the way
+            return (1, self._opened)
+        return (2, self._active)  # answered, idle keep-alive
+
+    def _make_room(self) -> bool:
+        """Close connections that wait on their client, in `_room_order`, until the count is
+        back at the limit; False if it could not be."""
+        if len(self.connections) <= self.max_connections:
+            return True
+        live = [other for other in self.connections if not other.transport.is_closing()]
+        excess = len(live) - self.max_connections
+        waiting = [
             other
-            for other in self.connections
+            for other in live
             if other is not self
             and isinstance(other, BoundedH11Protocol)
             and other.waiting_on_client
-            and not other.transport.is_closing()
         ]
-        others.sort(key=lambda other: (not other.idle, other._opened))
-        for other in others[:excess]:
-            other._close()
+        waiting.sort(key=BoundedH11Protocol._room_order)
+        for other in waiting:
+            if excess <= 0:
+                break
+            if not unread_bytes(other.transport):  # else its request has arrived, unread
+                other._close()
+                excess -= 1
+        return excess <= 0
 
 
 class BusyLimit:
-    """The ASGI application behind a 503 for new requests while every one of `limit`
-    connections carries a request in progress; `UNLIMITED_PATHS` always pass."""
+    """The ASGI application behind a 503 for new requests while more than `limit` connections
+    are open and none can be closed (`make_room`), or more than `limit` requests are in
+    progress; `UNLIMITED_PATHS` always pass."""
 
-    def __init__(self, app: Any, connections: Set[Any], tasks: Set[Any], limit: int) -> None:
-        self.app, self.connections, self.tasks, self.limit = app, connections, tasks, limit
+    def __init__(
+        self, app: Any, make_room: Callable[[], bool], tasks: Set[Any], limit: int
+    ) -> None:
+        self.app, self.make_room, self.tasks, self.limit = app, make_room, tasks, limit
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        busy = len(self.connections) > self.limit or len(self.tasks) > self.limit
+        busy = len(self.tasks) > self.limit or not self.make_room()
         if busy and scope.get("path") not in UNLIMITED_PATHS:
             await service_unavailable(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def unread_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes the kernel holds for this connection that the event loop has not read yet;
+    0 where that cannot be asked (not Linux or BSD, or the socket is gone)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or _FIONREAD is None:
+        return 0
+    try:
+        count = fcntl.ioctl(sock.fileno(), _FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    return int(struct.unpack("i", count)[0])
 
 
 def bounded_protocol(

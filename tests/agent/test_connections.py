@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
+import time
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 
-from kvctl.agent.connections import bounded_protocol, listening_socket
+from kvctl.agent.connections import BoundedH11Protocol, bounded_protocol, listening_socket
 
 
 def test_accepted_connections_have_nagle_off() -> None:
@@ -149,3 +152,140 @@ def _bounded_server(app: FastAPI) -> tuple[uvicorn.Server, socket.socket, int]:
         timeout_keep_alive=60,
     )
     return uvicorn.Server(config), sock, sock.getsockname()[1]
+
+
+class HeldLoop:
+    """An app whose `/block` holds the server's event loop (as a burst of work does) until
+    `release()`, so that new connections and requests wait in the kernel meanwhile; the server
+    runs in a thread, the test talks to it with blocking sockets."""
+
+    def __init__(self, server_of: Callable[[FastAPI], tuple[uvicorn.Server, socket.socket, int]]):
+        self.entered, self.gate = threading.Event(), threading.Event()
+        self.before_release: Callable[[uvicorn.Server], None] = lambda _: None
+        app = FastAPI()
+
+        @app.get("/ping")
+        async def ping() -> dict:
+            return {"ok": True}
+
+        @app.get("/block")
+        async def block() -> dict:
+            self.entered.set()
+            self.gate.wait(5)
+            self.before_release(self.server)
+            return {"ok": True}
+
+        self.server, sock, self.port = server_of(app)
+        self.thread = threading.Thread(
+            target=asyncio.run, args=(self.server.serve(sockets=[sock]),), daemon=True
+        )
+
+    def __enter__(self) -> HeldLoop:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.gate.set()
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=5)
+
+    def hold(self) -> socket.socket:
+        """Hold the loop; the connection that does it (answered on `release`)."""
+        sock = self.connect()
+        sock.sendall(b"GET /block HTTP/1.1\r\nHost: agent\r\n\r\n")
+        assert self.entered.wait(5)
+        return sock
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def _ask(sock: socket.socket, path: str = "/ping") -> bytes:
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: agent\r\n\r\n".encode())
+    return _answer(sock)
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """The status of the answer on `sock`, b"reset" or b"closed" if there is none."""
+    received = b""
+    try:
+        while b'{"ok":true}' not in received:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return b"closed"
+            received += chunk
+    except ConnectionResetError:
+        return b"reset"
+    return received.split()[1]
+
+
+def _was_closed(sock: socket.socket) -> bool:
+    sock.settimeout(0.05)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_request_waiting_unread_in_the_socket_is_never_closed_to_make_room() -> None:
+    """A probe accepted in the same batch as a flood of idle connections used to count as idle
+    while its request still sat in the socket buffer: closed first as the oldest, it was reset."""
+    with HeldLoop(_bounded_server) as agent:
+        blocker = agent.hold()
+        probe = agent.connect()
+        probe.sendall(b"GET /ping HTTP/1.1\r\nHost: agent\r\n\r\n")
+        idle = [agent.connect() for _ in range(40)]
+        agent.release()
+        assert _answer(blocker) == b"200"
+        assert _answer(probe) == b"200"
+        assert sum(_was_closed(sock) for sock in idle) == 40 + 2 - 16
+        for sock in [blocker, probe, *idle]:
+            sock.close()
+
+
+def test_answered_keep_alive_connections_go_last_and_a_batch_closes_only_what_it_must() -> None:
+    """A scraper's keep-alive connection used to be closed before newer idle ones, and each
+    connection of one accept batch counted the ones still closing, closing ever more."""
+    with HeldLoop(_bounded_server) as agent:
+        scraper = agent.connect()
+        assert _ask(scraper) == b"200"
+        blocker = agent.hold()
+        fresh = [agent.connect() for _ in range(20)]
+        agent.release()
+        assert _answer(blocker) == b"200"
+        time.sleep(0.2)
+        closed = [_was_closed(sock) for sock in fresh]
+        assert closed == [True] * 6 + [False] * 14  # 22 connections, 16 allowed: oldest first
+        assert _ask(scraper) == b"200"
+        for sock in [scraper, blocker, *fresh]:
+            sock.close()
+
+
+def test_the_keep_alive_timeout_spares_a_request_waiting_unread() -> None:
+    """A keep-alive timer due while the loop was busy closed a connection whose next request,
+    sent in time, was still in the socket buffer: the client saw a reset."""
+    with HeldLoop(_bounded_server) as agent:
+        scraper = agent.connect()
+        assert _ask(scraper) == b"200"
+        blocker = agent.hold()
+        scraper.sendall(b"GET /ping HTTP/1.1\r\nHost: agent\r\n\r\n")
+
+        def keep_alive_timers_fire(server: uvicorn.Server) -> None:
+            for connection in list(server.server_state.connections):
+                if isinstance(connection, BoundedH11Protocol) and connection.idle:
+                    connection.timeout_keep_alive_handler()
+
+        agent.before_release = keep_alive_timers_fire
+        agent.release()
+        assert _answer(blocker) == b"200"
+        assert _answer(scraper) == b"200"
+        scraper.close()
+        blocker.close()
