@@ -1,6 +1,7 @@
 """`make demo` end to end without a terminal: the story happens in order, each step's numbers move
-the way the step says, and nothing is left behind: no process, and no folder after a clean run
-(a failed or interrupted run keeps its folder and names it)."""
+the way the step says, the status table after it shows what the story ended on, and nothing is
+left behind: no process, and no folder after a clean run (a failed or interrupted run keeps its
+folder and names it)."""
 
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ def arrow(numbers: str, label: str, unit: str = "") -> tuple[float, float]:
 
 def test_demo_tells_the_story_headless_and_cleans_up(tmp_path: Path) -> None:
     port = free_port()
-    env = demo_env(tmp_path, port, KVCTL_DEMO_SECONDS="1")
-    done = subprocess.run(DEMO, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    env = demo_env(tmp_path, port, KVCTL_DEMO_SECONDS="1", COLUMNS="220")  # alerts uncut
+    done = subprocess.run(DEMO, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     out = done.stdout
     steps = {label: (command, numbers) for _, label, command, numbers in STEP.findall(out)}
@@ -115,11 +116,12 @@ def test_demo_tells_the_story_headless_and_cleans_up(tmp_path: Path) -> None:
     old, new = arrow(numbers, "capacity")
     assert new == int(named.group(1)) > old
 
-    # 4. automatic growth takes it further, until no allocation fails
+    # 4. automatic growth takes it further, until the pool holds the load
     command, numbers = steps["grow on demand"]
     assert command.startswith("kvctl config set resize.enabled=true")
     grown_from, grown_to = arrow(numbers, "capacity")
-    assert grown_from == new < grown_to and "no allocation failed" in numbers
+    assert grown_from == new < grown_to
+    assert "no allocation failed and no request preempted" in numbers
 
     # 5. and 6. fragmentation rises with auto-defrag off, and `kvctl defrag --now` brings it down
     command, numbers = steps["fragmentation builds"]
@@ -136,11 +138,20 @@ def test_demo_tells_the_story_headless_and_cleans_up(tmp_path: Path) -> None:
     command, numbers = steps["alert resolves"]
     assert re.match(f"KvctlAllocationFailures firing → resolved {where}", numbers)
     assert arrow(numbers, "alloc success", " %")[1] == 100.0
+    assert "no alert left at the agent" in numbers
     running = re.search(r"requests in flight (\d+)$", numbers)
     assert running and int(running[1]) > 0, numbers
+    assert "no alert is pending or firing" in out
 
-    # then the headless status table and the load report, and nothing is left behind
-    assert "kvctl top ·" in out and "kvctl load: random-lengths" in out
+    # then the headless status table says the same: every allocation served, no alert firing
+    table = out.split("kvctl top ·")[1].split("kvctl load: random-lengths")[0]
+    [row] = [line for line in table.splitlines() if f"http://127.0.0.1:{port} " in line]
+    assert " 100.00 % " in row, table
+    shown = re.findall(r"(Kvctl\w+)( \(pending\))?", table)
+    assert all(pending for _, pending in shown), table
+
+    # and the load report, and nothing is left behind
+    assert "kvctl load: random-lengths" in out
     assert running_in(tmp_path) == []
     assert list(tmp_path.iterdir()) == []  # the work folder is gone after a clean run
 

@@ -122,11 +122,14 @@ def _pressure(o: Observation) -> list[Reading]:
 
 
 def _utilization(o: Observation) -> list[Reading]:
-    """No reading while requests wait: a pool with a queue is not too big, whatever holds it
-    (advising a shrink then would make the wait worse)."""
-    if o.snapshot.requests_waiting:
+    """A reading only while the pool serves traffic: requests were given pages within the stats
+    window. An idle pool (just started, or drained) says nothing about the size its traffic
+    needs, so the `for` period counts only time spent serving. None while requests wait either:
+    a pool with a queue is not too big, whatever holds it (a shrink would make the wait worse)."""
+    s = o.snapshot
+    if s.window_alloc_attempts <= 0 or s.requests_waiting:
         return []
-    return [Reading(o.snapshot.utilization_ratio)]
+    return [Reading(s.utilization_ratio)]
 
 
 def _prefix_hit(o: Observation) -> list[Reading]:
@@ -309,7 +312,7 @@ DEFINITIONS: tuple[AlertDefinition, ...] = (
         value_format="percent",
         headline="only {value} of the pool's {capacity_pages} pages hold K/V, cached included",
         causes=causes.POOL_OVER_PROVISIONED,
-        for_scale=30.0,
+        for_scale=30.0,  # of serving traffic: an idle pool gives no reading (`_utilization`)
     ),
     AlertDefinition(
         name="KvctlKvBudgetExhausted",

@@ -232,14 +232,27 @@ def over_provisioned(samples: Series) -> dict[str, float]:
     }
 
 
+def listed(agent: RunningAgent) -> list[tuple[str, str]]:
+    """(name, state) of every alert the agent lists."""
+    alerts = httpx.get(f"{agent.url}/v1/alerts", timeout=10).json()["alerts"]
+    return [(a["name"], a["state"]) for a in alerts]
+
+
+def complete(agent: RunningAgent) -> None:
+    """One small completion: traffic for the sizing alert to judge from."""
+    body = {"model": "demo", "prompt": "hello", "max_tokens": 2}
+    httpx.post(f"{agent.url}/v1/completions", json=body, timeout=60).raise_for_status()
+
+
 @pytest.mark.integration
 def test_a_real_agents_alert_is_pending_then_firing_then_gone(start_agent) -> None:
-    """An idle pool, then a threshold PATCHed above its utilization: the alert is pending for
-    30 x --alert-for (3 s), fires, and is gone once the threshold is set back to 0 (off)."""
+    """A pool that served one request, then a threshold PATCHed above its utilization: the
+    alert is pending for 30 x --alert-for (3 s), fires, and is gone once the threshold is set
+    back to 0 (off)."""
     agent = start_agent(
         *SMALL_POOL,
         *("--alert-interval", "1s", "--alert-for", "0.1s"),
-        *("--set", "alerts.utilization_low=0"),
+        *("--set", "alerts.utilization_low=0", "--set", "alerts.prefix_hit_min=0"),
         *("--kv-events-endpoint", "tcp://127.0.0.1:0"),
     )
     pool = frozenset({("pool", "demo")})
@@ -252,17 +265,33 @@ def test_a_real_agents_alert_is_pending_then_firing_then_gone(start_agent) -> No
     assert first["kvctl_kv_events_dropped_batches_total", pool] == 0
     assert ACTIVE not in {name for name, _ in first}
 
+    complete(agent)
     patch = {"alerts": {"utilization_low": 0.5}}
     httpx.patch(f"{agent.url}/v1/config", json=patch, timeout=10).raise_for_status()
     wait_for(agent, "the alert pending", lambda s: over_provisioned(s) == {"pending": 1})
     wait_for(agent, "the alert firing", lambda s: over_provisioned(s) == {"firing": 1})
-    listed = httpx.get(f"{agent.url}/v1/alerts", timeout=10).json()["alerts"]
-    assert [(a["name"], a["state"]) for a in listed] == [("KvctlPoolOverProvisioned", "firing")]
+    assert listed(agent) == [("KvctlPoolOverProvisioned", "firing")]
 
     patch = {"alerts": {"utilization_low": 0}}  # 0 turns the alert off
     httpx.patch(f"{agent.url}/v1/config", json=patch, timeout=10).raise_for_status()
     gone = wait_for(agent, "the alert resolved", lambda s: not active(s))
     assert ("kvctl_kv_events_dropped_total", pool) in gone  # the publisher's series stay
+
+
+@pytest.mark.integration
+def test_a_fresh_agent_at_the_defaults_raises_no_alert_before_traffic(start_agent) -> None:
+    """Nothing is wrong with an agent nobody has sent a request to: no alert right after start
+    nor after several evaluations (with no `for`, anything active shows at once). Once the
+    mostly empty pool has served a request, the sizing alert has traffic to judge from."""
+    agent = start_agent("--alert-interval", "1s", "--alert-for", "0s")
+    assert listed(agent) == []
+    time.sleep(3.5)
+    assert listed(agent) == []
+    complete(agent)
+    deadline = time.monotonic() + 20
+    while ("KvctlPoolOverProvisioned", "firing") not in listed(agent):
+        assert time.monotonic() < deadline, listed(agent)
+        time.sleep(0.2)
 
 
 @pytest.mark.integration

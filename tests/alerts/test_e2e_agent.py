@@ -6,12 +6,12 @@ alerts while Prometheus scrapes it with the token and evaluates the rule file, b
 Alertmanager. What arrives carries one identity (`job`, and `instance` = the advertised
 host:port, the same as Prometheus' scrape), commands aimed at the advertised URL, and a runbook
 link the agent answers. Each condition is notified once and resolved once: the agent's own
-alert (tripped by a threshold PATCHed onto an idle pool) comes only from the agent, and
-`KvctlAgentDown` (the agent stopped) only from Prometheus. Under real load on a pool too small,
-the allocation alert names the command that fixes it, and running it resolves the alert. The
-tiers below the pool raise theirs from what really happens to them: a host tier that stores
-unique prompts nobody reuses, a disk tier whose directory is replaced by a file, a disk tier
-larger than its filesystem's free space (fixed by the command its alert names), host loads
+alert (tripped by a threshold PATCHed onto a pool that served one request) comes only from the
+agent, and `KvctlAgentDown` (the agent stopped) only from Prometheus. Under real load on a pool
+too small, the allocation alert names the command that fixes it, and running it resolves the
+alert. The tiers below the pool raise theirs from what really happens to them: a host tier that
+stores unique prompts nobody reuses, a disk tier whose directory is replaced by a file, a disk
+tier larger than its filesystem's free space (fixed by the command its alert names), host loads
 dearer than a (lowered) share of the measured prefill cost; each resolves once the cause is
 gone. Two models that both outgrow the KV budget they share raise one budget alert per pool,
 resolved when their load stops.
@@ -77,13 +77,13 @@ def notified_once_and_resolved_once(webhook, name: str) -> dict:
 
 def start_public_agent(tmp_path, port: int, am_url: str) -> RunningAgent:
     """An agent on every interface with a token, advertised at its loopback address; its
-    over-provisioning alert is off until a PATCH turns it on."""
+    over-provisioning alert is off until a PATCH turns it on, its prefix hit rate alert off."""
     return launch_agent(
         *SMALL_POOL,
         *("--host", "0.0.0.0", "--port", str(port)),
         *("--advertise-url", f"http://127.0.0.1:{port}"),
         *("--alertmanager-url", am_url, "--alert-interval", "1s", "--alert-for", "0s"),
-        *("--set", "alerts.utilization_low=0"),
+        *("--set", "alerts.utilization_low=0", "--set", "alerts.prefix_hit_min=0"),
         token=TOKEN,
         tmp=tmp_path,
     )
@@ -110,7 +110,9 @@ def test_one_identity_one_owner_each_condition_notified_once(
         scraped = datetime.now(UTC)  # before its first scrape, "no agent" is true for Prometheus
         assert up["metric"]["instance"] == instance
 
-        # the agent's own alert, tripped on the idle pool by a threshold change
+        # the agent's own alert, tripped by a threshold change once the pool served a request
+        body = {"model": "demo", "prompt": "hello", "max_tokens": 2}
+        httpx.post(f"{url}/v1/completions", json=body, headers=auth).raise_for_status()
         patch = {"alerts": {"utilization_low": 0.5}}
         httpx.patch(f"{url}/v1/config", json=patch, headers=auth).raise_for_status()
         [alert] = prom_stack.wait_for(

@@ -379,3 +379,45 @@ def test_a_pool_with_waiting_requests_is_never_over_provisioned(clock, make_snap
         "KvctlPoolOverProvisioned": "firing"
     }
     assert ev.evaluate(make_snapshot(**nearly_empty, requests_waiting=3)) == []
+
+
+IDLE = dict(used_pages=0, cached_pages=0, requests_running=0, window_alloc_attempts=0)
+"""A pool no request was given pages in the stats window: just started, or drained."""
+SERVING = dict(
+    used_pages=8,
+    cached_pages=4,
+    requests_running=1,
+    window_alloc_attempts=12,
+    requests_finished_total={"stop": 30},
+)
+"""A pool serving a trickle of requests on 12 of its 512 pages."""
+
+
+def test_an_idle_pool_is_never_over_provisioned(clock, make_snapshot) -> None:
+    """A pool without traffic says nothing about the size its traffic needs, however long it
+    stays idle, even with no `for` at all."""
+    for for_s in (60, 0):
+        ev = evaluator(clock, for_s=for_s)
+        for _ in range(4 * 60 * 3):  # three hours of 15 s evaluations
+            assert ev.evaluate(make_snapshot(**IDLE)) == []
+            clock.now += 15
+
+
+def test_over_provisioned_counts_only_the_time_the_pool_serves(clock, make_snapshot) -> None:
+    """Pending from the first evaluation with traffic, firing after 30 x alert-for of it; once
+    the traffic stops there is nothing left to judge, and the count starts again after."""
+    ev = evaluator(clock, for_s=60)
+    assert ev.evaluate(make_snapshot(**IDLE)) == []
+    clock.now += 3600
+    assert ev.evaluate(make_snapshot(**IDLE)) == []
+    assert states(ev.evaluate(make_snapshot(**SERVING))) == {"KvctlPoolOverProvisioned": "pending"}
+    clock.now += 29 * 60
+    assert states(ev.evaluate(make_snapshot(**SERVING))) == {"KvctlPoolOverProvisioned": "pending"}
+    clock.now += 60
+    [alert] = ev.evaluate(make_snapshot(**SERVING))
+    assert (alert.name, alert.state) == ("KvctlPoolOverProvisioned", "firing")
+    assert alert.value == 12 / 512
+    clock.now += 15
+    assert ev.evaluate(make_snapshot(**IDLE)) == []
+    clock.now += 15
+    assert states(ev.evaluate(make_snapshot(**SERVING))) == {"KvctlPoolOverProvisioned": "pending"}
