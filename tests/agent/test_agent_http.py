@@ -131,8 +131,8 @@ def test_refused_resize_is_409_and_changes_nothing(start_agent) -> None:
         refused = http.post("/v1/pool/resize", json={"pages": 512})
         assert refused.status_code == 409
         message = refused.json()["error"]["message"]
-        assert "an admitted request may need 1061 pages to finish" in message
-        assert "choose a size of at least 1280 pages" in message
+        assert "an admitted request may need 1,061 pages to finish" in message
+        assert "choose a size of at least 1,280 pages" in message
         assert pool_state(http, idle=False)[0] == state[0]
         for _ in lines:
             pass
