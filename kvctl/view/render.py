@@ -531,7 +531,8 @@ def sizing_table(pool: PoolSnapshot, context: int | None, requests: int = 8) -> 
     mean = (pool.prompt_tokens_total + pool.generation_tokens_total) // finished if finished else 0
     holds = [f"{fit.tokens:,} tokens"]
     if context is not None:
-        holds.append(f"{fit.concurrent(context):,} requests of the full {context:,}-token context")
+        full = fmt.counted(fit.concurrent(context), "request")
+        holds.append(f"{full} of the full {context:,}-token context")
     if mean:
         holds.append(f"{fit.concurrent(mean):,} of {mean:,} tokens (the mean so far)")
     table.add_row("holds", ", ".join(holds))

@@ -12,7 +12,7 @@ from rich.console import Console
 from kvctl.api import Alert
 from kvctl.client import AgentUnreachable
 from kvctl.fleet import Reading
-from kvctl.view.render import FleetTable, alerts_table, headline_table
+from kvctl.view.render import FleetTable, alerts_table, headline_table, sizing_table
 
 NAMES = ("KvctlAllocationFailures", "KvctlGpuMemoryNearCapacity", "KvctlPreemptionStorm")
 
@@ -114,3 +114,9 @@ def test_one_free_extent_is_singular() -> None:
     assert "1 free extent, largest free run 1 page" in text
     many = " ".join(rendered(headline_table(pool_snapshot(free_extents=1200)), 120).split())
     assert "1,200 free extents" in many
+
+
+def test_a_pool_that_holds_one_full_context_says_request() -> None:
+    pool = pool_snapshot(capacity_pages=256, page_size=16)
+    text = " ".join(rendered(sizing_table(pool, 4096), 120).split())
+    assert "1 request of the full 4,096-token context" in text
