@@ -189,6 +189,7 @@ class KvEventCounters(Protocol):
     published_batches: int
     dropped_batches: int
     dropped_events: int
+    ignored_replay_requests: int
 
 
 @dataclass(frozen=True)
@@ -198,12 +199,18 @@ class KvEventsReading:
     published_batches: int
     dropped_batches: int
     dropped_events: int
+    ignored_replay_requests: int
 
     @classmethod
     def of(cls, publisher: KvEventCounters | None) -> KvEventsReading | None:
         if publisher is None:
             return None
-        return cls(publisher.published_batches, publisher.dropped_batches, publisher.dropped_events)
+        return cls(
+            publisher.published_batches,
+            publisher.dropped_batches,
+            publisher.dropped_events,
+            publisher.ignored_replay_requests,
+        )
 
 
 @dataclass(frozen=True)
@@ -891,6 +898,15 @@ METRICS: tuple[MetricDef, ...] = (
         "KV events (pages stored or removed) in the dropped batches; the same on each pool's "
         "series.",
         _kv_events("dropped_events"),
+        presence=_KV_EVENTS,
+    ),
+    MetricDef(
+        "kvctl_kv_events_replay_ignored_total",
+        "counter",
+        "Requests to the replay socket left unanswered: malformed ones, and a peer's repeats "
+        "before its answer; a rising count is a client that speaks the protocol wrong, or a "
+        "flood. The same on each pool's series.",
+        _kv_events("ignored_replay_requests"),
         presence=_KV_EVENTS,
     ),
     # ---- GPUs

@@ -32,6 +32,7 @@ KV_EVENT_FAMILIES = (
     "kvctl_kv_events_published_batches_total",
     "kvctl_kv_events_dropped_batches_total",
     "kvctl_kv_events_dropped_total",
+    "kvctl_kv_events_replay_ignored_total",
 )
 
 Series = Samples

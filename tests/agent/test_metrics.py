@@ -174,6 +174,7 @@ class KvEventCounts:
     published_batches: int = 900
     dropped_batches: int = 4
     dropped_events: int = 37
+    ignored_replay_requests: int = 12
 
 
 def scrape(snapshot: PoolSnapshot, durations: DurationHistogram | None = None) -> str:
@@ -303,6 +304,7 @@ def expected_for_full_snapshot() -> Samples:
         series("kvctl_kv_events_published_batches_total"): 900,
         series("kvctl_kv_events_dropped_batches_total"): 4,
         series("kvctl_kv_events_dropped_total"): 37,
+        series("kvctl_kv_events_replay_ignored_total"): 12,
         series("kvctl_gpu_memory_used_bytes", gpu="0"): 70 * GIB,
         series("kvctl_gpu_memory_used_bytes", gpu="1"): 5 * GIB,
         series("kvctl_gpu_memory_total_bytes", gpu="0"): 141 * GIB,

@@ -4,8 +4,9 @@ choice of a request, and reading their tokens back as one stream.
 Every limit is checked before the work it protects: the model's name, `max_tokens`, a text
 prompt's size in bytes before it is tokenized (a prompt of many times the model's context can only
 be refused, so it is never turned into a token list), tokenizing on a worker thread one text at a
-time across all routes, /v1/tokenize included (a tokenizer holds the GIL, so the engine thread
-waits on at most one), and the queue's length on the engine thread. A refusal says what was
+time across all routes, /v1/tokenize included (the tokenizer lets go of the GIL while it works,
+so neither the event loop nor the engine thread waits on it), and the queue's length on the
+engine thread. A refusal says what was
 exceeded and what to do: 429 with `Retry-After` when the queue is full, 400 naming the pages
 needed and the resize that would make room when a request could never fit, 503 while the agent
 drains.
@@ -84,8 +85,8 @@ async def encode(
     add_special_tokens: bool = True,
     plain_spans: Sequence[Span] = (),
 ) -> list[int]:
-    """`text` as token ids, on a worker thread and one text at a time across all routes, so
-    the event loop and the engine thread wait for at most one tokenization."""
+    """`text` as token ids, on a worker thread and one text at a time across all routes, so a
+    burst of large texts holds one worker and one text's tokens at a time, not one per request."""
     async with ctx.tokenizing:
         return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens, plain_spans)
 

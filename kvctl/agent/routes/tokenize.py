@@ -5,7 +5,7 @@ should not need the model's files or torch: it asks the agent, which counts exac
 /v1/completions does (`usage.prompt_tokens`). Each text is bounded as a completions prompt is (a
 text longer than 16 bytes per token of the prompt limit is refused before anything is tokenized)
 and tokenized on the same worker, under the same lock, one text at a time, so a large batch
-delays the engine thread and other requests by at most one text's tokenization.
+takes its turn with the other routes' prompts, one text at a time.
 """
 
 from __future__ import annotations
