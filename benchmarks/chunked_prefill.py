@@ -119,11 +119,9 @@ def one_round(engine: Engine, args: argparse.Namespace, rng: random.Random) -> R
     return Round(statistics.median(steady), gaps, ttft)
 
 
-def make_engine(
-    model, tokenizer, budget: int, args: argparse.Namespace, cap: int | None = 0
-) -> Engine:
+def make_engine(model, tokenizer, budget: int, args: argparse.Namespace, cap: int = 0) -> Engine:
     """An engine with `budget` tokens a step and `cap` prompt tokens a step while streams
-    decode (None: the agent's default for the device; 0: no cap)."""
+    decode (0: no cap)."""
     return Engine(
         model,
         tokenizer,
@@ -164,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prefill-cap",
         type=int,
-        default=None,
-        help="chunked side's prompt tokens a step while streams decode (default: the agent's, "
-        "32 on CPU; 0: none); the sweep runs without a cap",
+        default=0,
+        help="chunked side's prompt tokens a step while streams decode (default 0, the agent's: "
+        "no cap); the sweep runs without a cap",
     )
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1600)

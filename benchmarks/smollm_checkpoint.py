@@ -6,6 +6,8 @@ real model's shapes (so the costs are real) without downloading it. `build(path)
 generation_config.json) and a byte-level BPE tokenizer trained with `tokenizers` on generated
 text to SmolLM2's vocabulary of 49,152, with its special tokens and ChatML chat template.
 Everything comes from `seed`, so two builds are identical; a finished build is reused.
+`shape_checkpoints.py` builds other models' shapes with the same pieces (`train_bpe`,
+`save_tokenizer`, `build_weights`).
 
     python benchmarks/smollm_checkpoint.py [DIR]     (default ~/.cache/kvctl-bench/smollm2-135m)
 """
@@ -16,6 +18,10 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 DEFAULT_DIR = Path.home() / ".cache" / "kvctl-bench" / "smollm2-135m"
 VOCAB_SIZE = 49152
@@ -103,43 +109,74 @@ def corpus(seed: int, words: int = 400_000) -> list[str]:
     return lines
 
 
-def build_tokenizer(path: Path, seed: int) -> None:
-    """A byte-level BPE trained on `corpus(seed)`, saved with transformers' tokenizer files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+def byte_level_bpe() -> Tokenizer:
+    """An untrained byte-level BPE with GPT-2's pre-tokenizer regex."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def train_bpe(
+    seed: int, vocab_size: int, special_tokens: tuple[str, ...], tokenizer: Tokenizer | None = None
+) -> Tokenizer:
+    """`tokenizer` (default `byte_level_bpe()`) trained on `corpus(seed)` to `vocab_size`
+    tokens, `special_tokens` first (ids 0, 1, ...)."""
+    from tokenizers import pre_tokenizers, trainers
+
+    tokenizer = tokenizer or byte_level_bpe()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus(seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
+    return tokenizer
+
+
+def save_tokenizer(
+    tokenizer: Tokenizer, path: Path, chat_template: str, **special: str | None
+) -> None:
+    """`tokenizer` saved with transformers' tokenizer files; `special` names the bos, eos, unk
+    and pad tokens (`bos_token=...`)."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
+    fast.chat_template = chat_template
+    fast.save_pretrained(path)
+
+
+def build_tokenizer(path: Path, seed: int) -> None:
+    """SmolLM2's tokenizer layout: its 3 special tokens first, BPE to its vocabulary."""
+    save_tokenizer(
+        train_bpe(seed, VOCAB_SIZE, SPECIAL_TOKENS),
+        path,
+        CHAT_TEMPLATE,
         bos_token=SPECIAL_TOKENS[1],
         eos_token=SPECIAL_TOKENS[2],
         unk_token=SPECIAL_TOKENS[0],
         pad_token=SPECIAL_TOKENS[2],
     )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
 
 
-def build_weights(path: Path, seed: int) -> None:
-    """`LlamaForCausalLM` with SmolLM2-135M's config, weights from transformers' own initialiser
-    under `seed`, saved in float32 safetensors."""
+def build_weights(path: Path, seed: int, config: dict[str, object] | None = None) -> None:
+    """The architecture of `config` (default SmolLM2-135M's) with weights from transformers' own
+    initialiser under `seed`, saved in float32 safetensors, and a generation config with the
+    config's bos, eos and pad ids."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    config = config or smollm2_config()
     torch.manual_seed(seed)
-    config = LlamaConfig(**smollm2_config())
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    (name,) = cast(list[str], config["architectures"])
+    architecture = getattr(transformers, name)
+    model = architecture(transformers.AutoConfig.for_model(**config)).to(torch.float32).eval()
     model.save_pretrained(path, safe_serialization=True)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(path)
+    ids = {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    transformers.GenerationConfig(**ids).save_pretrained(path)
 
 
 def build(path: Path = DEFAULT_DIR, seed: int = 0) -> Path:

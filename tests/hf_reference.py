@@ -17,6 +17,26 @@ SHAPE = {  # a tiny decoder: 2 layers, 4 heads over 2 KV heads, vocabulary of 12
 }
 
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+VARIANTS = {  # name: (transformers config class, model class, config fields)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3-rope-tied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"rope_scaling": LLAMA3_ROPE, "tie_word_embeddings": True},
+    ),
+    "qwen2-qkv-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1000.0}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+}
+PROMPT_LENS = (5, 17, 1, 30)
+
+
 def peaked_weights(model: torch.nn.Module, seed: int) -> None:
     """Re-draw every parameter (biases and norms too) from a seeded generator with scales that
     give peaked logits, so a wrong K/V read, bias, rope frequency or head grouping moves the

@@ -51,13 +51,10 @@ computed in one step keeps the matrix products compute-bound and the decode step
 chunks (docs/performance.md, "Serving side by side with vLLM"; docs/architecture.md, "Chunked
 prefill: the token budget of a step")."""
 DEFAULT_LONG_PROMPT_TOKENS = 512
-"""A prompt with more tokens than this left to compute is long: while other requests decode it is
-computed in capped chunks (`CPU_PREFILL_WHILE_DECODING`) so their streams do not stall."""
-CPU_PREFILL_WHILE_DECODING = 32
-"""Prompt tokens a CPU step gives long prompts while other requests decode. A prompt token costs
-a CPU about as much as 1/30 of a whole decode step of a 135M model, so ~32 of them keep the
-streams' gap under 3x (docs/performance.md); a GPU computes hundreds for the price of one decode
-step."""
+"""With --max-prefill-while-decoding set, a prompt with more tokens than this left to compute is
+long: while other requests decode it is computed in capped chunks so their streams' gaps stay
+small, at the cost of its own first token (docs/performance.md, "Choosing the scheduling
+policy"). Off by default."""
 
 MAX_CONFIG_BYTES = 1 << 20
 """The largest config file (or token file) the agent reads: a real one is a few KiB, and the
@@ -265,11 +262,12 @@ class AgentConfig(BaseModel):
         "long: it is computed in capped chunks while other requests decode (a prompt longer "
         "than --max-batched-tokens is always long).",
     )
-    max_prefill_while_decoding: Annotated[int, Field(ge=0, le=1 << 20)] | None = startup(
-        None,
+    max_prefill_while_decoding: Annotated[int, Field(ge=0, le=1 << 20)] = startup(
+        0,
         "Most tokens a step gives long prompts (--long-prompt-tokens) while other requests "
-        "decode, so a long prompt does not stall their streams; 0: no cap.",
-        default_text=f"{CPU_PREFILL_WHILE_DECODING} on CPU, no cap on a GPU",
+        "decode: smaller gaps between their tokens for a strict inter-token SLO, paid by the long "
+        "prompts' first tokens and by throughput; 0: no cap (each step fills its budget, running "
+        "requests first).",
     )
     max_tokens_limit: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] = startup(
         1024, "Largest `max_tokens` a request may ask for.", flag=False

@@ -234,8 +234,8 @@ SAMPLES: dict[str, tuple[list[str], str, dict[str, Any]]] = {
     "max_batched_tokens": (["--max-batch-tokens", "512"], "max_batch_tokens = 512", {}),
     "long_prompt_tokens": (["--long-prompt-tokens", "100"], "long_prompt_tokens = 100", {}),
     "max_prefill_while_decoding": (
-        ["--max-prefill-while-decoding", "0"],
-        "max_prefill_while_decoding = 0",
+        ["--max-prefill-while-decoding", "64"],
+        "max_prefill_while_decoding = 64",
         {},
     ),
     "max_waiting": (["--max-waiting", "9"], "max_waiting = 9", {}),

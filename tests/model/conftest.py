@@ -18,8 +18,11 @@ def greedy_generate(
     consecutive-slot view and the gathered (index_select) path of the cache."""
     config: ModelConfig = model.config
     longest = max(len(p) for p in prompts) + new_tokens
-    device = next(model.parameters()).device
-    cache = ContiguousKVCache(config, max_seqs=len(prompts) + 1, max_len=longest, device=device)
+    weight = next(model.parameters())
+    device = weight.device
+    cache = ContiguousKVCache(
+        config, max_seqs=len(prompts) + 1, max_len=longest, device=device, dtype=weight.dtype
+    )
     seqs = list(range(len(prompts)))
     layout = cache.begin_step(seqs, [len(p) for p in prompts])
     tokens = torch.tensor([t for p in prompts for t in p], device=device)

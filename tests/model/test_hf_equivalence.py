@@ -9,31 +9,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hf_reference import SHAPE, peaked_weights
+from hf_reference import PROMPT_LENS, SHAPE, VARIANTS, peaked_weights
 from kv_device import DEVICE
 
 from kvctl.agent.model import ContiguousKVCache, load_checkpoint
 
 transformers = pytest.importorskip("transformers")
-
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 4.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-}
-VARIANTS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "llama3-rope-tied": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        {"rope_scaling": LLAMA3_ROPE, "tie_word_embeddings": True},
-    ),
-    "qwen2-qkv-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1000.0}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-}
-PROMPT_LENS = (5, 17, 1, 30)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

@@ -18,7 +18,8 @@
 // And the elementwise steps of a decoder layer, each one pass where eager PyTorch takes several
 // operations (and, at decode sizes, several dispatches that cost more than the arithmetic):
 // RMSNorm with the residual add before it, rotary embeddings applied in place to the queries and
-// keys of the fused qkv product, and SwiGLU's silu(gate) * up.
+// keys of the fused qkv product, and SwiGLU's silu(gate) * up; in float32 or bfloat16 (bfloat16
+// models' linear layers are oneDNN's, see projection.py).
 //
 // All parallelise with at::parallel_for (torch's own thread pool and thread count); the
 // elementwise ones run on the calling thread below a few dozen rows, where a fork costs more.
@@ -32,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <limits>
 #include <vector>
@@ -470,49 +472,110 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   return y;
 }
 
-// ---- elementwise steps of a layer (float32) ------------------------------------------------
+// ---- elementwise steps of a layer (float32 or bfloat16) -------------------------------------
+//
+// bfloat16 rows are read into float32 and every step is computed in float32; a value is rounded
+// to bfloat16 (to nearest even) where Hugging Face's bfloat16 modules round it: the residual
+// after each add, the normalised row before it is scaled by the norm's weight, silu(gate) before
+// it is multiplied by up, and each output. For float32 the rounding is the identity, so the
+// float32 results are those of the float32-only kernels before.
 
 constexpr int64_t ROWS_PER_TASK = 32;  // elementwise work below this many rows stays on one thread
 
 inline float sum16(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-// out = weight * x * rsqrt(mean(x^2) + eps), one row of `n` values (Llama's RMSNorm in float32).
-inline void rms_norm_row(const float* x, const float* weight, float eps, int64_t n, float* out) {
+// float32 bits rounded to the nearest even bfloat16, in the high half of each lane (NaN stays
+// a quiet NaN).
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i x = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half);
+}
+
+// v as it reads back after being stored as T.
+template <typename T>
+inline __m512 stored(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16_bits(v), _mm512_set1_epi32(0xFFFF0000)));
+  }
+}
+template <typename T>
+inline float stored(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// out = weight * x * rsqrt(mean(x^2) + eps), one row of `n` values (Llama's RMSNorm, the sums in
+// float32).
+template <typename T>
+inline void rms_norm_row(const T* x, const T* weight, float eps, int64_t n, T* out) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 v = load16(x + i);
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   float sum = sum16(acc);
-  for (; i < n; ++i) sum += x[i] * x[i];
+  for (; i < n; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
   const __m512 iv = _mm512_set1_ps(inv);
   i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(x + i), iv);
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(weight + i), normed));
+    const __m512 normed = stored<T>(_mm512_mul_ps(load16(x + i), iv));
+    store16(out + i, _mm512_mul_ps(load16(weight + i), normed));
   }
-  for (; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
+  for (; i < n; ++i)
+    out[i] = static_cast<T>(static_cast<float>(weight[i]) *
+                            stored<T>(static_cast<float>(x[i]) * inv));
 }
 
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
-              " must be a contiguous float32 [rows, features] tensor");
+// The element type of float32 or bfloat16 tensors, for a kernel templated on it.
+template <typename Fn>
+auto with_type(at::ScalarType type, Fn&& fn) {
+  if (type == at::kBFloat16) return fn(at::BFloat16{});
+  return fn(float{});
+}
+
+void check_rows(const at::Tensor& t, const char* name, at::ScalarType type) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name,
+              " must be a contiguous [rows, features] tensor");
+  TORCH_CHECK(t.scalar_type() == type, name, " must have the dtype of the others (",
+              type, "), not ", t.scalar_type());
+}
+
+at::ScalarType row_type(const at::Tensor& x) {
+  const at::ScalarType type = x.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16, "rows must be float32 or bfloat16");
+  return type;
 }
 
 // RMSNorm of x [T, n] -> new tensor.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
+  const at::ScalarType type = row_type(x);
+  check_rows(x, "x", type);
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "weight must have one value per column");
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == type,
+              "weight must have one value per column, in x's dtype");
   at::Tensor out = at::empty_like(x);
-  const float* xd = x.data_ptr<float>();
-  const float* wd = weight.data_ptr<float>();
-  float* od = out.data_ptr<float>();
-  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      rms_norm_row(xd + r * n, wd, static_cast<float>(eps), n, od + r * n);
+  with_type(type, [&](auto zero) {
+    using T = decltype(zero);
+    const T* xd = x.data_ptr<T>();
+    const T* wd = weight.data_ptr<T>();
+    T* od = out.data_ptr<T>();
+    at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        rms_norm_row(xd + r * n, wd, static_cast<float>(eps), n, od + r * n);
+    });
+    return 0;
   });
   return out;
 }
@@ -521,26 +584,32 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // one block and the norm that opens the next, in one pass.
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
                          double eps) {
-  check_rows(residual, "residual");
-  check_rows(x, "x");
+  const at::ScalarType type = row_type(residual);
+  check_rows(residual, "residual", type);
+  check_rows(x, "x", type);
   TORCH_CHECK(residual.sizes() == x.sizes(), "residual and x differ in shape");
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "weight must have one value per column");
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == type,
+              "weight must have one value per column, in x's dtype");
   at::Tensor out = at::empty_like(x);
-  float* rd = residual.data_ptr<float>();
-  const float* xd = x.data_ptr<float>();
-  const float* wd = weight.data_ptr<float>();
-  float* od = out.data_ptr<float>();
-  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = rd + r * n;
-      const float* add = xd + r * n;
-      int64_t i = 0;
-      for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(row + i, _mm512_add_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(add + i)));
-      for (; i < n; ++i) row[i] += add[i];
-      rms_norm_row(row, wd, static_cast<float>(eps), n, od + r * n);
-    }
+  with_type(type, [&](auto zero) {
+    using T = decltype(zero);
+    T* rd = residual.data_ptr<T>();
+    const T* xd = x.data_ptr<T>();
+    const T* wd = weight.data_ptr<T>();
+    T* od = out.data_ptr<T>();
+    at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* row = rd + r * n;
+        const T* add = xd + r * n;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) store16(row + i, _mm512_add_ps(load16(row + i), load16(add + i)));
+        for (; i < n; ++i)
+          row[i] = static_cast<T>(static_cast<float>(row[i]) + static_cast<float>(add[i]));
+        rms_norm_row(row, wd, static_cast<float>(eps), n, od + r * n);
+      }
+    });
+    return 0;
   });
   return out;
 }
@@ -550,64 +619,78 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
 // with cos/sin [T, head_dim] (each half repeated, as Hugging Face builds them).
 void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
              int64_t head_dim) {
-  check_rows(qkv, "qkv");
-  check_rows(cos, "cos");
-  check_rows(sin, "sin");
+  const at::ScalarType type = row_type(qkv);
+  check_rows(qkv, "qkv", type);
+  check_rows(cos, "cos", type);
+  check_rows(sin, "sin", type);
   const int64_t rows = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
   TORCH_CHECK(head_dim % 2 == 0 && heads * head_dim <= width, "heads do not fit the rows");
   TORCH_CHECK(cos.size(0) == rows && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
               "cos and sin must be [rows, head_dim]");
-  float* qd = qkv.data_ptr<float>();
-  const float* cd = cos.data_ptr<float>();
-  const float* sd = sin.data_ptr<float>();
-  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* c = cd + r * head_dim;
-      const float* s = sd + r * head_dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* x1 = qd + r * width + h * head_dim;
-        float* x2 = x1 + half;
-        int64_t i = 0;
-        for (; i + 16 <= half; i += 16) {
-          const __m512 a = _mm512_loadu_ps(x1 + i), b = _mm512_loadu_ps(x2 + i);
-          const __m512 c1 = _mm512_loadu_ps(c + i), s1 = _mm512_loadu_ps(s + i);
-          const __m512 c2 = _mm512_loadu_ps(c + half + i), s2 = _mm512_loadu_ps(s + half + i);
-          _mm512_storeu_ps(x1 + i, _mm512_fnmadd_ps(b, s1, _mm512_mul_ps(a, c1)));
-          _mm512_storeu_ps(x2 + i, _mm512_fmadd_ps(a, s2, _mm512_mul_ps(b, c2)));
-        }
-        for (; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          x1[i] = a * c[i] - b * s[i];
-          x2[i] = b * c[half + i] + a * s[half + i];
+  with_type(type, [&](auto zero) {
+    using T = decltype(zero);
+    T* qd = qkv.data_ptr<T>();
+    const T* cd = cos.data_ptr<T>();
+    const T* sd = sin.data_ptr<T>();
+    at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* c = cd + r * head_dim;
+        const T* s = sd + r * head_dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          T* x1 = qd + r * width + h * head_dim;
+          T* x2 = x1 + half;
+          int64_t i = 0;
+          for (; i + 16 <= half; i += 16) {
+            const __m512 a = load16(x1 + i), b = load16(x2 + i);
+            const __m512 c1 = load16(c + i), s1 = load16(s + i);
+            const __m512 c2 = load16(c + half + i), s2 = load16(s + half + i);
+            store16(x1 + i, _mm512_fnmadd_ps(b, s1, _mm512_mul_ps(a, c1)));
+            store16(x2 + i, _mm512_fmadd_ps(a, s2, _mm512_mul_ps(b, c2)));
+          }
+          for (; i < half; ++i) {
+            const float a = static_cast<float>(x1[i]), b = static_cast<float>(x2[i]);
+            x1[i] = static_cast<T>(a * static_cast<float>(c[i]) - b * static_cast<float>(s[i]));
+            x2[i] = static_cast<T>(b * static_cast<float>(c[half + i]) +
+                                   a * static_cast<float>(s[half + i]));
+          }
         }
       }
-    }
+    });
+    return 0;
   });
 }
 
 // SwiGLU: gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I].
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
+  const at::ScalarType type = row_type(gate_up);
+  check_rows(gate_up, "gate_up", type);
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) == 2 * n, "gate_up must have an even number of columns");
   at::Tensor out = at::empty({rows, n}, gate_up.options());
-  const float* gd = gate_up.data_ptr<float>();
-  float* od = out.data_ptr<float>();
-  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gd + r * 2 * n;
-      const float* u = g + n;
-      float* o = od + r * n;
-      int64_t i = 0;
-      for (; i + 16 <= n; i += 16) {
-        const __m512 x = _mm512_loadu_ps(g + i);
-        // silu(x) = x / (1 + exp(-x)); exp512 takes any x (clamped below at -87)
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+  with_type(type, [&](auto zero) {
+    using T = decltype(zero);
+    const T* gd = gate_up.data_ptr<T>();
+    T* od = out.data_ptr<T>();
+    at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* g = gd + r * 2 * n;
+        const T* u = g + n;
+        T* o = od + r * n;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+          const __m512 x = load16(g + i);
+          // silu(x) = x / (1 + exp(-x)); exp512 takes any x (clamped below at -87)
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+          const __m512 silu = stored<T>(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+          store16(o + i, _mm512_mul_ps(silu, load16(u + i)));
+        }
+        for (; i < n; ++i) {
+          const float x = static_cast<float>(g[i]);
+          o[i] = static_cast<T>(stored<T>(x / (1.f + std::exp(-x))) * static_cast<float>(u[i]));
+        }
       }
-      for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
+    });
+    return 0;
   });
   return out;
 }

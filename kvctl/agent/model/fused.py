@@ -40,7 +40,7 @@ from kvctl.agent.model.rope import apply_rotary
 
 class LayerOps:
     """The elementwise steps of a layer in torch: the reference, and the path everywhere the
-    CPU kernels do not run (a GPU, bfloat16, a CPU without them)."""
+    CPU kernels do not run (a GPU, float16, a CPU without them)."""
 
     name = "torch"
 
@@ -68,7 +68,8 @@ class LayerOps:
 
 
 class KernelLayerOps(LayerOps):
-    """The same steps as single passes of the CPU kernels (float32 on a CPU)."""
+    """The same steps as single passes of the CPU kernels (float32 or bfloat16 on a CPU; in
+    bfloat16 each step computes in float32 and rounds where Hugging Face's modules round)."""
 
     name = "cpu-kernels"
 
@@ -95,10 +96,10 @@ class KernelLayerOps(LayerOps):
 
 
 def layer_ops_for(weight: Tensor, kernels: bool = True) -> LayerOps:
-    """The kernels' single passes for float32 weights on a CPU where they run (and `kernels`),
-    else torch."""
+    """The kernels' single passes for float32 or bfloat16 weights on a CPU where they run (and
+    `kernels`), else torch."""
     ops = cpu_ops() if kernels and weight.device.type == "cpu" else None
-    if ops is not None and weight.dtype == torch.float32:
+    if ops is not None and weight.dtype in (torch.float32, torch.bfloat16):
         return KernelLayerOps(ops)
     return LayerOps()
 

@@ -3,9 +3,13 @@
 On a CPU with the project's kernels (`kvctl.agent.kernels`) and float32 weights, a weight is
 repacked once into 16-column blocks and multiplied by `packed_linear`: at decode sizes (a few
 rows) a product is bound by memory bandwidth, and MKL's sgemm over the row-major weight reaches
-only about half of it (docs/performance.md). The blocks replace the row-major weight, so the
-model holds its weights once. Everywhere else (a GPU, bfloat16 weights, no kernels) the weight
-stays as it is and `F.linear` runs, which on CUDA is cuBLAS and on a CPU with AMX is oneDNN.
+only about half of it (docs/performance.md). bfloat16 weights on a CPU are reordered once into
+oneDNN's blocked layout for this CPU and multiplied by oneDNN's linear (AMX tiles or
+AVX-512-BF16 where the CPU has them, float32 accumulation), which reads the weights at close to
+the memory bandwidth at decode sizes and runs prompts several times faster than float32
+(docs/performance.md, "bfloat16"). Either layout replaces the row-major weight, so the model
+holds its weights once. Everywhere else (a GPU, float16 on a CPU, no kernels) the weight stays
+as it is and `F.linear` runs, which on CUDA is cuBLAS.
 """
 
 from __future__ import annotations
@@ -30,12 +34,9 @@ class Projection(nn.Module):
         ops = cpu_ops() if kernels and weight.device.type == "cpu" else None
         if ops is not None and weight.dtype == torch.float32:
             return PackedProjection(weight, bias)
+        if ops is not None and weight.dtype == torch.bfloat16 and onednn_linear_available():
+            return OneDnnProjection(weight, bias)
         return DenseProjection(weight, bias)
-
-    @property
-    def weight(self) -> Tensor:
-        """The weight as [out, in] (a copy when it is stored packed)."""
-        raise NotImplementedError
 
 
 class DenseProjection(Projection):
@@ -46,10 +47,6 @@ class DenseProjection(Projection):
         self.out_features, self.in_features = weight.shape
         self.dense = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-
-    @property
-    def weight(self) -> Tensor:
-        return self.dense
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.dense, self.bias)
@@ -69,12 +66,35 @@ class PackedProjection(Projection):
         self.packed = nn.Parameter(packed, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
-    @property
-    def weight(self) -> Tensor:
-        rows = self.packed.transpose(1, 2).reshape(-1, self.in_features)
-        return rows[: self.out_features]
-
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype != torch.float32:
             raise TypeError(f"a packed float32 projection got {x.dtype} input")
         return self._ops.packed_linear(x, self.packed, self.bias, self.out_features)
+
+
+ONEDNN_ROWS_HINT = 8
+"""The batch oneDNN's weight layout is chosen for: a decode step's few rows, where a product is
+bound by reading the weight; any other row count runs on the same layout."""
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch has oneDNN's packed linear (a CPU build with mkldnn)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class OneDnnProjection(Projection):
+    """A bfloat16 weight in oneDNN's blocked layout, through oneDNN's linear."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        packed = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().contiguous(), ONEDNN_ROWS_HINT
+        )
+        self.packed = nn.Parameter(packed, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"a packed bfloat16 projection got {x.dtype} input")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

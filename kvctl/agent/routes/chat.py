@@ -171,15 +171,22 @@ class _Shaper:
     async def sse(self, opened: Opened) -> AsyncIterator[str]:
         """A first chunk per choice with the assistant role, then one per token, the last of a
         choice with its finish reason; with `stream_options.include_usage`, a last chunk with
-        no choices and the request's usage."""
+        no choices and the request's usage.
+
+        The role chunk goes out with the choice's first token, as vLLM and OpenAI send it, not
+        when the request is taken: a client times its first chunk as the first token, so an
+        early empty chunk would show a time to first token that hides the prompt's computing
+        and a time per token that includes it."""
         body = self.body
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        for index in range(len(opened.streams)):
-            role = {"role": "assistant", "content": ""}
-            first = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
-            yield self._line(opened, [first], include_usage)
         summaries: list[Any] = [None] * len(opened.streams)
+        started: set[int] = set()
         async for index, event in self.gen.events(opened):
+            if index not in started:
+                started.add(index)
+                role = {"role": "assistant", "content": ""}
+                first = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
+                yield self._line(opened, [first], include_usage)
             tokens = [] if event.token_id is None else [event.token_id]
             choice: dict[str, Any] = {
                 "index": index,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvctl.agent.config import CPU_PREFILL_WHILE_DECODING, DEFAULT_LONG_PROMPT_TOKENS
+from kvctl.agent.config import DEFAULT_LONG_PROMPT_TOKENS
 from kvctl.agent.model.attention import BatchLayout
 from kvctl.agent.model.fused import fuse
 from kvctl.agent.model.llama import LlamaModel
@@ -79,8 +79,8 @@ class EngineConfig:
     max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS  # per step; prompts are cut to fit
     # prompts with more tokens than this left to compute are long (and always those over budget)
     long_prompt_tokens: int = DEFAULT_LONG_PROMPT_TOKENS
-    # tokens per step for long prompts while requests decode; None: 32 on CPU, else no cap; 0: none
-    max_prefill_while_decoding: int | None = None
+    # tokens per step for long prompts while requests decode; 0: no cap
+    max_prefill_while_decoding: int = 0
     defrag: DefragSettings = field(default_factory=DefragSettings)
     prefix_cache: bool = True
     eviction_policy: str = "lru"
@@ -309,7 +309,7 @@ class Engine:
             config.max_batched_tokens,
             self.prefix_cache,
             clock,
-            prefill_while_decoding=prefill_cap(config),
+            prefill_while_decoding=config.max_prefill_while_decoding,
             long_prompt_tokens=config.long_prompt_tokens,
             tiers=self.tiers,
         )
@@ -675,11 +675,3 @@ class PrefillRate:
         rate = seconds / tokens
         old = self.seconds_per_token
         self.seconds_per_token = rate if old is None else old + self.WEIGHT * (rate - old)
-
-
-def prefill_cap(config: EngineConfig) -> int:
-    """Prompt tokens a step may compute while requests decode: as configured, else the CPU
-    default on a CPU and no cap on an accelerator (0)."""
-    if config.max_prefill_while_decoding is not None:
-        return config.max_prefill_while_decoding
-    return CPU_PREFILL_WHILE_DECODING if torch.device(config.device).type == "cpu" else 0
