@@ -21,6 +21,7 @@ from kvctl.agent.model import ContiguousKVCache, build_demo_model, demo_config
 from kvctl.agent.model.attention import attend_decode, key_mask
 from kvctl.agent.model.fused import KernelLayerOps, LayerOps, fuse, uses_kernels
 from kvctl.agent.model.llama import RMSNorm
+from kvctl.agent.model.projection import PREFILL_ROWS, PackedProjection
 from kvctl.agent.model.rope import RotaryEmbedding
 from kvctl.agent.pool.storage import KVStorage
 
@@ -110,6 +111,27 @@ def test_packed_linear_matches_f_linear(out, inp, rows, bias):
     atol = 1e-4 * max(1.0, (inp / 576) ** 0.5)
     torch.testing.assert_close(got, F.linear(x, weight, b), atol=atol, rtol=1e-5)
     torch.testing.assert_close(got, F.linear(x.T.contiguous().T, weight, b), atol=atol, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("out", "inp"), [(960, 576), (33, 17), (3000, 1500)])
+@pytest.mark.parametrize("rows", [PREFILL_ROWS - 1, PREFILL_ROWS, 700])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_projection_at_prompt_sizes_matches_f_linear(out, inp, rows, bias):
+    """From PREFILL_ROWS rows a small weight goes through sgemm on a row-major copy in the
+    thread's workspace (a larger one stays on the kernel): the same product either way, and a
+    smaller product after a larger one reads its own weight, not the workspace's leftovers."""
+    gen = torch.Generator().manual_seed(out + inp + rows)
+    weight = torch.randn(out, inp, generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
+    x = torch.randn(rows, inp, generator=gen)
+    projection = PackedProjection(weight, b)
+    atol = 1e-4 * max(1.0, (inp / 576) ** 0.5)
+    torch.testing.assert_close(projection(x), F.linear(x, weight, b), atol=atol, rtol=1e-5)
+    small = PackedProjection(weight[:5, :3].contiguous())
+    torch.testing.assert_close(
+        small(x[:, :3]), F.linear(x[:, :3], weight[:5, :3]), atol=1e-5, rtol=1e-5
+    )
 
 
 @needs_kernels

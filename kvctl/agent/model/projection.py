@@ -14,6 +14,8 @@ as it is and `F.linear` runs, which on CUDA is cuBLAS.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -52,6 +54,16 @@ class DenseProjection(Projection):
         return F.linear(x, self.dense, self.bias)
 
 
+PREFILL_ROWS = 512
+"""Rows from which a float32 product goes through sgemm instead of the packed kernel: a
+2,048-token prompt step of SmolLM2-135M's shape took 2.2-2.5 s instead of 2.9-3.0 s
+(docs/performance.md, "The linear layers by dtype")."""
+SGEMM_MAX_WEIGHT = 4 << 20
+"""Largest weight (elements) laid out again for sgemm: past it the copy, which walks the blocks
+across pages, costs more than sgemm saves (Llama-3.2-1B's 16,384 x 2,048 gate_up measured 1.3x
+slower at 1,024 rows)."""
+
+
 class PackedProjection(Projection):
     """The weight in 16-column blocks `[ceil(out / 16), in, 16]`, through the CPU kernel."""
 
@@ -69,7 +81,33 @@ class PackedProjection(Projection):
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype != torch.float32:
             raise TypeError(f"a packed float32 projection got {x.dtype} input")
+        if x.shape[0] >= PREFILL_ROWS and self.in_features * self.out_features <= SGEMM_MAX_WEIGHT:
+            return self._by_sgemm(x)
         return self._ops.packed_linear(x, self.packed, self.bias, self.out_features)
+
+    def _by_sgemm(self, x: Tensor) -> Tensor:
+        """x Wᵀ through MKL's sgemm over Wᵀ laid out row-major for this call in the thread's
+        workspace: a prompt's rows are bound by arithmetic, where sgemm beats the packed kernel
+        by more than the copy costs."""
+        k, n = self.in_features, self.out_features
+        wide = _workspace(k * n).view(k, n)
+        wide.copy_(self.packed.permute(1, 0, 2).reshape(k, -1)[:, :n])
+        if self.bias is None:
+            return x @ wide
+        return torch.addmm(self.bias, x, wide)
+
+
+_workspaces = threading.local()
+
+
+def _workspace(elements: int) -> Tensor:
+    """A float32 buffer of at least `elements`, one per thread (each engine steps on its own),
+    kept between calls: the largest product's weight once, instead of fresh pages per call."""
+    buffer: Tensor | None = getattr(_workspaces, "buffer", None)
+    if buffer is None or buffer.numel() < elements:
+        buffer = torch.empty(elements, dtype=torch.float32)
+        _workspaces.buffer = buffer
+    return buffer[:elements]
 
 
 ONEDNN_ROWS_HINT = 8
