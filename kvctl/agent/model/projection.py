@@ -3,13 +3,14 @@
 On a CPU with the project's kernels (`kvctl.agent.kernels`) and float32 weights, a weight is
 repacked once into 16-column blocks and multiplied by `packed_linear`: at decode sizes (a few
 rows) a product is bound by memory bandwidth, and MKL's sgemm over the row-major weight reaches
-only about half of it (docs/performance.md). bfloat16 weights on a CPU are reordered once into
-oneDNN's blocked layout for this CPU and multiplied by oneDNN's linear (AMX tiles or
-AVX-512-BF16 where the CPU has them, float32 accumulation), which reads the weights at close to
-the memory bandwidth at decode sizes and runs prompts several times faster than float32
-(docs/performance.md, "bfloat16"). Either layout replaces the row-major weight, so the model
-holds its weights once. Everywhere else (a GPU, float16 on a CPU, no kernels) the weight stays
-as it is and `F.linear` runs, which on CUDA is cuBLAS.
+only about half of it; a prompt's rows (from `PREFILL_ROWS`) go through sgemm on a row-major
+copy of a small weight, where arithmetic, not reading, is the bound. bfloat16 weights on a CPU
+are reordered once into oneDNN's blocked layout for this CPU and multiplied by oneDNN's linear
+(AMX tiles or AVX-512-BF16 where the CPU has them, float32 accumulation), which reads the
+weights at close to the memory bandwidth at decode sizes and runs prompts several times faster
+than float32 (docs/performance.md, "The linear layers by dtype"). Either layout replaces the
+row-major weight, so the model holds its weights once. Everywhere else (a GPU, float16 on a CPU,
+no kernels) the weight stays as it is and `F.linear` runs, which on CUDA is cuBLAS.
 """
 
 from __future__ import annotations
