@@ -54,3 +54,26 @@ def peaked_weights(model: torch.nn.Module, seed: int) -> None:
             else:
                 scale = 3.0 if name == "lm_head.weight" else 1.0
                 param.copy_(noise * scale / math.sqrt(param.shape[1]))
+
+
+def reference_model(variant: str) -> torch.nn.Module:
+    """The float32 transformers model of a `VARIANTS` entry, peaked weights seeded by its name."""
+    import transformers
+
+    config_cls, model_cls, extra = VARIANTS[variant]
+    config = getattr(transformers, config_cls)(**SHAPE, **extra)
+    model = getattr(transformers, model_cls)(config).eval()
+    peaked_weights(model, seed=len(variant))
+    return model
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt: `new_tokens` ids, end-of-text ignored."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()

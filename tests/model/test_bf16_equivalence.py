@@ -12,9 +12,11 @@ elsewhere) and through the engine's paged pool; and the prompt logits stay withi
 `LOGITS_TOLERANCE` of transformers' bfloat16 logits, scaled by their range.
 """
 
+import copy
+
 import pytest
 import torch
-from hf_reference import PROMPT_LENS, SHAPE, VARIANTS, peaked_weights
+from hf_reference import PROMPT_LENS, VARIANTS, hf_greedy, reference_model
 from kv_device import DEVICE
 
 from kvctl.agent.model import ContiguousKVCache, SamplingParams, load_checkpoint
@@ -41,32 +43,16 @@ torch alike (bfloat16 roundings that land differently through 2 layers of peaked
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def checkpoint(request, tmp_path_factory) -> tuple:
     """(transformers float32 model, its bfloat16 copy, checkpoint dir)."""
-    config_cls, model_cls, extra = VARIANTS[request.param]
-    config = getattr(transformers, config_cls)(**SHAPE, **extra)
-    reference = getattr(transformers, model_cls)(config).eval()
-    peaked_weights(reference, seed=len(request.param))
+    reference = reference_model(request.param)
     path = tmp_path_factory.mktemp(request.param) / "single"
     reference.save_pretrained(path)
-    half = getattr(transformers, model_cls)(config).eval()
-    half.load_state_dict(reference.state_dict())
-    return reference, half.to(torch.bfloat16), path
+    return reference, copy.deepcopy(reference).to(torch.bfloat16), path
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(11)
     return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in PROMPT_LENS * 3]
-
-
-def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def _decided(reference, prompt: list[int], tokens: list[int]) -> int:
@@ -84,8 +70,8 @@ def _agreeing(reference, half, prompts) -> list[tuple[list[int], list[int]]]:
     pairs = []
     with torch.no_grad():
         for prompt in prompts:
-            tokens = _hf_greedy(half, prompt)
-            if tokens == _hf_greedy(reference, prompt):
+            tokens = hf_greedy(half, prompt, NEW_TOKENS)
+            if tokens == hf_greedy(reference, prompt, NEW_TOKENS):
                 pairs.append((prompt, tokens[: _decided(reference, prompt, tokens)]))
     decided = sum(len(tokens) for _, tokens in pairs)
     assert decided >= MIN_DECIDED_SHARE * NEW_TOKENS * len(prompts), "too few decided tokens"

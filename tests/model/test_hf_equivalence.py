@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hf_reference import PROMPT_LENS, SHAPE, VARIANTS, peaked_weights
+from hf_reference import PROMPT_LENS, VARIANTS, hf_greedy, reference_model
 from kv_device import DEVICE
 
 from kvctl.agent.model import ContiguousKVCache, load_checkpoint
@@ -20,10 +20,7 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def checkpoint(request, tmp_path_factory) -> tuple:
     """(reference transformers model, checkpoint dir, sharded checkpoint dir)."""
-    config_cls, model_cls, extra = VARIANTS[request.param]
-    config = getattr(transformers, config_cls)(**SHAPE, **extra)
-    reference = getattr(transformers, model_cls)(config).eval()
-    peaked_weights(reference, seed=len(request.param))
+    reference = reference_model(request.param)
     root = tmp_path_factory.mktemp(request.param)
     reference.save_pretrained(root / "single")
     reference.save_pretrained(root / "sharded", max_shard_size="40KB")
@@ -77,13 +74,7 @@ def test_greedy_generation_matches_transformers(checkpoint, prompts, generate):
     _, model, _ = load_checkpoint(path, DEVICE, torch.float32)
     ours = generate(model, prompts, 12)
     for prompt, tokens in zip(prompts, ours, strict=True):
-        expected = reference.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=12,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        expected = hf_greedy(reference, prompt, 12)
         assert len(expected) == 12
         assert tokens == expected
     assert len({tuple(t) for t in ours}) > 1, "continuations should depend on the prompt"

@@ -7,7 +7,7 @@ pages small enough that every sequence spans several of them and a batch decodin
 
 import pytest
 import torch
-from hf_reference import SHAPE, peaked_weights
+from hf_reference import SHAPE, hf_greedy, peaked_weights
 from kv_device import DEVICE
 
 from kvctl.agent.kernels import cpu_ops
@@ -54,12 +54,5 @@ def test_engine_greedy_matches_transformers_generate(variant, cpu_kernels, tmp_p
     while engine.has_work():
         engine.step()
     for prompt, request in zip(prompts, requests, strict=True):
-        expected = reference.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
-        assert request.output_ids == expected
+        assert request.output_ids == hf_greedy(reference, prompt, NEW_TOKENS)
     assert len({tuple(r.output_ids) for r in requests}) > 1
