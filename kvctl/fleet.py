@@ -19,7 +19,7 @@ serves is a row, as a pool is.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -180,7 +180,7 @@ async def read_agent(
     """Health, pools and alerts of one agent, read concurrently, showing pool `pool` (None or
     a pool it does not serve: its first); with `with_map`, the page map of that pool too."""
     try:
-        health, listing, alerts, page_map = await asyncio.gather(
+        health, listing, alerts, page_map = await settled(
             client.health(),
             client.pools(),
             client.alerts(),
@@ -207,6 +207,17 @@ async def read_agent(
         budget_bytes=listing.budget_bytes,
         assigned_bytes=listing.assigned_bytes,
     )
+
+
+async def settled(*calls: Awaitable[Any]) -> list[Any]:
+    """Every call's answer, or the first call's error once all have finished: a plain
+    gather returns at the first error and leaves the other requests running into the next
+    poll."""
+    answers = await asyncio.gather(*calls, return_exceptions=True)
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            raise answer
+    return answers
 
 
 async def _nothing() -> None:

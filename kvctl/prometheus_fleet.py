@@ -34,7 +34,7 @@ from kvctl.client import DEFAULT_TIMEOUT, AgentProtocolError, AgentUnreachable, 
 from kvctl.engines import ENGINES, KVCTL, Engine
 from kvctl.exposition import ModelFigures
 from kvctl.figures import Figures, from_source
-from kvctl.fleet import Reading
+from kvctl.fleet import Reading, settled
 
 WINDOW = "5m"
 ENGINE_LABEL = "kvctl_engine"
@@ -230,7 +230,7 @@ class PrometheusFleet:
     async def read(self) -> list[Reading]:
         """One reading per (job, instance, model), in instance order; down targets too."""
         queries = self.queries()
-        answers = await asyncio.gather(*(self._query(q) for q in queries.values()))
+        answers = await settled(*(self._query(q) for q in queries.values()))
         return build_readings(dict(zip(queries, answers, strict=True)))
 
     async def _query(self, query: str) -> list[Series]:

@@ -145,6 +145,30 @@ def test_a_prometheus_answer_over_the_cap_is_one_line_naming_it(kvctl) -> None:
     assert "larger than 8 MiB" in one_line(result.stderr)
 
 
+def test_a_read_that_fails_early_leaves_no_request_running_into_the_next_poll() -> None:
+    """A node's health fails at once while its alerts are still arriving: the read waits
+    for the alerts too, or `kvctl top`'s next poll finds the old request still in flight
+    (and a node found to be an engine is asked the agent API again)."""
+    import asyncio
+
+    from kvctl.client import AsyncAgentClient
+
+    slow_alerts = Answer(b'{"alerts": []}', JSON, drip=0.02)
+    with HostileServer({"/n/v1/alerts": slow_alerts}) as server:
+
+        async def read() -> tuple[fleet.Reading, set[asyncio.Task]]:
+            client = AsyncAgentClient(f"{server.url}/n", timeout=TIMEOUT * 5)
+            try:
+                reading = await fleet.read_agent(client)
+                return reading, asyncio.all_tasks() - {asyncio.current_task()}
+            finally:
+                await client.aclose()
+
+        reading, left = asyncio.run(read())
+    assert reading.error is not None and not reading.up
+    assert not left
+
+
 # ---- JSON nested too deep -------------------------------------------------------------------
 
 
