@@ -2,9 +2,10 @@
 
 The pool has a 135M Llama's KV shape (30 layers, 3 KV heads, head dim 64, float32, 16-token
 pages: 720 KiB a page, 720 MiB in all); a shrink to 192 pages frees 585 MiB. Each case runs in
-a fresh interpreter, under one of two malloc settings: the agent's (`keep_large_blocks_in_mmap`,
-256 KiB mmap threshold, set at start-up) and glibc's own after importing torch (its threshold
-is raised towards 32 MiB as large blocks are freed), and with or without the trim that
+a fresh interpreter, under one of two malloc settings: the agent's (`configure_malloc`, a
+64 MiB mmap threshold and a 128 MiB trim threshold, set at start-up) and glibc's own after
+importing torch (its threshold is raised towards 32 MiB as large blocks are freed), and with or
+without the trim that
 `KVStorage.release_segments` does on the CPU.
 
     python benchmarks/shrink_rss.py [--segment-pages 1 16 64]
@@ -30,7 +31,7 @@ def rss():
 
 segment_pages, malloc, trim = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "trim"
 if malloc == "agent":
-    memory.keep_large_blocks_in_mmap()
+    memory.configure_malloc()
 if not trim:
     module.release_free_memory = lambda: False
 torch.set_num_threads(1)

@@ -37,7 +37,7 @@ from typing import TypeVar
 from kvctl.agent.alerting import AlertLoop
 from kvctl.agent.budget import KvBudget, Rebalancer
 from kvctl.agent.gpu import GpuProbe
-from kvctl.agent.memory import release_free_memory
+from kvctl.agent.memory import IdleTrim, release_free_memory
 from kvctl.agent.metrics import KvEventCounters
 from kvctl.agent.model_pool import AgentReadings, ModelPool
 from kvctl.agent.pool.stats import PageStates
@@ -61,9 +61,13 @@ IDLE_TICK_S = 0.05
 # An idle engine that gets a request waits for the rest of its burst (clients that run N streams
 # send N requests together when a wave ends): up to ARRIVAL_WINDOW_S, while the next arrives
 # within ARRIVAL_GAP_S. One step then computes the whole wave instead of one prompt, then the rest.
+# When the step that emptied the engine ended N requests, up to N replacements are waited for
+# with the longer REFILL_GAP_S (up to REFILL_WINDOW_S): a closed-loop client sends them a few
+# milliseconds apart, and a wave split at 3 ms cost its later prompts a whole step of TTFT.
 ARRIVAL_GAP_S = 0.003
 ARRIVAL_WINDOW_S = 0.015
-TRIM_INTERVAL_S = 1.0  # idle trims return a burst's freed heap (kvctl.agent.memory)
+REFILL_GAP_S = 0.010
+REFILL_WINDOW_S = 0.050
 PUBLISH_INTERVAL_S = 0.1  # snapshots are at most this old (and fresh after every command)
 RESIZE_CHECK_INTERVAL_S = 1.0  # automatic resize looks at windows of many seconds
 REBALANCE_CHECK_INTERVAL_S = 0.5  # pressure is read this often; moves need it to hold longer
@@ -160,7 +164,9 @@ class AgentService:
         self._thread: threading.Thread | None = None
         self._grace = 10.0  # seconds running requests get to finish when stopping
         self._gpu_reading: tuple[float, list[GpuMemory]] = (float("-inf"), [])
-        self._last_trim = clock()
+        # (requests waiting once the last wave is replaced, until when to wait for them)
+        self._refill: tuple[int, float] | None = None
+        self._idle_trim = IdleTrim(clock())  # returns a burst's freed heap (kvctl.agent.memory)
         for pool in pools:
             if pool.name in self.pools:
                 raise ValueError(f"two models are named {pool.name!r}")
@@ -264,12 +270,7 @@ class AgentService:
         while not done():
             self._run_commands()
             self._gather_arrivals(pools)
-            busy = False
-            for pool in pools:
-                if pool.engine.has_work():
-                    events = pool.engine.step()
-                    self._dispatch(events)
-                    busy = busy or bool(events)  # nothing could run: wait rather than spin
+            busy = self._step_all(pools)
             if not busy:
                 self._wake.wait(IDLE_TICK_S)
                 self._wake.clear()
@@ -279,8 +280,8 @@ class AgentService:
                     pool.engine.auto_defrag.tick()
                 else:
                     idle = False
-            if idle:
-                self._trim_when_idle()
+            if self._idle_trim.tick(self.clock(), busy=not idle):
+                release_free_memory()  # a trim walks malloc's arenas: idle time costs nothing
             now = self.clock()
             if now >= next_rebalance:
                 self._rebalance()
@@ -293,16 +294,40 @@ class AgentService:
                 self._publish_all()
                 next_publish = now + PUBLISH_INTERVAL_S
 
+    def _step_all(self, pools: list[ModelPool]) -> bool:
+        """One step of every pool with work; False when none produced anything (nothing could
+        run: the loop waits rather than spins). A step that leaves every engine empty notes
+        the wave it ended, for `_gather_arrivals`."""
+        busy, ended = False, 0
+        for pool in pools:
+            if pool.engine.has_work():
+                events = pool.engine.step()
+                self._dispatch(events)
+                busy = busy or bool(events)
+                ended += sum(e.finish_reason is not None for e in events)
+        if ended and not any(pool.engine.scheduler.running for pool in pools):
+            waiting = sum(len(pool.engine.scheduler.waiting) for pool in pools)
+            self._refill = (waiting + ended, time.monotonic() + REFILL_WINDOW_S)
+        return busy
+
     def _gather_arrivals(self, pools: list[ModelPool]) -> None:
         """When requests wait and none runs, take the rest of their burst before the first step
-        (see ARRIVAL_WINDOW_S); a lone request pays ARRIVAL_GAP_S of TTFT."""
+        (see ARRIVAL_WINDOW_S and REFILL_WINDOW_S); a lone request pays ARRIVAL_GAP_S of TTFT."""
         engines = [pool.engine for pool in pools]
         if any(e.scheduler.running for e in engines) or not any(e.has_work() for e in engines):
             return
+        (refill, refill_until), self._refill = self._refill or (0, 0.0), None
         deadline = time.monotonic() + ARRIVAL_WINDOW_S  # real time even under a test's clock
-        while time.monotonic() < deadline:
+        while True:
+            waiting = sum(len(e.scheduler.waiting) for e in engines)
+            if refill and waiting >= refill:
+                return  # the wave is whole
+            short = waiting < refill
+            gap = REFILL_GAP_S if short else ARRIVAL_GAP_S
+            if time.monotonic() >= (refill_until if short else deadline):
+                return
             self._wake.clear()
-            if not self._wake.wait(ARRIVAL_GAP_S):
+            if not self._wake.wait(gap):
                 return
             self._run_commands()
 
@@ -322,14 +347,6 @@ class AgentService:
                 f"{move.taken_bytes:,}",
                 donors or "the unassigned budget",
             )
-
-    def _trim_when_idle(self) -> None:
-        """Give freed heap memory back to the system, at most every `TRIM_INTERVAL_S` and only
-        while idle (a trim walks malloc's arenas; idle time is when it costs nothing)."""
-        now = self.clock()
-        if now - self._last_trim >= TRIM_INTERVAL_S:
-            self._last_trim = now
-            release_free_memory()
 
     def _run_commands(self) -> None:
         while True:

@@ -410,10 +410,10 @@ def serve(config: AgentConfig) -> int:
         listening_socket,
         quiet_accept_errors,
     )
-    from kvctl.agent.memory import keep_large_blocks_in_mmap
+    from kvctl.agent.memory import configure_malloc
     from kvctl.agent.server import create_app
 
-    keep_large_blocks_in_mmap()
+    configure_malloc()
 
     try:
         sock = listening_socket(config.host, config.port, config.max_connections)
