@@ -12,7 +12,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from kvctl.occupancy import fragmentation_of as fragmentation_of
@@ -789,6 +797,12 @@ class ChatMessage(Strict):
     tool_call_id: str | None = None  # refused: no tool calling
 
 
+MAX_TEMPLATE_KWARGS = 16
+TEMPLATE_OWN_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+TemplateName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+TemplateValue = bool | int | float | Annotated[str, StringConstraints(max_length=4096)] | None
+
+
 class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions: OpenAI's chat fields and vLLM's extensions, rendered with the
     model's chat template. Tool calling, structured output and the vLLM extensions it does not
@@ -802,11 +816,6 @@ class ChatCompletionRequest(GenerationFields):
         "echo": ((False,), "prepending the last message to the reply is not supported"),
         "continue_final_message": ((False,), "continuing the final message is not supported"),
         "chat_template": ((), "the checkpoint's chat template is used; it cannot be replaced"),
-        "chat_template_kwargs": (
-            ({},),
-            "the chat template is rendered with messages, add_generation_prompt and the special "
-            "tokens only",
-        ),
         "documents": (([],), "documents (retrieval templates) are not supported"),
         "mm_processor_kwargs": (({},), "multimodal input is not supported"),
         "media_io_kwargs": (({},), "multimodal input is not supported"),
@@ -824,11 +833,32 @@ class ChatCompletionRequest(GenerationFields):
     """False: the template renders the conversation without the assistant's opening."""
     add_special_tokens: bool = False
     """True: the tokenizer adds its specials (BOS) on top of what the template writes."""
+    chat_template_kwargs: (
+        Annotated[
+            dict[TemplateName, TemplateValue],
+            Field(max_length=MAX_TEMPLATE_KWARGS),
+        ]
+        | None
+    ) = None
+    """More variables for the chat template, as transformers' `apply_chat_template` takes them
+    (Qwen3's `enable_thinking`): names of letters, digits and `_`, values true/false, numbers,
+    null or strings; the template's own variables (`messages`, `add_generation_prompt`, the
+    special tokens) cannot be replaced."""
     tools: list[object] | None = None
     tool_choice: object | None = None
     parallel_tool_calls: bool | None = None
     functions: list[object] | None = None
     function_call: object | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_templates_own(
+        cls, value: dict[str, TemplateValue] | None
+    ) -> dict[str, TemplateValue] | None:
+        taken = sorted(set(value or ()) & set(TEMPLATE_OWN_NAMES))
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be replaced: the agent sets it")
+        return value
 
 
 RejectReason = Literal["queue_full", "too_large", "invalid", "shutting_down"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -92,6 +92,7 @@ class ChatTemplate:
         messages: list[dict[str, Any]],
         special_spans: Callable[[str], list[Span]],
         add_generation_prompt: bool = True,
+        variables: Mapping[str, object] | None = None,
     ) -> RenderedChat:
         """`render`'s text, and where in it the messages' own special-token text is.
 
@@ -111,8 +112,8 @@ class ChatTemplate:
                     copy[key] = _mark(value, special_spans(value), nonce, pieces)
             marked.append(copy)
         if not pieces:
-            return RenderedChat(self.render(messages, add_generation_prompt))
-        rendered = self.render(marked, add_generation_prompt)
+            return RenderedChat(self.render(messages, add_generation_prompt, variables))
+        rendered = self.render(marked, add_generation_prompt, variables)
         text: list[str] = []
         spans: list[Span] = []
         at = last = 0
@@ -135,10 +136,18 @@ class ChatTemplate:
             )
         return RenderedChat("".join(text), tuple(spans))
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of `messages`; TemplateError when the template refuses them."""
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        variables: Mapping[str, object] | None = None,
+    ) -> str:
+        """The prompt text of `messages`; TemplateError when the template refuses them.
+        `variables` are more names for the template (a request's `chat_template_kwargs`); they
+        cannot replace the template's own."""
         try:
             return self._template.render(
+                **(variables or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from kvctl.agent.http_context import ApiError, Context, ServerContext
 from kvctl.agent.model.chat_template import RenderedChat, TemplateError
 from kvctl.agent.model.processing import MAX_LOGPROBS, TokenLogprobs
+from kvctl.agent.model.tokenizer import Span
 from kvctl.agent.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
 from kvctl.api import (
     ChatChoice,
@@ -53,19 +54,39 @@ async def prompt_ids(ctx: ServerContext, gen: Generation, body: ChatCompletionRe
     messages = [_message(m) for m in body.messages]
     tokenizer = gen.tokenizer
     plain = ctx.service.settings.chat.special_tokens_in_content == "plain"
+    variables = body.chat_template_kwargs or {}
+    if plain and tokenizer is not None:
+        _no_special_text(variables, tokenizer.special_spans)
     try:
         if plain and tokenizer is not None:
             rendered = template.render_marked(
-                messages, tokenizer.special_spans, body.add_generation_prompt
+                messages, tokenizer.special_spans, body.add_generation_prompt, variables
             )
         else:
-            rendered = RenderedChat(template.render(messages, body.add_generation_prompt))
+            rendered = RenderedChat(
+                template.render(messages, body.add_generation_prompt, variables)
+            )
     except (TemplateError, ValueError) as error:  # ValueError: look-alike special tokens
         raise ApiError(400, f"messages: {error}", param="messages") from None
     specials = template.add_special_tokens or body.add_special_tokens
     ids = await gen.tokenize(rendered.text, specials, rendered.plain_spans)
     gen.check_length(ids)
     return ids
+
+
+def _no_special_text(
+    variables: Mapping[str, object], special_spans: Callable[[str], list[Span]]
+) -> None:
+    """400 for a template variable holding special-token text: the template would write it
+    into the prompt as a control token, which only the template itself may do."""
+    for name, value in variables.items():
+        if isinstance(value, str) and special_spans(value):
+            raise ApiError(
+                400,
+                f"chat_template_kwargs: {name} holds special-token text, which only the chat "
+                "template may write",
+                param="chat_template_kwargs",
+            )
 
 
 @router.post(
