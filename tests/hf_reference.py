@@ -33,6 +33,41 @@ VARIANTS = {  # name: (transformers config class, model class, config fields)
     ),
     "qwen2-qkv-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1000.0}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    # q/k norms over each head, an explicit head_dim other than hidden / heads, tied embeddings
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
+    # q/k norms over the whole projection, norms after each sublayer instead of before it
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        {
+            "embedding_multiplier": 4.0,
+            "attention_multiplier": 0.125,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 2.0,
+        },
+    ),
+    # qkv_proj and gate_up_proj stored fused
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    # mixtures of experts: Mixtral's names (block_sparse_moe, w1/w2/w3), top 2 of 4
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+    # top 2 of 8 experts, renormalised, q/k norms, and its second layer dense
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
 }
 PROMPT_LENS = (5, 17, 1, 30)
 
@@ -51,9 +86,9 @@ def peaked_weights(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.5 * noise)
             elif name.endswith("embed_tokens.weight"):
                 param.copy_(noise)
-            else:
+            else:  # each output row over its inputs (the last dimension, experts' too)
                 scale = 3.0 if name == "lm_head.weight" else 1.0
-                param.copy_(noise * scale / math.sqrt(param.shape[1]))
+                param.copy_(noise * scale / math.sqrt(param.shape[-1]))
 
 
 def reference_model(variant: str) -> torch.nn.Module:

@@ -191,6 +191,7 @@ def _model_pool(
     mc = loaded.model_config
     if several:
         log.info("model %s:", loaded.name)
+    log.info("model: %s", mc.describe())
     log_pool_size(
         PoolFit(config.page_size, loaded.bytes_per_page, plan.capacity, mc.max_context_len)
     )

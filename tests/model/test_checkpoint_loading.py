@@ -23,6 +23,7 @@ from kvctl.agent.model import (
     load_checkpoint,
 )
 from kvctl.agent.model.checkpoint_check import available_memory, expected_tensors
+from kvctl.agent.model.config import ARCHITECTURES
 
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -121,7 +122,8 @@ BAD = {
     "unsupported architecture": (
         _edit_config(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
         "config.json: unsupported architecture 'GPT2LMHeadModel'; "
-        "kvctl runs Llama, Mistral and Qwen2 style decoders",
+        "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite and Phi-3 style decoders, "
+        "and Mixtral and Qwen3-MoE mixtures of experts",
     ),
     "architecture disagrees with model_type": (
         _edit_config(architectures=["Qwen2ForCausalLM"]),
@@ -380,12 +382,29 @@ def test_free_memory_is_read_for_the_cpu_and_unknown_elsewhere():
 
 @pytest.mark.parametrize(
     "changes",
-    [{}, {"tie_word_embeddings": True}, {"attention_bias": True}, {"model_type": "qwen2"}],
+    [
+        {},
+        {"tie_word_embeddings": True},
+        {"attention_bias": True},
+        {"model_type": "qwen2"},
+        {"model_type": "qwen3", "head_dim": 32},
+        {"model_type": "olmo2"},
+        {"model_type": "granite", "attention_multiplier": 0.5},
+        {"model_type": "phi3"},
+        {"model_type": "mixtral", "num_local_experts": 3},
+        {
+            "model_type": "qwen3_moe",
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "decoder_sparse_step": 2,
+        },
+    ],
 )
 def test_expected_tensors_are_the_models_state_dict(changes: dict):
     hf = {**HF_CONFIG, **changes}
     if "model_type" in changes:
-        hf["architectures"] = ["Qwen2ForCausalLM"]
+        hf["architectures"] = [ARCHITECTURES[changes["model_type"]]]
     config = ModelConfig.from_hf(hf, "m")
     with torch.device("meta"):
         state = LlamaModel(config).state_dict()

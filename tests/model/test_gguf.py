@@ -42,6 +42,8 @@ _BLOCK = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -85,7 +87,11 @@ def write_gguf(
     writer.add_embedding_length(hf["hidden_size"])
     writer.add_block_count(hf["num_hidden_layers"])
     writer.add_feed_forward_length(hf["intermediate_size"])
-    writer.add_rope_dimension_count(hf["hidden_size"] // heads)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != hf["hidden_size"] // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
@@ -222,6 +228,8 @@ def test_demo_model_round_trips_exactly(tmp_path: Path):
 VARIANTS = {  # name: (transformers class, GGUF architecture, config extras)
     "llama": ("LlamaForCausalLM", "llama", {}),
     "qwen2-tied": ("Qwen2ForCausalLM", "qwen2", {"tie_word_embeddings": True}),
+    # q/k norms; head_dim 128, the default transformers' GGUF loader assumes for Qwen3
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", {"head_dim": 128}),
 }
 
 
@@ -521,7 +529,7 @@ BAD = {
     "unsupported architecture": (
         lambda p: _rewrite(p, arch="falcon"),
         "demo.gguf: unsupported architecture 'falcon'; kvctl loads GGUF files of architecture "
-        "llama or qwen2",
+        "llama, qwen2, qwen3",
     ),
     "unsupported quantization type": (
         lambda p: _rewrite(p, raw=True),

@@ -12,7 +12,9 @@ import torch
 from hf_reference import PROMPT_LENS, VARIANTS, hf_greedy, reference_model
 from kv_device import DEVICE
 
+from kvctl.agent.kernels import cpu_ops
 from kvctl.agent.model import ContiguousKVCache, load_checkpoint
+from kvctl.agent.model.fused import fuse, uses_kernels
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,6 +82,25 @@ def test_greedy_generation_matches_transformers(checkpoint, prompts, generate):
     assert len({tuple(t) for t in ours}) > 1, "continuations should depend on the prompt"
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+def test_the_serving_form_matches_transformers(checkpoint, prompts, generate, kernels):
+    """`fuse` (fused products, the families' factors folded into weights, the CPU kernels or
+    torch): the same prompt logits within 1e-4 and the same greedy tokens."""
+    reference, path, _ = checkpoint
+    config, model, _ = load_checkpoint(path, DEVICE, torch.float32)
+    fuse(model, kernels=kernels)
+    assert uses_kernels(model) == (kernels and DEVICE == "cpu" and cpu_ops() is not None)
+    cache = ContiguousKVCache(config, max_seqs=len(prompts), max_len=64, device=DEVICE)
+    layout = cache.begin_step(list(range(len(prompts))), [len(p) for p in prompts])
+    tokens = torch.tensor([t for p in prompts for t in p], device=DEVICE)
+    ours = model.logits(model(tokens, layout.positions(DEVICE), cache)).cpu()
+    with torch.no_grad():
+        expected = torch.cat([reference(torch.tensor([p])).logits[0] for p in prompts])
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    continuations = generate(model, prompts, 12)
+    assert continuations == [hf_greedy(reference, p, 12) for p in prompts]
+
+
 def test_sharded_checkpoint_loads_identically(checkpoint):
     _, single, sharded = checkpoint
     assert len(list(sharded.glob("*.safetensors"))) > 1
@@ -98,10 +119,11 @@ def test_loaded_config_reads_the_checkpoint(checkpoint):
     config, model, tokenizer = load_checkpoint(path, "cpu")
     hf = reference.config
     assert (config.num_layers, config.num_heads, config.num_kv_heads) == (2, 4, 2)
-    assert config.head_dim == 16 and config.vocab_size == 128
+    assert config.head_dim == (getattr(hf, "head_dim", None) or 16) and config.vocab_size == 128
     assert config.eos_token_ids == (2,)
     assert config.tie_word_embeddings == hf.tie_word_embeddings
     assert (model.lm_head is None) == hf.tie_word_embeddings
     assert config.attention_bias == (hf.model_type == "qwen2")
+    assert config.model_type == hf.model_type
     assert tokenizer is None
     assert next(model.parameters()).dtype == torch.float32

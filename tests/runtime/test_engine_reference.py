@@ -7,32 +7,34 @@ pages small enough that every sequence spans several of them and a batch decodin
 
 import pytest
 import torch
-from hf_reference import SHAPE, hf_greedy, peaked_weights
+from hf_reference import VARIANTS, hf_greedy, reference_model
 from kv_device import DEVICE
 
 from kvctl.agent.kernels import cpu_ops
 from kvctl.agent.model import SamplingParams, load_checkpoint
 from kvctl.agent.model.fused import uses_kernels
+from kvctl.agent.pool.defrag import DefragTrigger
 from kvctl.agent.runtime import Engine, EngineConfig
 from kvctl.settings import DefragSettings
 
 transformers = pytest.importorskip("transformers")
 
-VARIANTS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 NEW_TOKENS = 10
 
 
-@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_engine_greedy_matches_transformers_generate(variant, cpu_kernels, tmp_path) -> None:
-    architecture = VARIANTS[variant]
-    config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
-    reference = getattr(transformers, architecture)(config_cls(**SHAPE)).eval()
-    peaked_weights(reference, seed=3)
-    reference.save_pretrained(tmp_path)
-    _, model, tokenizer = load_checkpoint(tmp_path, DEVICE, torch.float32)
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def family(request, tmp_path_factory) -> tuple:
+    """(transformers float32 model, its checkpoint directory) of each family."""
+    reference = reference_model(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    reference.save_pretrained(path)
+    return reference, path
+
+
+def _engine(path, cpu_kernels: bool) -> Engine:
+    _, model, tokenizer = load_checkpoint(path, DEVICE, torch.float32)
     assert tokenizer is None  # token ids in, token ids out
-    engine = Engine(
+    return Engine(
         model,
         tokenizer,
         EngineConfig(
@@ -44,15 +46,37 @@ def test_engine_greedy_matches_transformers_generate(variant, cpu_kernels, tmp_p
             cpu_kernels=cpu_kernels,
         ),
     )
+
+
+def _disturb(engine: Engine) -> None:
+    """A full defragmentation and a resize (grow, then shrink back) between two steps."""
+    engine.defragmenter.run(DefragTrigger.MANUAL)
+    capacity = engine.pool.capacity
+    engine.resizer.resize(capacity + 16)
+    engine.resizer.resize(capacity)
+    engine.pool.check_invariants()
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+def test_engine_greedy_matches_transformers_generate(family, cpu_kernels) -> None:
+    """Every family through the engine's paged pool: equal to transformers' greedy tokens, also
+    with a defragmentation and resizes between every step, and again with the prompts' pages
+    reused from the prefix cache."""
+    reference, path = family
+    engine = _engine(path, cpu_kernels)
     on_kernels = cpu_kernels and cpu_ops() is not None and DEVICE == "cpu"
     assert uses_kernels(engine.model) == on_kernels
     assert engine.cache.decode_read_path == ("paged" if on_kernels else "gather")
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 1, 23, 14)]
+    expected = [hf_greedy(reference, prompt, NEW_TOKENS) for prompt in prompts]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    requests = [engine.add_request(p, params) for p in prompts]
-    while engine.has_work():
-        engine.step()
-    for prompt, request in zip(prompts, requests, strict=True):
-        assert request.output_ids == hf_greedy(reference, prompt, NEW_TOKENS)
-    assert len({tuple(r.output_ids) for r in requests}) > 1
+    for disturbed in (False, True):  # the second pass also hits the prefix cache
+        requests = [engine.add_request(p, params) for p in prompts]
+        while engine.has_work():
+            engine.step()
+            if disturbed:
+                _disturb(engine)
+        assert [r.output_ids for r in requests] == expected
+    assert engine.stats.prefix_hit_ratio, "the second pass must reuse cached pages"
+    assert len({tuple(r) for r in expected}) > 1

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from kvctl.agent.model.config import ModelConfig
 from kvctl.agent.model.errors import CheckpointError, brief
@@ -169,11 +170,12 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     from the config without building a module (a test keeps the two equal)."""
     hidden, d = config.hidden_size, config.head_dim
     q_dim, kv_dim = config.num_heads * d, config.num_kv_heads * d
-    inter = config.intermediate_size
+    inter, family = config.intermediate_size, config.family
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
     for i in range(config.num_layers):
         layer = f"model.layers.{i}."
-        shapes[layer + "input_layernorm.weight"] = (hidden,)
+        if not family.post_norms:
+            shapes[layer + "input_layernorm.weight"] = (hidden,)
         for proj, rows in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
             shapes[f"{layer}self_attn.{proj}.weight"] = (rows, hidden)
             if config.attention_bias:
@@ -181,7 +183,22 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[layer + "self_attn.o_proj.weight"] = (hidden, q_dim)
         if config.o_proj_bias:
             shapes[layer + "self_attn.o_proj.bias"] = (hidden,)
+        if family.qk_norm is not None:
+            per_head = family.qk_norm == "head"
+            shapes[layer + "self_attn.q_norm.weight"] = (d if per_head else q_dim,)
+            shapes[layer + "self_attn.k_norm.weight"] = (d if per_head else kv_dim,)
         shapes[layer + "post_attention_layernorm.weight"] = (hidden,)
+        if family.post_norms:
+            shapes[layer + "post_feedforward_layernorm.weight"] = (hidden,)
+        if config.is_moe_layer(i):
+            moe_inter = config.moe_intermediate_size
+            shapes[layer + "mlp.gate.weight"] = (config.num_experts, hidden)
+            for e in range(config.num_experts):
+                expert = f"{layer}mlp.experts.{e}."
+                shapes[expert + "gate_proj.weight"] = (moe_inter, hidden)
+                shapes[expert + "up_proj.weight"] = (moe_inter, hidden)
+                shapes[expert + "down_proj.weight"] = (hidden, moe_inter)
+            continue
         shapes[layer + "mlp.gate_proj.weight"] = (inter, hidden)
         shapes[layer + "mlp.up_proj.weight"] = (inter, hidden)
         shapes[layer + "mlp.down_proj.weight"] = (hidden, inter)
@@ -189,6 +206,66 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     return shapes
+
+
+FUSED_TENSORS = {  # a fused checkpoint tensor: the model's tensors it holds, in row order
+    "self_attn.qkv_proj.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def checkpoint_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint of `config` stores, name -> shape: the model's own, under the
+    family's names (Mixtral's `block_sparse_moe.experts.{e}.w1`), and for a family that stores
+    q/k/v and gate/up fused (Phi-3), those fused along their rows."""
+    fused_of = {part: fused for fused, parts in FUSED_TENSORS.items() for part in parts}
+    fused = config.family.fused_checkpoint
+    stored: dict[str, tuple[int, ...]] = {}
+    for name, shape in expected_tensors(config).items():
+        layer, part = _layer_part(name)
+        if not (fused and part in fused_of):
+            stored[stored_name(config, name)] = shape
+            continue
+        key = layer + fused_of[part]
+        rows = stored[key][0] if key in stored else 0
+        stored[key] = (rows + shape[0], *shape[1:])
+    return stored
+
+
+def stored_name(config: ModelConfig, name: str) -> str:
+    """The checkpoint's name of the model's tensor `name`."""
+    layer, part = _layer_part(name)
+    for ours, theirs in config.family.renames:
+        part = part.replace(ours, theirs)
+    return layer + part
+
+
+def to_model_state(config: ModelConfig, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A checkpoint's tensors (`checkpoint_tensors`) under the model's names; fused ones split
+    into their parts (views, no copy)."""
+    shapes = expected_tensors(config)
+    ours = {stored_name(config, name): name for name in shapes}
+    out: dict[str, Tensor] = {}
+    for name, tensor in state.items():
+        layer, part = _layer_part(name)
+        if part in FUSED_TENSORS and config.family.fused_checkpoint:
+            names = [layer + split for split in FUSED_TENSORS[part]]
+            out.update(zip(names, tensor.split([shapes[n][0] for n in names]), strict=True))
+        else:
+            out[ours.get(name, name)] = tensor
+    return out
+
+
+def _layer_part(name: str) -> tuple[str, str]:
+    """("model.layers.3.", "self_attn.q_proj.weight") for a layer's tensor, ("", name) else."""
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        return ".".join(parts[:3]) + ".", parts[3]
+    return "", name
 
 
 def ignored(name: str, config: ModelConfig) -> bool:
@@ -207,7 +284,7 @@ def match_tensors(
     """tensor name -> the file that holds it, for every tensor the model takes, after checking
     each header entry against the shape config.json implies: one line for an unexpected,
     duplicated, misshapen, non-float or missing tensor."""
-    expected = expected_tensors(config)
+    expected = checkpoint_tensors(config)
     file_of: dict[str, str] = {}
     for file, tensors in headers.items():
         for name in sorted(tensors):

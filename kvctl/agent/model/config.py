@@ -1,13 +1,15 @@
 """The shape of a Llama-family decoder, read from a Hugging Face `config.json`.
 
-Llama, Mistral and Qwen2 checkpoints differ only in a few switches (q/k/v bias, rope scaling,
-sliding window), so one frozen dataclass describes all three and one module runs them. Every
-number is bounded and typed here, since the loader sizes everything after it from them.
+Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite and Phi-3 checkpoints differ only in a few switches
+(q/k/v bias, q/k norms, where the norms sit, Granite's multipliers, fused checkpoint tensors, rope
+scaling, sliding window: `Family`), so one frozen dataclass describes them all and one module runs
+them. Every number is bounded and typed here, since the loader sizes everything after it from
+them.
 """
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -20,10 +22,67 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a family's decoder differs from Llama's; every family is Llama's block with some of
+    these switches."""
+
+    qkv_bias_only: bool = False
+    """`attention_bias` means a bias on q/k/v and none on o (Qwen2 always has it)."""
+    qk_norm: str | None = None
+    """RMSNorm of q and k before the rotation: over each head ("head", Qwen3) or over the
+    whole projection ("projection", OLMo 2)."""
+    post_norms: bool = False
+    """Norms on each sublayer's output before its residual add, and none on its input (OLMo 2)."""
+    fused_checkpoint: bool = False
+    """The checkpoint stores `qkv_proj` and `gate_up_proj` (Phi-3), split at load."""
+    multipliers: bool = False
+    """Granite's embedding, attention, residual and logits multipliers."""
+    attention_bias: bool = True
+    """`attention_bias` in config.json applies (Phi-3's projections never have a bias)."""
+    experts: str | None = None
+    """A mixture of experts, read from config.json the way this family names it ("mixtral":
+    `num_local_experts`, experts the size of `intermediate_size`, always renormalised;
+    "qwen3_moe": `num_experts`, `moe_intermediate_size`, `norm_topk_prob`, dense layers)."""
+    renames: tuple[tuple[str, str], ...] = ()
+    """(the model's name, the checkpoint's) for parts of a layer the family names its own way."""
+
+
+FAMILIES = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(qkv_bias_only=True),
+    "qwen3": Family(qk_norm="head"),
+    "olmo2": Family(qk_norm="projection", post_norms=True),
+    "granite": Family(multipliers=True),
+    "phi3": Family(fused_checkpoint=True, attention_bias=False),
+    "mixtral": Family(
+        experts="mixtral",
+        renames=(
+            ("mlp.gate.", "block_sparse_moe.gate."),
+            ("gate_proj.", "w1."),
+            ("down_proj.", "w2."),
+            ("up_proj.", "w3."),
+            ("mlp.experts.", "block_sparse_moe.experts."),
+        ),
+    ),
+    "qwen3_moe": Family(qk_norm="head", experts="qwen3_moe"),
 }
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_SUPPORTED = "kvctl runs Llama, Mistral and Qwen2 style decoders"
+_SUPPORTED = (
+    "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite and Phi-3 style decoders, and "
+    "Mixtral and Qwen3-MoE mixtures of experts"
+)
 _ROPE_KEYS = {
     "linear": ("factor",),
     "dynamic": ("factor",),
@@ -41,6 +100,11 @@ LIMITS = {
     "head_dim": 1024,
     "vocab_size": 1 << 22,
     "max_position_embeddings": 1 << 24,
+    "num_local_experts": 1024,
+    "num_experts": 1024,
+    "num_experts_per_tok": 1024,
+    "moe_intermediate_size": 1 << 20,
+    "decoder_sparse_step": 1024,
 }
 
 
@@ -76,6 +140,15 @@ class ModelConfig:
     model_type: str = "llama"
     name: str = "model"
     sliding_window: int | None = None
+    embedding_multiplier: float = 1.0  # Granite's multipliers; 1.0 elsewhere
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None  # None: 1 / sqrt(head_dim)
+    logits_scaling: float = 1.0  # logits are divided by it
+    num_experts: int = 0  # a mixture of experts (`moe.py`) when > 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of a mixture-of-experts model with a dense MLP
     # turns chat messages into a prompt (chat_template.jinja, tokenizer_config.json, GGUF metadata)
     chat_template: "ChatTemplate | None" = field(default=None, repr=False)
 
@@ -90,10 +163,50 @@ class ModelConfig:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.torch_dtype]
 
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    def describe(self) -> str:
+        """One line for the start-up log: the family and how its layers attend."""
+        family, extras = self.family, []
+        if family.qk_norm is not None:
+            extras.append(f"q/k norms over each {self.family.qk_norm}")
+        if family.post_norms:
+            extras.append("norms after each sublayer")
+        if family.multipliers:
+            extras.append("Granite's multipliers")
+        if self.num_experts:
+            extras.append(f"{self.experts_per_token} of {self.num_experts} experts per token")
+        shape = (
+            f"{self.num_layers} layers, {self.num_heads} query heads over {self.num_kv_heads} "
+            f"KV heads of {self.head_dim}"
+        )
+        if self.sliding_window is None:
+            attention = (
+                f"full attention on every layer up to {self.max_position_embeddings:,} tokens"
+            )
+        else:
+            attention = (
+                f"a sliding window of {self.sliding_window:,} tokens on every layer, computed "
+                f"as full attention within it: the context is capped at {self.max_context_len:,}"
+            )
+        return f"{ARCHITECTURES[self.model_type]}: {', '.join([shape, *extras])}; {attention}"
+
+    @property
+    def query_scale(self) -> float:
+        """The factor on q that turns attention's 1 / sqrt(head_dim) into the model's own scale."""
+        if self.attention_multiplier is None:
+            return 1.0
+        return self.attention_multiplier * math.sqrt(self.head_dim)
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any], name: str) -> "ModelConfig":
         """Read a Hugging Face config dict; raise CheckpointError ("config.json: ...") when the
-        checkpoint is not a Llama/Mistral/Qwen2 decoder this runtime computes faithfully."""
+        checkpoint is not a decoder of a family this runtime computes faithfully (`FAMILIES`)."""
         if not isinstance(hf, dict):
             raise CheckpointError("config.json: expected a JSON object at the top level")
         model_type = _model_type(hf)
@@ -116,7 +229,8 @@ class ModelConfig:
             raise CheckpointError(f"config.json: head_dim {head_dim} must be even for RoPE")
         max_pos = _size(hf, "max_position_embeddings", default=2048)
         theta, rope_scaling = _rope(hf, max_pos)
-        attention_bias = _flag(hf, "attention_bias")
+        family = FAMILIES[model_type]
+        attention_bias = family.attention_bias and _flag(hf, "attention_bias")
         return cls(
             vocab_size=_size(hf, "vocab_size"),
             hidden_size=hidden_size,
@@ -131,13 +245,15 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
             attention_bias=model_type == "qwen2" or attention_bias,
-            o_proj_bias=model_type != "qwen2" and attention_bias,
+            o_proj_bias=not family.qkv_bias_only and attention_bias,
             bos_token_id=_optional_int(hf, "bos_token_id"),
             eos_token_ids=token_ids(hf.get("eos_token_id"), "config.json", "eos_token_id"),
             torch_dtype=_dtype(hf),
             model_type=model_type,
             name=name,
             sliding_window=_sliding_window(hf, model_type, max_pos),
+            **_multipliers(hf, family),
+            **_experts(hf, family),
         )
 
 
@@ -174,6 +290,77 @@ def _model_type(hf: dict[str, Any]) -> str:
             f"config.json: unsupported model_type {_shown(model_type)}; {_SUPPORTED}"
         )
     return model_type
+
+
+class _Multipliers(TypedDict):
+    embedding_multiplier: float
+    residual_multiplier: float
+    attention_multiplier: float | None
+    logits_scaling: float
+
+
+def _multipliers(hf: dict[str, Any], family: Family) -> _Multipliers:
+    """Granite's four multipliers (each defaults to transformers' GraniteConfig default); the
+    neutral values for every other family."""
+    if not family.multipliers:
+        return _Multipliers(
+            embedding_multiplier=1.0,
+            residual_multiplier=1.0,
+            attention_multiplier=None,
+            logits_scaling=1.0,
+        )
+    return _Multipliers(
+        embedding_multiplier=_number("embedding_multiplier", hf.get("embedding_multiplier", 1.0)),
+        residual_multiplier=_number("residual_multiplier", hf.get("residual_multiplier", 1.0)),
+        attention_multiplier=_number("attention_multiplier", hf.get("attention_multiplier", 1.0)),
+        logits_scaling=_number("logits_scaling", hf.get("logits_scaling", 1.0)),
+    )
+
+
+class _Experts(TypedDict, total=False):
+    num_experts: int
+    experts_per_token: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    dense_layers: tuple[int, ...]
+
+
+def _experts(hf: dict[str, Any], family: Family) -> _Experts:
+    """The mixture of experts of a family that has one, read as transformers reads it."""
+    if family.experts is None:
+        return _Experts()
+    layers = _size(hf, "num_hidden_layers")
+    if family.experts == "mixtral":
+        count = _size(hf, "num_local_experts", default=8)
+        top_k = _size(hf, "num_experts_per_tok", default=2)
+        return _Experts(
+            num_experts=count,
+            experts_per_token=_top_k(top_k, count),
+            moe_intermediate_size=_size(hf, "intermediate_size"),
+        )
+    # transformers 4 writes `num_experts`, transformers 5 `num_local_experts`
+    key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+    count = _size(hf, key, default=128)
+    step = _size(hf, "decoder_sparse_step", default=1)
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise CheckpointError("config.json: mlp_only_layers must be a list of layer numbers")
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    return _Experts(
+        num_experts=count,
+        experts_per_token=_top_k(_size(hf, "num_experts_per_tok", default=8), count),
+        moe_intermediate_size=_size(hf, "moe_intermediate_size"),
+        norm_topk_prob=_flag(hf, "norm_topk_prob"),
+        dense_layers=dense,
+    )
+
+
+def _top_k(top_k: int, count: int) -> int:
+    if top_k > count:
+        raise CheckpointError(
+            f"config.json: num_experts_per_tok {top_k} is more than the {count} experts"
+        )
+    return top_k
 
 
 def _check_mlp(hf: dict[str, Any]) -> None:
@@ -273,7 +460,7 @@ def _sliding_window(hf: dict[str, Any], model_type: str, max_pos: int) -> int | 
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types") or []
     uses_window = (
-        model_type == "mistral"
+        model_type in ("mistral", "phi3", "mixtral")  # every layer, whenever a window is given
         or _flag(hf, "use_sliding_window")
         or (isinstance(layer_types, list) and "sliding_attention" in layer_types)
     )

@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 from kvctl.agent.kernels import cpu_ops
 from kvctl.agent.model.attention import AttentionBackend
-from kvctl.agent.model.llama import MLP, Decoder, LlamaModel, RMSNorm, SelfAttention
+from kvctl.agent.model.llama import Decoder, DecoderLayer, LlamaModel, RMSNorm
+from kvctl.agent.model.moe import FusedMoE, SparseMoE
 from kvctl.agent.model.projection import Projection
 from kvctl.agent.model.rope import apply_rotary
 
@@ -105,30 +106,53 @@ def layer_ops_for(weight: Tensor, kernels: bool = True) -> LayerOps:
 
 
 class FusedLayer(nn.Module):
-    """One decoder layer with fused products; its norms and residual adds run in the decoder."""
+    """One decoder layer with fused products; its norms and residual adds run in the decoder.
 
-    def __init__(
-        self,
-        attention: SelfAttention,
-        mlp: MLP,
-        input_norm: RMSNorm,
-        post_norm: RMSNorm,
-        kernels: bool = True,
-    ) -> None:
+    The families' scalar factors are folded into the weights here, once: Granite's attention
+    multiplier into q's rows (or, after a q norm, into that norm's weight) and its residual
+    multiplier into o and down, so the step pays nothing for them."""
+
+    def __init__(self, layer: DecoderLayer, kernels: bool = True) -> None:
         super().__init__()
+        attention, mlp = layer.self_attn, layer.mlp
         self.layer_index = attention.layer_index
         self.head_dim = attention.head_dim
-        parts = (attention.q_proj, attention.k_proj, attention.v_proj)
-        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
-        self.qkv = Projection.of(torch.cat([p.weight for p in parts]), bias, kernels)
-        self.o = Projection.of(attention.o_proj.weight, attention.o_proj.bias, kernels)
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        self.gate_up = Projection.of(gate_up, kernels=kernels)
-        self.down = Projection.of(mlp.down_proj.weight, kernels=kernels)
-        self.input_layernorm, self.post_attention_layernorm = input_norm, post_norm
         q_dim = attention.num_heads * attention.head_dim
         kv_dim = attention.num_kv_heads * attention.head_dim
         self.split = (q_dim, kv_dim, kv_dim)
+        self.qk_norm = attention.qk_norm
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        scale, m = attention.query_scale, layer.residual_multiplier
+        parts = (attention.q_proj, attention.k_proj, attention.v_proj)
+        weights: list[Tensor] = [p.weight for p in parts]
+        biases: list[Tensor] | None = None if parts[0].bias is None else [p.bias for p in parts]
+        if self.qk_norm is not None:
+            self.q_norm = _scaled_norm(attention.q_norm, scale)
+            self.k_norm = attention.k_norm
+        elif scale != 1.0:
+            weights[0] = weights[0] * scale
+            if biases is not None:
+                biases[0] = biases[0] * scale
+        bias = None if biases is None else torch.cat(biases)
+        self.qkv = Projection.of(torch.cat(weights), bias, kernels)
+        o_bias = attention.o_proj.bias
+        self.o = Projection.of(
+            attention.o_proj.weight * m, None if o_bias is None else o_bias * m, kernels
+        )
+        self.moe: FusedMoE | None = None
+        if isinstance(mlp, SparseMoE):
+            self.moe = FusedMoE(mlp, kernels, down_scale=m)
+        else:
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            self.gate_up = Projection.of(gate_up, kernels=kernels)
+            self.down = Projection.of(mlp.down_proj.weight * m, kernels=kernels)
+        self.post_norms = layer.post_norms
+        self.input_layernorm = None if layer.post_norms else layer.input_layernorm
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.post_feedforward_layernorm = (
+            layer.post_feedforward_layernorm if layer.post_norms else None
+        )
 
     def attention(
         self,
@@ -138,51 +162,91 @@ class FusedLayer(nn.Module):
         attention: AttentionBackend,
         ops: LayerOps,
     ) -> Tensor:
-        q, k, v = ops.rotary(self.qkv(h), cos, sin, self.split, self.head_dim)
+        qkv = self.qkv(h)
+        if self.qk_norm is not None:
+            self._norm_qk(qkv, ops)
+        q, k, v = ops.rotary(qkv, cos, sin, self.split, self.head_dim)
         out = attention.attend(self.layer_index, q, k, v)  # [T, h, d]
         return self.o(out.reshape(h.shape[0], -1))
 
+    def _norm_qk(self, qkv: Tensor, ops: LayerOps) -> None:
+        """q and k of the qkv product normed in place, before the rotation: over each head
+        (rows of head_dim) or over the whole projection."""
+        assert self.q_norm is not None and self.k_norm is not None
+        t, (q_dim, kv_dim, _) = qkv.shape[0], self.split
+        width = self.head_dim if self.qk_norm == "head" else None
+        for part, norm in (
+            (qkv[:, :q_dim], self.q_norm),
+            (qkv[:, q_dim : q_dim + kv_dim], self.k_norm),
+        ):
+            rows = part.reshape(-1, width or part.shape[1]).contiguous()  # the part is strided
+            part.copy_(ops.rms_norm(rows, norm).view(t, -1))
+
     def mlp(self, h: Tensor, ops: LayerOps) -> Tensor:
+        if self.moe is not None:
+            return self.moe(h, ops.silu_and_mul)
         return self.down(ops.silu_and_mul(self.gate_up(h)))
+
+
+def _scaled_norm(norm: RMSNorm, scale: float) -> RMSNorm:
+    """`norm` with its output multiplied by `scale` (the same norm when `scale` is 1)."""
+    if scale == 1.0:
+        return norm
+    scaled = RMSNorm(norm.weight.shape[0], norm.eps)
+    scaled.weight = nn.Parameter(norm.weight.detach() * scale, requires_grad=False)
+    return scaled
 
 
 class FusedDecoder(nn.Module):
     """`Decoder` over fused layers: x = embed; per layer h = norm(x), x += attn(h),
     h = norm(x), x += mlp(h); then the final norm, each residual add fused into the norm after
-    it."""
+    it. With post norms (OLMo 2): x += norm(attn(x)), x += norm(mlp(x)), then the final norm."""
 
     def __init__(self, decoder: Decoder, kernels: bool = True) -> None:
         super().__init__()
         self.embed_tokens = decoder.embed_tokens
+        self.embedding_multiplier = decoder.embedding_multiplier
         self.rotary_emb = decoder.rotary_emb
         self.norm = decoder.norm
-        self.blocks = [
-            FusedLayer(
-                layer.self_attn,
-                layer.mlp,
-                layer.input_layernorm,
-                layer.post_attention_layernorm,
-                kernels,
-            )
-            for layer in decoder.blocks
-        ]
+        self.blocks = [FusedLayer(layer, kernels) for layer in decoder.blocks]
         """The layers, typed (`nn.ModuleList` yields plain modules); `layers` registers them."""
         self.layers = nn.ModuleList(self.blocks)
         self.ops = layer_ops_for(decoder.embed_tokens.weight, kernels)
+        self.post_norms = bool(self.blocks) and self.blocks[0].post_norms
 
     def forward(self, token_ids: Tensor, positions: Tensor, attention: AttentionBackend) -> Tensor:
-        ops = self.ops
         x = self.embed_tokens(token_ids)  # [T, hidden], the residual stream (updated in place)
+        if self.embedding_multiplier != 1.0:
+            x.mul_(self.embedding_multiplier)
         cos, sin = self.rotary_emb(positions, x.dtype)  # [T, head_dim] each
-        blocks = self.blocks
-        h = ops.rms_norm(x, blocks[0].input_layernorm)
+        if self.post_norms:
+            return self._post_norm_layers(x, cos, sin, attention)
+        ops, blocks = self.ops, self.blocks
+        first = blocks[0].input_layernorm
+        assert first is not None
+        h = ops.rms_norm(x, first)
         for i, layer in enumerate(blocks):
             h = ops.add_rms_norm_(
                 x, layer.attention(h, cos, sin, attention, ops), layer.post_attention_layernorm
             )
             after = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else self.norm
+            assert after is not None
             h = ops.add_rms_norm_(x, layer.mlp(h, ops), after)
         return h
+
+    def _post_norm_layers(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend
+    ) -> Tensor:
+        ops = self.ops
+        for layer in self.blocks:
+            assert layer.post_feedforward_layernorm is not None
+            x.add_(
+                ops.rms_norm(
+                    layer.attention(x, cos, sin, attention, ops), layer.post_attention_layernorm
+                )
+            )
+            x.add_(ops.rms_norm(layer.mlp(x, ops), layer.post_feedforward_layernorm))
+        return ops.rms_norm(x, self.norm)
 
 
 def fuse(model: LlamaModel, kernels: bool = True) -> LlamaModel:

@@ -16,7 +16,7 @@ from kvctl.agent.model.config import ModelConfig
 from kvctl.agent.model.errors import CheckpointError
 from kvctl.agent.model.rope import inv_frequencies
 
-ARCHITECTURES = ("llama", "qwen2")  # llama.cpp names; Mistral files are "llama"
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # llama.cpp names; Mistral files are "llama"
 _STRING, _ARRAY = 8, 9  # GGUFValueType
 # Llama 3.1/3.2's rope scaling, which llama.cpp stores as a `rope_freqs.weight` tensor.
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
@@ -57,7 +57,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], file: Pa
     if arch not in ARCHITECTURES:
         raise CheckpointError(
             f"{file.name}: unsupported architecture {arch!r}; kvctl loads GGUF files of "
-            f"architecture {' or '.join(ARCHITECTURES)} (Llama, Mistral and Qwen2 decoders)"
+            f"architecture {', '.join(ARCHITECTURES)} (Llama, Mistral, Qwen2 and Qwen3 decoders)"
         )
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{file.name}: missing tensor token_embd.weight")

@@ -22,6 +22,7 @@ from kvctl.agent.model.checkpoint_check import (
     check_memory,
     match_tensors,
     read_header,
+    to_model_state,
     weight_bytes,
 )
 from kvctl.agent.model.checkpoint_files import read_json
@@ -112,7 +113,7 @@ def _load_model(
         with _open(root / file) as handle:
             for name in (n for n, f in file_of.items() if f == file):
                 state[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(to_model_state(config, state), strict=True, assign=True)
     return model.eval().requires_grad_(False)
 
 
