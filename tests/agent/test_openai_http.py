@@ -231,7 +231,6 @@ VLLM_REFUSED = [
             ("echo", True),
             ("continue_final_message", True),
             ("chat_template", "{{ messages }}"),
-            ("chat_template_kwargs", {"enable_thinking": False}),
             ("documents", [{"title": "a", "text": "b"}]),
             ("mm_processor_kwargs", {"a": 1}),
             ("media_io_kwargs", {"video": {}}),
