@@ -7,6 +7,9 @@ mostly overhead, a 1B model's mostly weight reads. `build(name)` writes one of
 - `135m`: SmolLM2-135M, `smollm_checkpoint.build()` as it always was.
 - `qwen2.5-0.5b`: Qwen2.5-0.5B's config (`Qwen2ForCausalLM`: hidden 896, 24 layers, 14 heads,
   2 KV heads, q/k/v bias, rope theta 1e6, vocabulary 151,936, tied embeddings).
+- `qwen3-0.6b`: Qwen3-0.6B's config (`Qwen3ForCausalLM`: hidden 1024, 28 layers, 16 heads of
+  128, 8 KV heads, q/k norms, rope theta 1e6, vocabulary 151,936, tied embeddings; Qwen2.5's
+  tokenizer layout).
 - `llama-3.2-1b`: Llama-3.2-1B's config (`LlamaForCausalLM`: hidden 2048, 16 layers, 32 heads,
   8 KV heads, llama3 rope scaling, vocabulary 128,256, tied embeddings).
 
@@ -27,7 +30,8 @@ one. Chat templates are the real formats without default system prompts or tools
 Qwen2.5, Llama 3's header blocks. Each shape has its own directory under ~/.cache/kvctl-bench/;
 a finished build (same seed) is reused.
 
-    python benchmarks/shape_checkpoints.py SHAPE [DIR]   (SHAPE: 135m, qwen2.5-0.5b, llama-3.2-1b)
+    python benchmarks/shape_checkpoints.py SHAPE [DIR]   (SHAPE: 135m, qwen2.5-0.5b, qwen3-0.6b,
+    llama-3.2-1b)
 """
 
 from __future__ import annotations
@@ -109,6 +113,34 @@ def qwen25_05b_config() -> dict[str, object]:
     }
 
 
+def qwen3_06b_config() -> dict[str, object]:
+    """Qwen3-0.6B's config.json (q/k norms over each head, head_dim 128 over hidden 1024)."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 28,
+        "initializer_range": 0.02,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "float32",
+    }
+
+
 def llama32_1b_config() -> dict[str, object]:
     """Llama-3.2-1B's config.json."""
     return {
@@ -169,6 +201,19 @@ SHAPES = {
             ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
             None,
             "<|endoftext|>",
+            smollm_checkpoint.CHAT_TEMPLATE,
+        ),
+        Shape(
+            "qwen3-0.6b",
+            "Qwen3-0.6B",
+            CACHE / "qwen3-0.6b",
+            qwen3_06b_config(),
+            range(151643),
+            QWEN2_SPLIT,
+            True,
+            ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+            None,
+            "<|im_end|>",
             smollm_checkpoint.CHAT_TEMPLATE,
         ),
         Shape(

@@ -34,7 +34,7 @@ while each workload ran, flagging the disturbed ones. The agent is the kvctl of 
 script is in (PYTHONPATH), started by the virtualenv's `kvctl-agent`.
 
     python benchmarks/vs_vllm.py [--rounds 3] [--dtype float32|bfloat16]
-        [--shape 135m|qwen2.5-0.5b|llama-3.2-1b] [--workloads NAME,...|all|list] [--out DIR]
+        [--shape 135m|qwen2.5-0.5b|qwen3-0.6b|llama-3.2-1b] [--workloads NAME,...|all|list] [--out DIR]
         [--peer-venv ~/.cache/vllm-cpu-venv] [--agent-arg=--flag ...] [--quick]
 
 Run it alone on the machine (every server and client shares its cores), e.g. under
@@ -638,6 +638,8 @@ def model_shape(model: Path) -> tuple[int, int, str]:
         attn += (heads + 2 * kv_heads) * head_dim + (0 if qwen2 else hidden)
     mlp = 3 * hidden * inter + (2 * inter + hidden if c.get("mlp_bias") else 0)
     per_layer = attn + mlp + 2 * hidden
+    if c.get("model_type") == "qwen3":  # q and k norms over each head
+        per_layer += 2 * head_dim
     tied = bool(c.get("tie_word_embeddings"))
     embed = c["vocab_size"] * hidden * (1 if tied else 2)
     kv = layers * 2 * kv_heads * head_dim
