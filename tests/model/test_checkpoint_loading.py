@@ -529,3 +529,29 @@ def test_from_hf_qwen2_bias_and_mistral_window():
     assert (windowed.sliding_window, windowed.max_context_len) == (64, 64)
     unwindowed = ModelConfig.from_hf({**mistral, "sliding_window": None}, "m")
     assert (unwindowed.sliding_window, unwindowed.max_context_len) == (None, 128)
+
+
+def test_the_start_up_line_names_the_family_and_how_its_layers_attend():
+    qwen3 = ModelConfig.from_hf(
+        {**HF_CONFIG, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 32},
+        "m",
+    )
+    assert qwen3.describe() == (
+        "Qwen3ForCausalLM: 2 layers, 4 query heads over 2 KV heads of 32, q/k norms over each "
+        "head; full attention on every layer up to 128 tokens"
+    )
+    mistral = ModelConfig.from_hf(
+        {
+            **HF_CONFIG,
+            "model_type": "mistral",
+            "architectures": ["MistralForCausalLM"],
+            "sliding_window": 64,
+        },
+        "m",
+    )
+    assert "a sliding window of 64 tokens on every layer" in mistral.describe()
+    assert "the context is capped at 64" in mistral.describe()
+    mixtral = ModelConfig.from_hf(
+        {**HF_CONFIG, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, "m"
+    )
+    assert "2 of 8 experts per token" in mixtral.describe()
