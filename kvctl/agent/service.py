@@ -166,6 +166,7 @@ class AgentService:
         self._gpu_reading: tuple[float, list[GpuMemory]] = (float("-inf"), [])
         # (requests waiting once the last wave is replaced, until when to wait for them)
         self._refill: tuple[int, float] | None = None
+        self._ended = 0  # requests ended since the engines were last idle
         self._idle_trim = IdleTrim(clock())  # returns a burst's freed heap (kvctl.agent.memory)
         for pool in pools:
             if pool.name in self.pools:
@@ -297,7 +298,8 @@ class AgentService:
     def _step_all(self, pools: list[ModelPool]) -> bool:
         """One step of every pool with work; False when none produced anything (nothing could
         run: the loop waits rather than spins). A step that leaves every engine empty notes
-        the wave it ended, for `_gather_arrivals`."""
+        the wave that ended since the engines were last idle (a request a step ahead of the
+        others belongs to it too), for `_gather_arrivals`."""
         busy, ended = False, 0
         for pool in pools:
             if pool.engine.has_work():
@@ -305,9 +307,10 @@ class AgentService:
                 self._dispatch(events)
                 busy = busy or bool(events)
                 ended += sum(e.finish_reason is not None for e in events)
+        self._ended += ended
         if ended and not any(pool.engine.scheduler.running for pool in pools):
             waiting = sum(len(pool.engine.scheduler.waiting) for pool in pools)
-            self._refill = (waiting + ended, time.monotonic() + REFILL_WINDOW_S)
+            self._refill = (waiting + self._ended, time.monotonic() + REFILL_WINDOW_S)
         return busy
 
     def _gather_arrivals(self, pools: list[ModelPool]) -> None:
@@ -317,6 +320,7 @@ class AgentService:
         if any(e.scheduler.running for e in engines) or not any(e.has_work() for e in engines):
             return
         (refill, refill_until), self._refill = self._refill or (0, 0.0), None
+        self._ended = 0  # the engines go from idle to busy: a new wave starts
         deadline = time.monotonic() + ARRIVAL_WINDOW_S  # real time even under a test's clock
         while True:
             waiting = sum(len(e.scheduler.waiting) for e in engines)
