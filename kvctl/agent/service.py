@@ -61,7 +61,7 @@ IDLE_TICK_S = 0.05
 # An idle engine that gets a request waits for the rest of its burst (clients that run N streams
 # send N requests together when a wave ends): up to ARRIVAL_WINDOW_S, while the next arrives
 # within ARRIVAL_GAP_S. One step then computes the whole wave instead of one prompt, then the rest.
-# When the step that emptied the engine ended N requests, up to N replacements are waited for
+# When N requests ended since the engine was last idle, up to N replacements are waited for
 # with the longer REFILL_GAP_S (up to REFILL_WINDOW_S): a closed-loop client sends them a few
 # milliseconds apart, and a wave split at 3 ms cost its later prompts a whole step of TTFT.
 ARRIVAL_GAP_S = 0.003
