@@ -129,6 +129,16 @@ BAD = {
         _edit_config(architectures=["Qwen2ForCausalLM"]),
         "config.json: architecture 'Qwen2ForCausalLM' does not match model_type 'llama'",
     ),
+    "a million expert MLPs": (
+        _edit_config(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            num_hidden_layers=1024,
+            num_local_experts=1024,
+        ),
+        "config.json: 1,024 experts on each of 1,024 layers is over the 65,536 expert MLPs "
+        "kvctl loads",
+    ),
     "missing key": (
         _edit_config(hidden_size="DEL"),
         "config.json: missing required key 'hidden_size'",

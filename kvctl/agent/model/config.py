@@ -331,7 +331,7 @@ def _experts(hf: dict[str, Any], family: Family) -> _Experts:
         return _Experts()
     layers = _size(hf, "num_hidden_layers")
     if family.experts == "mixtral":
-        count = _size(hf, "num_local_experts", default=8)
+        count = _expert_count(hf, "num_local_experts", 8, layers)
         top_k = _size(hf, "num_experts_per_tok", default=2)
         return _Experts(
             num_experts=count,
@@ -340,7 +340,7 @@ def _experts(hf: dict[str, Any], family: Family) -> _Experts:
         )
     # transformers 4 writes `num_experts`, transformers 5 `num_local_experts`
     key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
-    count = _size(hf, key, default=128)
+    count = _expert_count(hf, key, 128, layers)
     step = _size(hf, "decoder_sparse_step", default=1)
     only = hf.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
@@ -353,6 +353,22 @@ def _experts(hf: dict[str, Any], family: Family) -> _Experts:
         norm_topk_prob=_flag(hf, "norm_topk_prob"),
         dense_layers=dense,
     )
+
+
+MAX_EXPERT_MLPS = 1 << 16
+"""Experts over all layers: four times the largest open models (DeepSeek-V3's 61 × 256,
+Qwen3-235B's 94 × 128), so a hostile config cannot make the checks themselves list millions of
+tensors before the memory check refuses them."""
+
+
+def _expert_count(hf: dict[str, Any], key: str, default: int, layers: int) -> int:
+    count = _size(hf, key, default=default)
+    if count * layers > MAX_EXPERT_MLPS:
+        raise CheckpointError(
+            f"config.json: {count:,} experts on each of {layers:,} layers is over the "
+            f"{MAX_EXPERT_MLPS:,} expert MLPs kvctl loads"
+        )
+    return count
 
 
 def _top_k(top_k: int, count: int) -> int:

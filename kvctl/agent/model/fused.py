@@ -35,7 +35,7 @@ from kvctl.agent.kernels import cpu_ops
 from kvctl.agent.model.attention import AttentionBackend
 from kvctl.agent.model.llama import Decoder, DecoderLayer, LlamaModel, RMSNorm
 from kvctl.agent.model.moe import FusedMoE, SparseMoE
-from kvctl.agent.model.projection import Projection
+from kvctl.agent.model.projection import Projection, scaled
 from kvctl.agent.model.rope import apply_rotary
 
 
@@ -130,15 +130,17 @@ class FusedLayer(nn.Module):
         if self.qk_norm is not None:
             self.q_norm = _scaled_norm(attention.q_norm, scale)
             self.k_norm = attention.k_norm
-        elif scale != 1.0:
-            weights[0] = weights[0] * scale
+        else:
+            weights[0] = scaled(weights[0], scale)
             if biases is not None:
-                biases[0] = biases[0] * scale
+                biases[0] = scaled(biases[0], scale)
         bias = None if biases is None else torch.cat(biases)
         self.qkv = Projection.of(torch.cat(weights), bias, kernels)
         o_bias = attention.o_proj.bias
         self.o = Projection.of(
-            attention.o_proj.weight * m, None if o_bias is None else o_bias * m, kernels
+            scaled(attention.o_proj.weight, m),
+            None if o_bias is None else scaled(o_bias, m),
+            kernels,
         )
         self.moe: FusedMoE | None = None
         if isinstance(mlp, SparseMoE):
@@ -146,7 +148,7 @@ class FusedLayer(nn.Module):
         else:
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
             self.gate_up = Projection.of(gate_up, kernels=kernels)
-            self.down = Projection.of(mlp.down_proj.weight * m, kernels=kernels)
+            self.down = Projection.of(scaled(mlp.down_proj.weight, m), kernels=kernels)
         self.post_norms = layer.post_norms
         self.input_layernorm = None if layer.post_norms else layer.input_layernorm
         self.post_attention_layernorm = layer.post_attention_layernorm
@@ -192,9 +194,9 @@ def _scaled_norm(norm: RMSNorm, scale: float) -> RMSNorm:
     """`norm` with its output multiplied by `scale` (the same norm when `scale` is 1)."""
     if scale == 1.0:
         return norm
-    scaled = RMSNorm(norm.weight.shape[0], norm.eps)
-    scaled.weight = nn.Parameter(norm.weight.detach() * scale, requires_grad=False)
-    return scaled
+    out = RMSNorm(norm.weight.shape[0], norm.eps)
+    out.weight = nn.Parameter(scaled(norm.weight.detach(), scale), requires_grad=False)
+    return out
 
 
 class FusedDecoder(nn.Module):

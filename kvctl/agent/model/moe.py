@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvctl.agent.model.config import ModelConfig
-from kvctl.agent.model.projection import Projection
+from kvctl.agent.model.projection import Projection, scaled
 
 Expert = Callable[[Tensor], Tensor]
 
@@ -88,7 +88,7 @@ class FusedMoE(nn.Module):
             for e in experts
         )
         self.down = nn.ModuleList(
-            Projection.of(e.down_proj.weight * down_scale, kernels=kernels) for e in experts
+            Projection.of(scaled(e.down_proj.weight, down_scale), kernels=kernels) for e in experts
         )
 
     def forward(self, x: Tensor, silu_and_mul: Callable[[Tensor], Tensor]) -> Tensor:

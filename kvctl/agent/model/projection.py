@@ -24,6 +24,12 @@ from torch import Tensor, nn
 from kvctl.agent.kernels import cpu_ops
 
 
+def scaled(weight: Tensor, factor: float) -> Tensor:
+    """`weight` times `factor`, a new tensor only where the factor is not 1: folding a family's
+    multiplier must not copy every model's weights at load for nothing."""
+    return weight if factor == 1.0 else weight * factor
+
+
 class Projection(nn.Module):
     """y = x Wᵀ + b over a flattened batch x [T, in] -> [T, out]."""
 
