@@ -12,6 +12,12 @@ mostly overhead, a 1B model's mostly weight reads. `build(name)` writes one of
   tokenizer layout).
 - `llama-3.2-1b`: Llama-3.2-1B's config (`LlamaForCausalLM`: hidden 2048, 16 layers, 32 heads,
   8 KV heads, llama3 rope scaling, vocabulary 128,256, tied embeddings).
+- `gemma-3-1b`: Gemma-3-1B's config (`Gemma3ForCausalLM`: hidden 1152, 26 layers, 4 heads of
+  256 over 1 KV head, a 512-token window on 5 layers of every 6, local rope base 10,000 and
+  global 1e6, vocabulary 262,144, tied embeddings). Its tokenizer is Qwen2's layout (151,643
+  BPE tokens) with Gemma's turn tokens, then reserved tokens to 262,144: the real one is a
+  SentencePiece model, which the corpus cannot train to that size; what the comparison needs
+  is the real vocabulary's size (the output head reads 262,144 rows).
 
 Weights come from transformers' own initialiser under `seed`, saved by `save_pretrained` in
 float32 (`smollm_checkpoint.build_weights`). The tokenizer is a byte-level BPE with the real
@@ -31,7 +37,7 @@ Qwen2.5, Llama 3's header blocks. Each shape has its own directory under ~/.cach
 a finished build (same seed) is reused.
 
     python benchmarks/shape_checkpoints.py SHAPE [DIR]   (SHAPE: 135m, qwen2.5-0.5b, qwen3-0.6b,
-    llama-3.2-1b)
+    llama-3.2-1b, gemma-3-1b)
 """
 
 from __future__ import annotations
@@ -63,6 +69,15 @@ LLAMA3_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
     "{% endif %}"
 )
+
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+"""Gemma's turn format without its system-prompt folding (the comparison sends no system
+prompt)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +189,44 @@ def llama32_1b_config() -> dict[str, object]:
     }
 
 
+GEMMA_SPECIALS = ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<pad>")
+
+
+def gemma3_1b_config() -> dict[str, object]:
+    """Gemma-3-1B's config.json (transformers 4's layout, as the checkpoint ships it), with the
+    special tokens' ids of this tokenizer layout."""
+    first_special = 151643
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "vocab_size": 262144,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": None,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "initializer_range": 0.02,
+        "bos_token_id": first_special,
+        "eos_token_id": [first_special + 1, first_special + 3],
+        "pad_token_id": first_special + 4,
+        "torch_dtype": "float32",
+    }
+
+
 SHAPES = {
     s.name: s
     for s in (
@@ -240,6 +293,19 @@ SHAPES = {
             "<|begin_of_text|>",
             "<|end_of_text|>",
             LLAMA3_CHAT_TEMPLATE,
+        ),
+        Shape(
+            "gemma-3-1b",
+            "Gemma-3-1B",
+            CACHE / "gemma-3-1b",
+            gemma3_1b_config(),
+            range(151643),
+            QWEN2_SPLIT,
+            True,
+            GEMMA_SPECIALS,
+            "<bos>",
+            "<eos>",
+            GEMMA_CHAT_TEMPLATE,
         ),
     )
 }

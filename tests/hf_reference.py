@@ -68,6 +68,37 @@ VARIANTS = {  # name: (transformers config class, model class, config fields)
             "mlp_only_layers": [1],
         },
     ),
+    # (1 + w) norms around each sublayer, GeGLU, √hidden embeddings, a query scale of its own,
+    # soft-capped scores and logits, a sliding window of 8 tokens on every other layer
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 10.0,
+            "final_logit_softcapping": 60.0,
+            "pad_token_id": 0,
+        },
+    ),
+    # per-head q/k norms, sliding layers with their own rope base: layers 0 and 2 slide
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+            "pad_token_id": 0,
+        },
+    ),
 }
 PROMPT_LENS = (5, 17, 1, 30)
 
@@ -96,7 +127,7 @@ def reference_model(variant: str) -> torch.nn.Module:
     import transformers
 
     config_cls, model_cls, extra = VARIANTS[variant]
-    config = getattr(transformers, config_cls)(**SHAPE, **extra)
+    config = getattr(transformers, config_cls)(**{**SHAPE, **extra})
     model = getattr(transformers, model_cls)(config).eval()
     peaked_weights(model, seed=len(variant))
     return model

@@ -122,8 +122,8 @@ BAD = {
     "unsupported architecture": (
         _edit_config(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
         "config.json: unsupported architecture 'GPT2LMHeadModel'; "
-        "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite and Phi-3 style decoders, "
-        "and Mixtral and Qwen3-MoE mixtures of experts",
+        "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and Gemma 3 "
+        "style decoders, and Mixtral and Qwen3-MoE mixtures of experts",
     ),
     "architecture disagrees with model_type": (
         _edit_config(architectures=["Qwen2ForCausalLM"]),
@@ -401,6 +401,8 @@ def test_free_memory_is_read_for_the_cpu_and_unknown_elsewhere():
         {"model_type": "olmo2"},
         {"model_type": "granite", "attention_multiplier": 0.5},
         {"model_type": "phi3"},
+        {"model_type": "gemma2"},
+        {"model_type": "gemma3_text"},
         {"model_type": "mixtral", "num_local_experts": 3},
         {
             "model_type": "qwen3_moe",
@@ -536,9 +538,118 @@ def test_from_hf_qwen2_bias_and_mistral_window():
     assert (llama.attention_bias, llama.o_proj_bias) == (True, True)
     mistral = {**HF_CONFIG, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
     windowed = ModelConfig.from_hf({**mistral, "sliding_window": 64}, "m")
-    assert (windowed.sliding_window, windowed.max_context_len) == (64, 64)
+    assert (windowed.sliding_window, windowed.max_context_len) == (64, 128)
+    assert windowed.sliding_layers == (0, 1) and windowed.window_of(1) == 64
     unwindowed = ModelConfig.from_hf({**mistral, "sliding_window": None}, "m")
     assert (unwindowed.sliding_window, unwindowed.max_context_len) == (None, 128)
+    assert unwindowed.window_of(0) is None
+    qwen_windowed = {**HF_CONFIG, **qwen2, "num_hidden_layers": 4, "sliding_window": 16}
+    assert ModelConfig.from_hf(qwen_windowed, "q").sliding_window is None  # not switched on
+    qwen_windowed.update(use_sliding_window=True, max_window_layers=1)
+    assert ModelConfig.from_hf(qwen_windowed, "q").sliding_layers == (1, 2, 3)
+
+
+GEMMA3_OLD = {  # Gemma-3-1B's config.json as transformers 4 wrote it, shrunk
+    **HF_CONFIG,
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 7,
+    "head_dim": 32,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 32,
+    "rope_theta": 1000000,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "sliding_window": 16,
+    "sliding_window_pattern": 6,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+}
+
+
+def test_gemma3_reads_transformers_4_and_5_configs_alike():
+    """transformers 4 wrote `rope_local_base_freq` and `sliding_window_pattern`; transformers 5
+    writes `rope_parameters` per layer type and `layer_types`: one model either way."""
+    old = ModelConfig.from_hf(GEMMA3_OLD, "g")
+    new_hf = {k: v for k, v in GEMMA3_OLD.items() if not k.startswith(("rope", "sliding_window_"))}
+    new_hf["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    new_hf["layer_types"] = ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    new = ModelConfig.from_hf(new_hf, "g")
+    assert old == new
+    assert old.sliding_layers == (0, 1, 2, 3, 4, 6) and old.window_of(5) is None
+    assert (old.rope_theta, old.local_rope_theta) == (1e6, 1e4)
+    assert old.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert old.local_rope(0) and not old.local_rope(5)
+    assert old.attention_multiplier == 32**-0.5 and old.embedding_multiplier == 8.0
+    assert (old.attn_softcap, old.final_softcap) == (None, None)
+    assert old.describe().endswith(
+        "a sliding window of 16 tokens on 6 of 7 layers, full attention on the others up to "
+        "128 tokens"
+    )
+
+
+def test_gemma3_sliding_layers_keep_their_rope_when_the_window_spans_the_context():
+    """A window no shorter than the context is no window, but the sliding layers still rotate
+    with their own base, as transformers rotates them by layer type."""
+    config = ModelConfig.from_hf({**GEMMA3_OLD, "sliding_window": 128}, "g")
+    assert config.sliding_window is None and config.window_of(0) is None
+    assert config.local_rope(0) and not config.local_rope(5)
+    assert "full attention on every layer" in config.describe()
+
+
+def test_gemma2_defaults_alternate_layers_and_cap_logits():
+    gemma2 = {
+        **HF_CONFIG,
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "num_hidden_layers": 4,
+        "sliding_window": 16,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    }
+    config = ModelConfig.from_hf(gemma2, "g")
+    assert config.sliding_layers == (0, 2) and config.local_rope_theta is None
+    assert (config.attn_softcap, config.final_softcap) == (50.0, 30.0)
+    assert config.attention_multiplier == 16**-0.5  # query_pre_attn_scalar defaults to head_dim
+    assert "soft-capped attention and logits" in config.describe()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"hidden_activation": "silu"},
+            "config.json: hidden_activation 'silu' is not supported; expected 'gelu_pytorch_tanh'",
+        ),
+        (
+            {"layer_types": ["sliding_attention"] * 3},
+            "config.json: layer_types must list each of the 7 layers",
+        ),
+        (
+            {"layer_types": ["chunked_attention"] * 7},
+            "config.json: layer_types may name only sliding_attention and full_attention",
+        ),
+        (
+            {"sliding_window_pattern": 0},
+            "config.json: sliding_window_pattern must be an integer from 1 to 1,024",
+        ),
+        (
+            {"final_logit_softcapping": -1},
+            "config.json: final_logit_softcapping must be a positive finite number, got -1",
+        ),
+        (
+            {"rope_local_base_freq": "fast"},
+            "config.json: rope_local_base_freq must be a positive finite number, got 'fast'",
+        ),
+    ],
+)
+def test_a_gemma_config_kvctl_cannot_compute_is_one_line(changes: dict, message: str):
+    with pytest.raises(CheckpointError) as refused:
+        ModelConfig.from_hf({**GEMMA3_OLD, **changes}, "g")
+    assert str(refused.value) == message
 
 
 def test_the_start_up_line_names_the_family_and_how_its_layers_attend():
@@ -559,8 +670,9 @@ def test_the_start_up_line_names_the_family_and_how_its_layers_attend():
         },
         "m",
     )
-    assert "a sliding window of 64 tokens on every layer" in mistral.describe()
-    assert "the context is capped at 64" in mistral.describe()
+    assert mistral.describe().endswith(
+        "a sliding window of 64 tokens on every layer up to 128 tokens"
+    )
     mixtral = ModelConfig.from_hf(
         {**HF_CONFIG, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, "m"
     )

@@ -1,12 +1,15 @@
 """GGUF loading: files written the way llama.cpp's convert_hf_to_gguf writes them (tensor names,
-Q/K rows permuted for its interleaved rotary, tokenizer and chat template in the metadata), read
-back by kvctl and, as the reference, by transformers' own GGUF loader."""
+Q/K rows permuted for its interleaved rotary, Gemma's norms stored as 1 + w, tokenizer and chat
+template in the metadata), read back by kvctl and, as the reference, by transformers' own GGUF
+loader."""
 
 import json
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -54,6 +57,7 @@ _TOP = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+GEMMA_ARCHS = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
 
 
 def permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -88,14 +92,17 @@ def write_gguf(
     writer.add_block_count(hf["num_hidden_layers"])
     writer.add_feed_forward_length(hf["intermediate_size"])
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim != hf["hidden_size"] // heads:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+    if arch in GEMMA_ARCHS:
+        _gemma_metadata(writer, hf, arch)
+    else:
+        writer.add_rope_dimension_count(head_dim)
+        if head_dim != hf["hidden_size"] // heads:
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+        writer.add_rope_freq_base(hf["rope_theta"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-    writer.add_rope_freq_base(hf["rope_theta"])
     writer.add_vocab_size(hf["vocab_size"])
     writer.add_file_type(_file_type(qtype))
     writer.add_bos_token_id(hf["bos_token_id"])
@@ -109,16 +116,10 @@ def write_gguf(
         writer.add_add_bos_token(add_bos)
         writer.add_chat_template(CHAT_TEMPLATE)
     for name, tensor in state.items():
-        if name.startswith("model.layers."):
-            _, _, layer, *rest = name.split(".")
-            target = f"blk.{layer}.{_BLOCK['.'.join(rest[:-1])]}.{rest[-1]}"
-        else:
-            target = _TOP[name]
-        values = tensor.float().numpy()
-        if arch == "llama" and ".q_proj." in name:
-            values = permute(values, heads)
-        elif arch == "llama" and ".k_proj." in name:
-            values = permute(values, kv_heads)
+        converted = _converted(name, tensor, hf, arch)
+        if converted is None:
+            continue
+        target, values = converted
         if raw is not None and target in raw:
             kind = gguf.GGMLQuantizationType[qtype]
             writer.add_tensor(target, raw[target], raw_dtype=kind)
@@ -131,6 +132,59 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _converted(
+    name: str, tensor: torch.Tensor, hf: dict[str, Any], arch: str
+) -> tuple[str, np.ndarray] | None:
+    """The GGUF name and values convert_hf_to_gguf writes for one Hugging Face tensor of an `arch`
+    model; None for one it drops."""
+    values = tensor.float().numpy()
+    if arch in GEMMA_ARCHS:
+        if name == "lm_head.weight":  # dropped: llama.cpp's Gemma reuses token_embd
+            return None
+        names = gguf.get_tensor_name_map(GEMMA_ARCHS[arch], hf["num_hidden_layers"])
+        stem, suffix = name.rsplit(".", 1)
+        if name.endswith("norm.weight"):  # Gemma's norms are stored as the scale 1 + w
+            values = values + np.float32(1.0)
+        return f"{names.get_name(stem)}.{suffix}", values
+    if name.startswith("model.layers."):
+        _, _, layer, *rest = name.split(".")
+        target = f"blk.{layer}.{_BLOCK['.'.join(rest[:-1])]}.{rest[-1]}"
+    else:
+        target = _TOP[name]
+    if arch == "llama" and ".q_proj." in name:
+        values = permute(values, hf["num_attention_heads"])
+    elif arch == "llama" and ".k_proj." in name:
+        values = permute(values, hf["num_key_value_heads"])
+    return target, values
+
+
+def _gemma_metadata(writer: Any, hf: dict[str, Any], arch: str) -> None:
+    """What convert_hf_to_gguf's Gemma2Model / Gemma3Model write beyond the common keys (no rope
+    dimension count, no Q/K permutation), and the two keys newer llama.cpp reads for Gemma 3
+    that the converter does not write: a sliding pattern other than 6, the sliding layers' rope
+    base where it is not 10,000."""
+    writer.add_key_length(hf["head_dim"])
+    writer.add_value_length(hf["head_dim"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(hf["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(hf["final_logit_softcapping"])
+        writer.add_sliding_window(hf["sliding_window"])
+        return
+    writer.add_rope_freq_base(hf["rope_theta"])  # the full layers'
+    if hf.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(hf["final_logit_softcapping"])
+    if hf.get("sliding_window_pattern") != 1:
+        writer.add_sliding_window(hf["sliding_window"])
+    scaling = hf.get("rope_scaling")
+    if scaling is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    if hf.get("sliding_window_pattern", 6) != 6:
+        writer.add_sliding_window_pattern(hf["sliding_window_pattern"])
+    if hf.get("rope_local_base_freq", 10000.0) != 10000.0:
+        writer.add_rope_freq_base_swa(hf["rope_local_base_freq"])
 
 
 def _file_type(qtype: str) -> int:
@@ -430,6 +484,241 @@ def test_smollm2_shaped_q4_1_file_loads_and_generates(bpe, generate, tmp_path: P
     _assert_same_as_transformers(ours, expected, prompts, generate)
 
 
+# ---- Gemma 2 and Gemma 3 (text) ------------------------------------------------------------
+
+GEMMA = {  # name: (transformers config and model classes, GGUF architecture, config extras)
+    # soft-capped scores (10) and logits (60); a window of 8 tokens on layers 0 and 2
+    "gemma2": (
+        ("Gemma2Config", "Gemma2ForCausalLM"),
+        "gemma2",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,  # llama.cpp's query scale is 1 / sqrt(key_length)
+            "sliding_window": 8,
+            "attn_logit_softcapping": 10.0,
+            "final_logit_softcapping": 60.0,
+        },
+    ),
+    # Gemma 3 as the converter writes it: q/k norms; layers 0-4 slide the window and rotate with
+    # base 10,000, layer 5 attends to everything with base 1,000,000
+    "gemma3": (
+        ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        "gemma3",
+        {
+            "num_hidden_layers": 6,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 8,
+            "rope_theta": 1_000_000.0,
+        },
+    ),
+    # the keys the converter writes only where a model has them (a logit soft-cap, linear rope
+    # scaling of the full layers) and two that newer llama.cpp reads (every 3rd layer full, the
+    # sliding layers' own rope base)
+    "gemma3-keys": (
+        ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        "gemma3",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 8,
+            "sliding_window_pattern": 3,
+            "rope_theta": 1000.0,
+            "rope_local_base_freq": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+}
+# The config keys transformers' GGUF loading does not read from these files (it keeps the config
+# class's defaults: soft-caps 50 and 30, query_pre_attn_scalar 256, Gemma 3's rope bases and
+# pattern); its model of the file is given the original's values of them.
+_TRANSFORMERS_GGUF_GAPS = {
+    "gemma2": ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"),
+    "gemma3": (
+        "query_pre_attn_scalar",
+        "final_logit_softcapping",
+        "rope_parameters",
+        "layer_types",
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(GEMMA))
+def gemma(request) -> tuple[Any, dict[str, Any], str]:
+    """(the seeded transformers model, the config dict write_gguf reads, GGUF architecture)."""
+    transformers = pytest.importorskip("transformers")
+    (config_cls, model_cls), arch, extra = GEMMA[request.param]
+    hf = {**SHAPE, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, **extra}
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**hf)).eval()
+    peaked_weights(model, seed=len(request.param))
+    return model, hf, arch
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16"])
+def test_gemma_matches_transformers(gemma, qtype: str, generate, tmp_path: Path):
+    """A Gemma 2 / Gemma 3 file written as convert_hf_to_gguf writes it (norms stored as 1 + w,
+    llama.cpp's tensor names, no Q/K permutation, its metadata) loads as the original model:
+    the same config and weights (norms back to w), and logits within 1e-4 and the same greedy
+    tokens, through the model and the engine, as transformers' model of the same file and, where
+    the file holds the original's float32 weights, as the original itself. Prompts and
+    continuations run past the window of 8 tokens, and the window changes the logits."""
+    transformers = pytest.importorskip("transformers")
+    model, hf, arch = gemma
+    state = model.state_dict()
+    path = write_gguf(tmp_path / "gemma.gguf", state, hf, qtype, arch)
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert "output.weight" not in stored and "blk.0.post_ffw_norm.weight" in stored
+    config, ours, tokenizer = load_checkpoint(path, DEVICE, torch.float32)
+    assert tokenizer is None and config.tie_word_embeddings
+    assert config.model_type == model.config.model_type
+    kinds = model.config.layer_types
+    assert config.sliding_window == 8 and 0 < len(config.sliding_layers) < config.num_layers
+    assert config.sliding_layers == tuple(
+        i for i, k in enumerate(kinds) if k == "sliding_attention"
+    )
+    caps = (model.config.attn_logit_softcapping, model.config.final_logit_softcapping)
+    assert (config.attn_softcap, config.final_softcap) == caps
+    assert config.attention_multiplier == pytest.approx(32**-0.5)
+    if arch == "gemma3":
+        ropes = model.config.rope_parameters
+        assert config.local_rope_theta == ropes["sliding_attention"]["rope_theta"]
+        assert config.rope_theta == ropes["full_attention"]["rope_theta"]
+        assert config.rope_scaling == hf.get("rope_scaling")
+    loaded = {name: tensor.cpu() for name, tensor in ours.state_dict().items()}
+    assert loaded.keys() == {k for k in state if k != "lm_head.weight"}
+    for name, tensor in loaded.items():
+        if name.endswith("norm.weight"):  # stored as 1 + w in float32: w again, to its rounding
+            torch.testing.assert_close(tensor, state[name], atol=1e-6, rtol=0)
+        else:
+            bound = 0 if qtype == "F32" else 1e-3  # float16's rounding (and its subnormals)
+            torch.testing.assert_close(tensor, state[name], atol=bound * 1e-3, rtol=bound)
+
+    gen = torch.Generator().manual_seed(8)  # 11, 3 and 20 tokens, and 8 more of each
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (11, 3, 20)]
+    unwindowed = LlamaModel(replace(config, sliding_window=64))  # 64: as long as the cache
+    unwindowed.load_state_dict(loaded)
+    windowed = _logits(ours, prompts)
+    assert not torch.allclose(_logits(unwindowed.to(DEVICE), prompts), windowed, atol=1e-3)
+    gaps = {key: getattr(model.config, key) for key in _TRANSFORMERS_GGUF_GAPS[arch]}
+    from_file = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32, **gaps
+    ).eval()
+    _assert_same_as_transformers(ours, from_file, prompts, generate)
+    if qtype == "F32":  # the original's weights exactly: its logits too
+        _assert_same_as_transformers(ours, model, prompts, generate)
+    else:  # its weights rounded to float16: its greedy tokens
+        for prompt, tokens in zip(prompts, generate(ours, prompts, 8), strict=True):
+            assert hf_greedy(model, prompt, 8) == tokens
+
+
+_GEMMA_META = {  # a Gemma file's common keys, without its architecture's prefix
+    "context_length": 8192,
+    "embedding_length": 64,
+    "block_count": 12,
+    "feed_forward_length": 128,
+    "attention.head_count": 4,
+    "attention.head_count_kv": 2,
+    "attention.key_length": 32,
+    "attention.value_length": 32,
+    "attention.layer_norm_rms_epsilon": 1e-6,
+}
+_EMBEDDINGS = SimpleNamespace(shape=(64, 128), tensor_type=SimpleNamespace(name="F32"))
+
+
+def _gemma_config(arch: str, keys: dict[str, Any] | None = None, tensors: Sequence[str] = ()):
+    """The config kvctl reads from a Gemma file's metadata: `_GEMMA_META` and `keys`, both
+    without the architecture's prefix, and the tensor names `tensors` beside token_embd."""
+    from kvctl.agent.model.gguf_metadata import config_from_metadata
+
+    given = {**_GEMMA_META, **(keys or {})}
+    meta = {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in given.items()}}
+    files = {"token_embd.weight": _EMBEDDINGS, **{name: _EMBEDDINGS for name in tensors}}
+    return config_from_metadata(meta, files, Path(f"{arch}.gguf"))
+
+
+def test_gemma_metadata_defaults_are_llama_cpps():
+    """What llama.cpp assumes where a Gemma file says nothing: Gemma 2 slides a window of 4,096
+    on every other layer and caps scores at 50 and logits at 30; Gemma 3 makes every 6th layer
+    full, rotates the sliding layers with base 10,000, and slides nothing without a window; the
+    27B models (46 and 62 layers) scale queries by hidden / heads instead of key_length."""
+    gemma2 = _gemma_config("gemma2")
+    assert gemma2.model_type == "gemma2" and gemma2.sliding_window == 4096
+    assert gemma2.sliding_layers == tuple(range(0, 12, 2))
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (50.0, 30.0)
+    assert gemma2.attention_multiplier == pytest.approx(32**-0.5)
+    assert gemma2.local_rope_theta is None
+    gemma3 = _gemma_config("gemma3", {"attention.sliding_window": 512, "rope.freq_base": 1e6})
+    assert gemma3.model_type == "gemma3_text" and gemma3.sliding_window == 512
+    assert gemma3.sliding_layers == tuple(i for i in range(12) if i not in (5, 11))
+    assert (gemma3.attn_softcap, gemma3.final_softcap) == (None, None)
+    assert (gemma3.rope_theta, gemma3.local_rope_theta) == (1e6, 10000.0)
+    for window in ({}, {"attention.sliding_window": 0}):
+        assert _gemma_config("gemma3", window).sliding_layers == ()
+    # a window as long as the context is none, but the sliding layers keep their own rope
+    spanning = _gemma_config("gemma3", {"attention.sliding_window": 8192, "rope.freq_base": 1e6})
+    assert spanning.sliding_window is None and spanning.local_rope(0)
+    assert not spanning.local_rope(5)
+    patterned = _gemma_config(
+        "gemma3",
+        {
+            "attention.sliding_window": 8,
+            "attention.sliding_window_pattern": 4,
+            "rope.freq_base_swa": 100.0,
+        },
+    )
+    assert patterned.sliding_layers == (0, 1, 2, 4, 5, 6, 8, 9, 10)
+    assert patterned.local_rope_theta == 100.0
+    everywhere = {"attention.sliding_window": 8, "attention.sliding_window_pattern": 0}
+    assert _gemma_config("gemma3", everywhere).sliding_layers == tuple(range(12))
+    for arch, layers, scalar in (("gemma2", 46, 16), ("gemma3", 62, 16), ("gemma3", 61, 32)):
+        config = _gemma_config(arch, {"block_count": layers})
+        assert config.attention_multiplier == pytest.approx(scalar**-0.5)
+
+
+GEMMA_REFUSED = {  # (architecture, metadata, extra tensors) -> the refusal
+    "gemma2 pattern": (
+        ("gemma2", {"attention.sliding_window_pattern": 3}, ()),
+        "gemma2.gguf: gemma2.attention.sliding_window_pattern 3 is not supported; llama.cpp's "
+        "gemma2 slides the window on every other layer",
+    ),
+    "gemma3 per-layer pattern": (
+        ("gemma3", {"attention.sliding_window_pattern": [True, False] * 6}, ()),
+        "gemma3.gguf: gemma3.attention.sliding_window_pattern [True, False, True, False, True, "
+        "Fals... is not supported; kvctl reads one number of layers",
+    ),
+    "gemma3 attention soft-cap": (
+        ("gemma3", {"attn_logit_softcapping": 50.0}, ()),
+        "gemma3.gguf: gemma3.attn_logit_softcapping is not supported; llama.cpp's gemma3 does "
+        "not soft-cap attention scores",
+    ),
+    "gemma2 output tensor": (
+        ("gemma2", {}, ("output.weight",)),
+        "gemma2.gguf: unexpected tensor output.weight; llama.cpp's gemma2 ties the output to "
+        "token_embd.weight",
+    ),
+    "gemma2 sliding rope base": (
+        ("gemma2", {"rope.freq_base_swa": 100.0}, ()),
+        "gemma2.gguf: gemma2.rope.freq_base_swa is not supported; llama.cpp's gemma2 rotates "
+        "every layer with rope.freq_base",
+    ),
+    "gemma2 zero soft-cap": (
+        ("gemma2", {"attn_logit_softcapping": 0.0}, ()),
+        "gemma2.gguf: metadata attn_logit_softcapping must be a positive finite number, got 0.0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GEMMA_REFUSED))
+def test_gemma_metadata_kvctl_cannot_follow_is_refused(case: str):
+    (arch, keys, tensors), message = GEMMA_REFUSED[case]
+    with pytest.raises(CheckpointError) as info:
+        _gemma_config(arch, keys, tensors)
+    assert str(info.value) == message
+
+
 # ---- Llama 3.1 rope factors ----------------------------------------------------------------
 
 
@@ -529,7 +818,8 @@ BAD = {
     "unsupported architecture": (
         lambda p: _rewrite(p, arch="falcon"),
         "demo.gguf: unsupported architecture 'falcon'; kvctl loads GGUF files of architecture "
-        "llama, qwen2, qwen3",
+        "llama, qwen2, qwen3, gemma2, gemma3 (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 "
+        "text decoders)",
     ),
     "unsupported quantization type": (
         lambda p: _rewrite(p, raw=True),

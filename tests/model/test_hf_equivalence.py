@@ -118,7 +118,15 @@ def test_loaded_config_reads_the_checkpoint(checkpoint):
     reference, path, _ = checkpoint
     config, model, tokenizer = load_checkpoint(path, "cpu")
     hf = reference.config
-    assert (config.num_layers, config.num_heads, config.num_kv_heads) == (2, 4, 2)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads) == (
+        hf.num_hidden_layers,
+        4,
+        2,
+    )
+    layer_types = getattr(hf, "layer_types", None) or []
+    sliding = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    assert config.sliding_layers == (sliding if config.sliding_window else ())
+    assert config.sliding_window == (getattr(hf, "sliding_window", None) if sliding else None)
     assert config.head_dim == (getattr(hf, "head_dim", None) or 16) and config.vocab_size == 128
     assert config.eos_token_ids == (2,)
     assert config.tie_word_embeddings == hf.tie_word_embeddings

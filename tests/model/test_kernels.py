@@ -3,9 +3,10 @@ fused serving model against the model as loaded, with the kernels and without.
 
 Each kernel is held to its torch reference on shapes that reach its edges: tails shorter than a
 vector, partly filled pages, pages in several segments, every supported head layout, bfloat16
-pages. Where the kernels cannot be used here the kernel tests skip; with
-`KVCTL_REQUIRE_CPU_KERNELS=1` (CI sets it) a CPU that could run them but a build that failed (no
-compiler, no ninja, a compile error) fails instead, so a broken build is never a silent green.
+pages, and for decode attention Gemma's sliding windows and soft-capped scores. Where the
+kernels cannot be used here the kernel tests skip; with `KVCTL_REQUIRE_CPU_KERNELS=1` (CI sets
+it) a CPU that could run them but a build that failed (no compiler, no ninja, a compile error)
+fails instead, so a broken build is never a silent green.
 """
 
 import os
@@ -44,29 +45,69 @@ def _reference_decode(storage, q, tables, lengths, layer):
     return attend_decode(q, keys.float(), values.float(), valid)
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"),
-    [(9, 3, 64), (8, 4, 32), (32, 8, 128), (14, 2, 64), (4, 4, 64), (4, 2, 16), (8, 1, 64)],
-)
-def test_paged_decode_attention_matches_gather_and_sdpa(heads, kv_heads, head_dim, dtype):
+def _reference_window_softcap(storage, q, tables, lengths, layer, window=0, softcap=0.0):
+    """An explicit softmax in float64 over each sequence's gathered keys, as transformers' eager
+    attention does it for Gemma: scores q.k * scale, then softcap * tanh(s / softcap) (none for
+    0), and the new token (position L - 1) sees key j iff (L - 1) - j < window (all for 0)."""
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + t[-1:] * (width - len(t)) for t in tables])
+    keys, values = storage.gather(layer, padded)  # [B, L, kvh, d]
+    batch, heads, head_dim = q.shape
+    kv_heads = keys.shape[2]
+    grouped = q.double().view(batch, kv_heads, heads // kv_heads, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", grouped, keys.double()) * head_dim**-0.5
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    last = torch.tensor(lengths)[:, None] - 1
+    position = torch.arange(keys.shape[1])[None, :]
+    visible = (position <= last) & ((window == 0) | (last - position < window))
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(-1), values.double())
+    return out.reshape(batch, heads, head_dim).float()
+
+
+def _scattered_pool(heads, kv_heads, head_dim, dtype, lengths, layers=3, q_scale=1.0):
+    """A pool of random pages over three segments, each sequence's pages taken from all of them
+    in random order; -> storage, tables (lists of page ids), the int32 table tensor, q."""
     gen = torch.Generator().manual_seed(heads * 100 + head_dim)
-    page_size, segment_pages, layers = 16, 8, 3
+    page_size, segment_pages = 16, 8
     storage = KVStorage(3, segment_pages, page_size, layers, kv_heads, head_dim, dtype)
     for segment in storage.segments:
         segment.copy_(torch.randn(segment.shape, generator=gen).to(dtype))
     order = torch.randperm(storage.num_pages, generator=gen).tolist()
-    lengths = [1, 15, 16, 17, 40, 96]  # one token, partly filled and full last pages
     tables, start = [], 0
-    for length in lengths:  # pages scattered over all three segments
+    for length in lengths:
         pages = -(-length // page_size)
         tables.append(order[start : start + pages])
         start += pages
-    q = torch.randn(len(lengths), heads, head_dim, generator=gen)
+    assert start <= storage.num_pages, "the lengths need more pages than the pool has"
+    q = torch.randn(len(lengths), heads, head_dim, generator=gen) * q_scale
     width = max(len(t) for t in tables)
     table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    for layer in range(layers):
+    return storage, tables, table_tensor, q
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [
+        (9, 3, 64),
+        (8, 4, 32),
+        (32, 8, 128),
+        (14, 2, 64),
+        (4, 4, 64),
+        (4, 2, 16),
+        (8, 1, 64),
+        (8, 4, 256),  # Gemma's head size
+        (4, 1, 256),
+    ],
+)
+def test_paged_decode_attention_matches_gather_and_sdpa(heads, kv_heads, head_dim, dtype):
+    lengths = [1, 15, 16, 17, 40, 96]  # one token, partly filled and full last pages
+    storage, tables, table_tensor, q = _scattered_pool(heads, kv_heads, head_dim, dtype, lengths)
+    assert ops.decode_supported(str(dtype).removeprefix("torch."), heads // kv_heads, head_dim)
+    for layer in range(storage.num_layers):
         got = ops.paged_decode_attention(
             q,
             storage.segments,
@@ -77,6 +118,49 @@ def test_paged_decode_attention_matches_gather_and_sdpa(heads, kv_heads, head_di
         )
         expected = _reference_decode(storage, q, tables, lengths, layer)
         torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5)
+
+
+LENGTHS = [1, 15, 16, 17, 40, 96, 100]
+"""Lengths against windows of 1, 5 (inside a page), 16 (one page), 40 (several pages) and 200
+(longer than all): windows that begin mid-page, on a page boundary, and not at all."""
+WINDOWS = [1, 5, 16, 40, 200]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 4, 32), (4, 2, 16), (8, 4, 256)]
+)
+def test_paged_decode_attention_with_a_sliding_window(heads, kv_heads, head_dim, dtype):
+    storage, tables, table_tensor, q = _scattered_pool(heads, kv_heads, head_dim, dtype, LENGTHS)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    for window in WINDOWS:
+        got = ops.paged_decode_attention(
+            q, storage.segments, table_tensor, lengths, 1, head_dim**-0.5, window, 0.0
+        )
+        expected = _reference_window_softcap(storage, q, tables, LENGTHS, 1, window)
+        torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5, msg=f"window {window}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 4, 256)])
+@pytest.mark.parametrize("softcap", [50.0, 2.0])
+def test_paged_decode_attention_soft_caps_the_scores(heads, kv_heads, head_dim, dtype, softcap):
+    """Queries scaled up so that scores reach about +-15: a cap of 50 bends the largest by a few
+    percent, one of 2 flattens them all (and tanh is taken on both sides of its 0.625 switch)."""
+    storage, tables, table_tensor, q = _scattered_pool(
+        heads, kv_heads, head_dim, dtype, LENGTHS, q_scale=4.0
+    )
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    for window in (0, 20):
+        got = ops.paged_decode_attention(
+            q, storage.segments, table_tensor, lengths, 1, head_dim**-0.5, window, softcap
+        )
+        expected = _reference_window_softcap(storage, q, tables, LENGTHS, 1, window, softcap)
+        uncapped = _reference_window_softcap(storage, q, tables, LENGTHS, 1, window)
+        assert (expected - uncapped).abs().max() > 1e-3  # the cap does change the result
+        torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5, msg=f"window {window}")
 
 
 @needs_kernels
@@ -92,6 +176,45 @@ def test_paged_decode_attention_refuses_ids_outside_the_pool():
         ops.paged_decode_attention(
             q, storage.segments, torch.tensor([[0]], dtype=torch.int32), lengths, 0, 1.0
         )
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="window must be"):
+        ops.paged_decode_attention(q, storage.segments, table, lengths, 0, 1.0, -1)
+    with pytest.raises(RuntimeError, match="softcap must be"):
+        ops.paged_decode_attention(q, storage.segments, table, lengths, 0, 1.0, 0, -1.0)
+
+
+@needs_kernels
+def test_paged_decode_attention_reads_no_page_before_the_window():
+    """The pages wholly before a window are neither read nor checked (they may be back in the
+    pool, their ids stale); an id outside the pool in a page the window reaches is refused, even
+    when only its last tokens are in the window."""
+    lengths = [40, 96, 33, 17]
+    storage, tables, table_tensor, q = _scattered_pool(8, 4, 32, torch.float32, lengths)
+    window = 20  # starts at 20, 76, 13 and 0: mid-page, mid-page, in page 0, at the first key
+    stale = table_tensor.clone()
+    stale[0, 0] = -1
+    stale[1, :4] = torch.tensor([2**31 - 1, storage.num_pages, -(2**31), -7])
+    got = ops.paged_decode_attention(
+        q, storage.segments, stale, torch.tensor(lengths, dtype=torch.int32), 2, 32**-0.5, window
+    )
+    expected = _reference_window_softcap(storage, q, tables, lengths, 2, window)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5)
+    # length 32, window 16: page 0 lies wholly before the window, page 1 is all of it
+    lengths = torch.tensor([32], dtype=torch.int32)
+    pool = storage.segments
+    ok = torch.tensor([[-1, 3]], dtype=torch.int32)
+    assert ops.paged_decode_attention(q[:1], pool, ok, lengths, 0, 1.0, 16).isfinite().all()
+    for bad, length, window in [
+        ([[3, -1]], 32, 16),  # the page the window covers
+        ([[-1, 3]], 32, 17),  # the window reaches the last key of page 0
+        ([[storage.num_pages, 3]], 20, 10),  # starts mid-page 0
+        ([[3, 2**31 - 1]], 20, 10),  # the page of the new token
+    ]:
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            table = torch.tensor(bad, dtype=torch.int32)
+            ops.paged_decode_attention(
+                q[:1], pool, table, torch.tensor([length], dtype=torch.int32), 0, 1.0, window
+            )
 
 
 @needs_kernels

@@ -8,6 +8,9 @@
 //   tables. Eager PyTorch must gather the pages into a padded buffer first (a second copy of every
 //   byte of the batch's KV) and then read that buffer with SDPA. Online softmax (running max and
 //   sum), float32 accumulation, grouped-query heads (query head h reads KV head h / group).
+//   Gemma's two twists, both off at 0: a sliding window (the new token sees only the last
+//   `window` keys; the pages wholly before them are neither read nor checked, so they can go back
+//   to the pool) and logit soft-capping (each score s becomes cap * tanh(s / cap), Gemma 2).
 //
 // packed_linear: y = x @ W^T + b with W repacked once into 16-column blocks ([N/16][K][16]): two
 //   adjacent blocks are read as two sequential streams, and each of their values feeds up to 14
@@ -64,6 +67,28 @@ inline __m512 exp512(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// tanh(x): Cephes' tanhf. Below |x| = 0.625 an odd polynomial (where 1 - 2 / (e^2x + 1) would
+// lose the relative accuracy of a small x), above it that formula through exp512 (whose clamp at
+// 88 gives exactly 1 from |x| = 44 on). Both are computed and blended: relative error below
+// 1.5e-7 (measured on [-60, 60] against double tanh).
+inline __m512 tanh512(__m512 x) {
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512 ax = _mm512_andnot_ps(sign, x);
+  const __m512 x2 = _mm512_mul_ps(x, x);
+  __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(2.06390887954e-2f));
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-5.37397155531e-2f));
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(1.33314422036e-1f));
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-3.33332819422e-1f));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, x2), x, x);
+  const __m512 e = exp512(_mm512_add_ps(ax, ax));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 large =
+      _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+  const __mmask16 is_small = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(is_small, _mm512_or_ps(large, _mm512_and_ps(sign, x)), small);
+}
+
 // 16 vectors of partial sums -> one vector whose lane i is the horizontal sum of v[i]: a
 // transposing reduction tree (4 levels of shuffles and adds, then one permute), about 2
 // operations per result instead of the ~8 of a horizontal sum each.
@@ -109,12 +134,14 @@ struct PageGeometry {
   int64_t page_elements;  // one layer's K (or V) of one page: page_size * kv_heads * head_dim
 };
 
-// One (sequence, KV head) of a decode batch: its G query heads over the `length` tokens of its
-// pages. G and D are compile-time so the queries and accumulators stay in registers.
-template <int G, int D, typename kv_t>
+// One (sequence, KV head) of a decode batch: its G query heads over the tokens [start, length) of
+// its pages (start > 0 under a sliding window: the pages before it are not read). G and D are
+// compile-time so the queries and accumulators stay in registers (D = 256 spills, and still reads
+// each page once); so is Capped, so that only soft-capped models pay for the tanh.
+template <int G, int D, typename kv_t, bool Capped>
 void decode_one(const kv_t* const* segments, const PageGeometry& geo, int64_t layer,
-                const int32_t* table, int64_t length, int64_t kv_head, const float* q,
-                float scale, float* out) {
+                const int32_t* table, int64_t start, int64_t length, int64_t kv_head,
+                const float* q, float scale, float softcap, float* out) {
   constexpr int C = D / 16;  // vectors per head
   const int64_t token_stride = geo.kv_heads * D;
   __m512 query[G][C];
@@ -136,7 +163,7 @@ void decode_one(const kv_t* const* segments, const PageGeometry& geo, int64_t la
            (row * geo.layers + layer) * 2 * geo.page_elements + kv_head * D;
   };
   const int64_t pages = (length + geo.page_size - 1) / geo.page_size;
-  for (int64_t j = 0; j < pages; ++j) {
+  for (int64_t j = start / geo.page_size; j < pages; ++j) {
     const kv_t* keys = page_base(table[j]);
     const kv_t* values = keys + geo.page_elements;
     if (j + 1 < pages) {  // the next page's rows of this head, K and V, into L1 meanwhile
@@ -152,7 +179,8 @@ void decode_one(const kv_t* const* segments, const PageGeometry& geo, int64_t la
       }
     }
     const int64_t in_page = std::min(geo.page_size, length - j * geo.page_size);
-    for (int64_t t0 = 0; t0 < in_page; t0 += 16) {
+    // the first page read may begin before the window: its blocks start at the window's start
+    for (int64_t t0 = std::max<int64_t>(0, start - j * geo.page_size); t0 < in_page; t0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, in_page - t0));
       const __mmask16 valid = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
       for (int h = 0; h < G; ++h) {
@@ -164,6 +192,10 @@ void decode_one(const kv_t* const* segments, const PageGeometry& geo, int64_t la
           partial[t] = a;
         }
         __m512 scores = reduce16(partial);
+        if constexpr (Capped) {
+          const __m512 bent = tanh512(_mm512_mul_ps(scores, _mm512_set1_ps(1.f / softcap)));
+          scores = _mm512_mul_ps(bent, _mm512_set1_ps(softcap));
+        }
         scores = _mm512_mask_blend_ps(
             valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scores);
         const float block_max = _mm512_reduce_max_ps(scores);
@@ -198,61 +230,72 @@ void decode_one(const kv_t* const* segments, const PageGeometry& geo, int64_t la
 }
 
 using DecodeFn = void (*)(const void* const*, const PageGeometry&, int64_t, const int32_t*,
-                          int64_t, int64_t, const float*, float, float*);
+                          int64_t, int64_t, int64_t, const float*, float, float, float*);
 
-template <int G, int D, typename kv_t>
+template <int G, int D, typename kv_t, bool Capped>
 void decode_erased(const void* const* segments, const PageGeometry& geo, int64_t layer,
-                   const int32_t* table, int64_t length, int64_t kv_head, const float* q,
-                   float scale, float* out) {
-  decode_one<G, D, kv_t>(reinterpret_cast<const kv_t* const*>(segments), geo, layer, table,
-                         length, kv_head, q, scale, out);
+                   const int32_t* table, int64_t start, int64_t length, int64_t kv_head,
+                   const float* q, float scale, float softcap, float* out) {
+  decode_one<G, D, kv_t, Capped>(reinterpret_cast<const kv_t* const*>(segments), geo, layer,
+                                 table, start, length, kv_head, q, scale, softcap, out);
 }
 
-template <typename kv_t, int D>
+template <typename kv_t, int D, bool Capped>
 DecodeFn pick_group(int64_t group) {
   switch (group) {
-    case 1: return decode_erased<1, D, kv_t>;
-    case 2: return decode_erased<2, D, kv_t>;
-    case 3: return decode_erased<3, D, kv_t>;
-    case 4: return decode_erased<4, D, kv_t>;
-    case 5: return decode_erased<5, D, kv_t>;
-    case 6: return decode_erased<6, D, kv_t>;
-    case 7: return decode_erased<7, D, kv_t>;
-    case 8: return decode_erased<8, D, kv_t>;
+    case 1: return decode_erased<1, D, kv_t, Capped>;
+    case 2: return decode_erased<2, D, kv_t, Capped>;
+    case 3: return decode_erased<3, D, kv_t, Capped>;
+    case 4: return decode_erased<4, D, kv_t, Capped>;
+    case 5: return decode_erased<5, D, kv_t, Capped>;
+    case 6: return decode_erased<6, D, kv_t, Capped>;
+    case 7: return decode_erased<7, D, kv_t, Capped>;
+    case 8: return decode_erased<8, D, kv_t, Capped>;
     default: return nullptr;
   }
 }
 
-template <typename kv_t>
+template <typename kv_t, bool Capped>
 DecodeFn pick_decode(int64_t group, int64_t head_dim) {
   switch (head_dim) {
-    case 16: return pick_group<kv_t, 16>(group);
-    case 32: return pick_group<kv_t, 32>(group);
-    case 64: return pick_group<kv_t, 64>(group);
-    case 128: return pick_group<kv_t, 128>(group);
+    case 16: return pick_group<kv_t, 16, Capped>(group);
+    case 32: return pick_group<kv_t, 32, Capped>(group);
+    case 64: return pick_group<kv_t, 64, Capped>(group);
+    case 128: return pick_group<kv_t, 128, Capped>(group);
+    case 256: return pick_group<kv_t, 256, Capped>(group);  // Gemma's
     default: return nullptr;
   }
 }
 
-DecodeFn decode_for(at::ScalarType dtype, int64_t group, int64_t head_dim) {
-  if (dtype == at::kFloat) return pick_decode<float>(group, head_dim);
-  if (dtype == at::kBFloat16) return pick_decode<at::BFloat16>(group, head_dim);
+DecodeFn decode_for(at::ScalarType dtype, int64_t group, int64_t head_dim, bool capped) {
+  if (dtype == at::kFloat)
+    return capped ? pick_decode<float, true>(group, head_dim)
+                  : pick_decode<float, false>(group, head_dim);
+  if (dtype == at::kBFloat16)
+    return capped ? pick_decode<at::BFloat16, true>(group, head_dim)
+                  : pick_decode<at::BFloat16, false>(group, head_dim);
   return nullptr;
 }
 
+// Whether a layout has a kernel (with a window and soft-capping or without: the same layouts).
 bool decode_supported(const std::string& dtype, int64_t group, int64_t head_dim) {
   const at::ScalarType type = dtype == "float32" ? at::kFloat
                               : dtype == "bfloat16" ? at::kBFloat16
                                                     : at::kHalf;
-  return decode_for(type, group, head_dim) != nullptr;
+  return decode_for(type, group, head_dim, false) != nullptr;
 }
 
 // q [B, H, D] float32; segments: the pool's segment tensors (same dtype, float32 or bfloat16);
 // tables int32 [B, P] page ids; lengths int32 [B] (tokens of each sequence, the new one
-// included, all already written). Returns [B, H, D] float32.
+// included, all already written). window > 0: a sequence of length L attends only to its keys
+// [max(0, L - window), L) (the new token sees key j iff (L - 1) - j < window, as transformers
+// masks Gemma's sliding layers); table entries of the pages wholly before that are ignored (they
+// may be stale: those pages can be back in the pool). softcap > 0: each scaled score s becomes
+// softcap * tanh(s / softcap) before the softmax (Gemma 2's attn_logit_softcapping). 0 turns
+// either off. Returns [B, H, D] float32.
 at::Tensor paged_decode_attention(const at::Tensor& q, const std::vector<at::Tensor>& segments,
                                   const at::Tensor& tables, const at::Tensor& lengths,
-                                  int64_t layer, double scale) {
+                                  int64_t layer, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [batch, heads, head_dim] tensor");
   TORCH_CHECK(!segments.empty(), "at least one segment");
@@ -268,8 +311,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const std::vector<at::Ten
   TORCH_CHECK(first.size(5) == head_dim && heads % geo.kv_heads == 0, "head shapes differ");
   TORCH_CHECK(tables.size(0) == batch && lengths.size(0) == batch, "one table per sequence");
   TORCH_CHECK(layer >= 0 && layer < geo.layers, "layer out of range");
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap must be 0 (none) or positive");
   const int64_t group = heads / geo.kv_heads;
-  const DecodeFn fn = decode_for(first.scalar_type(), group, head_dim);
+  const DecodeFn fn = decode_for(first.scalar_type(), group, head_dim, softcap > 0);
   TORCH_CHECK(fn != nullptr, "no kernel for this head layout or dtype");
   std::vector<const void*> bases;
   bases.reserve(segments.size());
@@ -283,11 +328,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const std::vector<at::Ten
   const int64_t width = tables.size(1);
   const int32_t* table_data = tables.data_ptr<int32_t>();
   const int32_t* length_data = lengths.data_ptr<int32_t>();
+  // the first key each sequence attends to: 0, or the start of its window
+  auto start_of = [&](int64_t length) {
+    return window > 0 && length > window ? length - window : int64_t{0};
+  };
   for (int64_t b = 0; b < batch; ++b) {  // checked here, not trusted: a bad id would read anywhere
     const int64_t length = length_data[b];
     TORCH_CHECK(length >= 1 && length <= width * geo.page_size, "a length exceeds its table");
     const int64_t used = (length + geo.page_size - 1) / geo.page_size;
-    for (int64_t j = 0; j < used; ++j) {
+    for (int64_t j = start_of(length) / geo.page_size; j < used; ++j) {  // the pages read
       const int32_t page = table_data[b * width + j];
       TORCH_CHECK(page >= 0 && page < pool_pages, "page id outside the pool");
     }
@@ -295,13 +344,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const std::vector<at::Ten
   at::Tensor out = at::empty_like(q);
   const float* q_data = q.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
-  const float s = static_cast<float>(scale);
+  const float s = static_cast<float>(scale), cap = static_cast<float>(softcap);
   at::parallel_for(0, batch * geo.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / geo.kv_heads, kv_head = item % geo.kv_heads;
       const int64_t offset = (b * heads + kv_head * group) * head_dim;
-      fn(bases.data(), geo, layer, table_data + b * width, length_data[b], kv_head,
-         q_data + offset, s, out_data + offset);
+      fn(bases.data(), geo, layer, table_data + b * width, start_of(length_data[b]),
+         length_data[b], kv_head, q_data + offset, s, cap, out_data + offset);
     }
   });
   return out;
@@ -698,7 +747,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("segments"),
+        py::arg("tables"), py::arg("lengths"), py::arg("layer"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("write_kv", &write_kv);
   m.def("decode_supported", &decode_supported);
   m.def("pack_linear_weight", &pack_linear_weight);

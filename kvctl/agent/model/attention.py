@@ -15,6 +15,11 @@ Query head i reads KV head i // group (group = num_heads // num_kv_heads), as in
 `repeat_kv`. Decode groups the query heads by KV head ([B, kvh, group, d]); several new tokens
 pass K/V with their own head count and `enable_gqa=True`. Neither repeats K/V, so reading the
 cache costs no copy of it.
+
+A layer may see only a window of keys (`LayerAttention.window`: a query at position p sees keys
+p - window + 1 .. p, Gemma's and Mistral's sliding layers) and soft-cap its scores (Gemma 2).
+Backends trim the keys a window cannot see before attending and mask the rest; soft-capped
+scores cannot go through SDPA, so those layers take `_math_attention`, the formula written out.
 """
 
 from collections.abc import Hashable, Sequence
@@ -26,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvctl.agent.model.config import ModelConfig
+
 
 class AttentionBackend(Protocol):
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -35,6 +42,29 @@ class AttentionBackend(Protocol):
         sequence's cached tokens and to the new tokens of its sequence up to and including
         itself."""
         ...
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer's queries see the keys: all of them or the last `window` (the query's own
+    included), scores as they are or soft-capped as c · tanh(s / c)."""
+
+    window: int | None = None
+    softcap: float | None = None
+
+    def first_key(self, position: int) -> int:
+        """The first key a query at `position` sees."""
+        return 0 if self.window is None else max(0, position - self.window + 1)
+
+
+FULL = LayerAttention()
+
+
+def layer_attentions(config: ModelConfig) -> tuple[LayerAttention, ...]:
+    """Each layer's `LayerAttention`, from the model's config."""
+    return tuple(
+        LayerAttention(config.window_of(i), config.attn_softcap) for i in range(config.num_layers)
+    )
 
 
 @dataclass(frozen=True)
@@ -100,46 +130,70 @@ class BatchLayout:
 
 
 def attend_one(
-    q: Tensor, k_all: Tensor, v_all: Tensor, cached_len: int, mask: Tensor | None = None
+    q: Tensor,
+    k_all: Tensor,
+    v_all: Tensor,
+    cached_len: int,
+    mask: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention of one sequence's t new tokens.
 
     q [t, h, d]; k_all, v_all [L, kvh, d] with L = cached_len + t (cached tokens, then the new
-    ones). New token i sees keys 0 .. cached_len + i. Returns [t, h, d].
+    ones). New token i sees keys 0 .. cached_len + i, or those `mask` leaves (a window). Returns
+    [t, h, d].
 
-    A single token uses the grouped layout (no mask, no copy). Several tokens go through
-    `attend_chunk`; `mask` is `chunk_mask(t, cached_len, ...)` when the caller built it already.
+    A single token without a mask uses the grouped layout (no copy): a window is applied by
+    handing it only the window's keys, or a mask. Several tokens go through `attend_chunk`;
+    `mask` is `chunk_mask(t, cached_len, ...)` when the caller built it already.
     """
     t, h, d = q.shape
     length, kvh, _ = k_all.shape
     if length != cached_len + t:
         raise ValueError(f"k_all has {length} rows, expected {cached_len} + {t}")
-    if t == 1:
+    if t == 1 and mask is None:
         qg = q.view(kvh, h // kvh, d)  # [kvh, g, d]
-        out = F.scaled_dot_product_attention(qg, k_all.transpose(0, 1), v_all.transpose(0, 1))
-        return out.reshape(1, h, d)
-    return attend_chunk(q, k_all, v_all, cached_len, mask)
+        keys, values = k_all.transpose(0, 1), v_all.transpose(0, 1)
+        return _attention(qg, keys, values, softcap=softcap).reshape(1, h, d)
+    return attend_chunk(q, k_all, v_all, cached_len, mask, softcap)
 
 
 def chunk_mask(
-    t: int, cached_len: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    t: int,
+    cached_len: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    window: int | None = None,
+    first: int = 0,
 ) -> Tensor | None:
-    """The additive mask [t, cached_len + t] of t new tokens after `cached_len` cached ones (0
-    where a key is visible, -inf elsewhere), or None when nothing is cached (`is_causal` then).
+    """The additive mask [t, cached_len - first + t] of t new tokens after `cached_len` cached
+    ones over the keys from position `first` on (0 where a key is visible, -inf elsewhere), or
+    None when plain causal attention is the same (`is_causal` then). With a `window`, new token
+    i sees keys cached_len + i - window + 1 .. cached_len + i.
 
-    It depends on the two lengths only, so a step builds it once for all layers; additive and in
+    It depends on the lengths only, so a step builds it once for all layers; additive and in
     the queries' dtype, because SDPA would turn a boolean mask into this one on every call.
     """
-    if not cached_len:
+    sees_all = window is None or cached_len + t <= window
+    if cached_len == first == 0 and sees_all:
         return None
-    hidden = np.triu(np.ones((t, t), dtype=bool), k=1)  # key j > query i within the chunk
-    mask = np.zeros((t, cached_len + t), dtype=np.float32)
-    mask[:, cached_len:][hidden] = -np.inf
+    queries = np.arange(cached_len, cached_len + t)[:, None]
+    keys = np.arange(first, cached_len + t)[None, :]
+    hidden = keys > queries
+    if not sees_all:
+        assert window is not None
+        hidden |= keys <= queries - window
+    mask = np.where(hidden, -np.inf, 0.0).astype(np.float32)
     return torch.from_numpy(mask).to(device=device, dtype=dtype)
 
 
 def attend_chunk(
-    q: Tensor, k_all: Tensor, v_all: Tensor, cached_len: int, mask: Tensor | None = None
+    q: Tensor,
+    k_all: Tensor,
+    v_all: Tensor,
+    cached_len: int,
+    mask: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """`attend_one` for several new tokens: one SDPA call over K/V as the cache holds them.
 
@@ -151,42 +205,90 @@ def attend_chunk(
     t = q.shape[0]
     if mask is None and cached_len:
         mask = chunk_mask(t, cached_len, q.device, q.dtype)
-    out = F.scaled_dot_product_attention(
+    out = _attention(
         q.transpose(0, 1).unsqueeze(0),
         k_all.transpose(0, 1).unsqueeze(0),
         v_all.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=not cached_len,
-        enable_gqa=True,
+        mask,
+        causal=mask is None,
+        softcap=softcap,
     )  # [1, h, t, d]
     return out[0].transpose(0, 1)
 
 
-def key_mask(lengths: Sequence[int], max_len: int, device: torch.device | str = "cpu") -> Tensor:
-    """lengths (B ints) -> Bool [B, max_len] on `device`, True for the keys that exist.
+def _attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    softcap: float | None = None,
+) -> Tensor:
+    """SDPA over [..., heads, rows, d] operands (K/V may have fewer heads than q, a divisor),
+    or `_math_attention` where the scores are soft-capped."""
+    if softcap is not None:
+        return _math_attention(q, k, v, mask, causal, softcap)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[-3] != q.shape[-3]
+    )
+
+
+def _math_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, softcap: float
+) -> Tensor:
+    """Attention with scores soft-capped before the softmax, written out as transformers' eager
+    attention computes it (SDPA has no soft-cap): scores in the queries' dtype, the softmax in
+    float32."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        rows, cols = scores.shape[-2:]
+        hidden = torch.ones(rows, cols, dtype=torch.bool, device=q.device).triu(cols - rows + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    elif mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def key_mask(
+    lengths: Sequence[int],
+    max_len: int,
+    device: torch.device | str = "cpu",
+    window: int | None = None,
+) -> Tensor:
+    """lengths (B ints) -> Bool [B, max_len] on `device`, True for the keys that exist (and, with
+    a `window`, that the sequence's newest token sees).
 
     Built on the host with numpy and moved once: a decode step builds one per step, and on a CPU
     each small torch op costs more dispatch than numpy spends on the whole mask.
     """
-    keys = np.arange(max_len)[None, :] < np.asarray(lengths, dtype=np.int64)[:, None]
+    ends = np.asarray(lengths, dtype=np.int64)[:, None]
+    keys = np.arange(max_len)[None, :] < ends
+    if window is not None:
+        keys &= np.arange(max_len)[None, :] >= ends - window
     return torch.from_numpy(keys).to(device)
 
 
-def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
+def attend_decode(
+    q: Tensor, k: Tensor, v: Tensor, valid: Tensor, softcap: float | None = None
+) -> Tensor:
     """One new token per sequence attending to its whole padded cache, in one SDPA call.
 
     q [B, h, d]; k, v [B, L, kvh, d] padded per sequence, already holding the new tokens' k/v;
-    valid Bool [B, L] from `key_mask` (True for real keys; padding is ignored whatever it holds).
-    Returns [B, h, d].
+    valid Bool [B, L] from `key_mask` (True for the keys seen; padding is ignored whatever it
+    holds). Returns [B, h, d].
     """
     b, h, d = q.shape
     kvh = k.shape[2]
     qg = q.view(b, kvh, h // kvh, d)  # [B, kvh, g, d]
     mask = valid[:, None, None, :]  # [B, 1, 1, L]
-    out = F.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
-    )  # [B, kvh, g, d]
-    return out.reshape(b, h, d)
+    out = _attention(qg, k.transpose(1, 2), v.transpose(1, 2), mask, softcap=softcap)
+    return out.reshape(b, h, d)  # from [B, kvh, g, d]
 
 
 def split_by_sequence(x: Tensor, new_lens: Sequence[int]) -> tuple[Tensor, ...]:

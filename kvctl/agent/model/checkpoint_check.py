@@ -188,7 +188,9 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[layer + "self_attn.q_norm.weight"] = (d if per_head else q_dim,)
             shapes[layer + "self_attn.k_norm.weight"] = (d if per_head else kv_dim,)
         shapes[layer + "post_attention_layernorm.weight"] = (hidden,)
-        if family.post_norms:
+        if family.gemma:
+            shapes[layer + "pre_feedforward_layernorm.weight"] = (hidden,)
+        if family.post_norms or family.gemma:
             shapes[layer + "post_feedforward_layernorm.weight"] = (hidden,)
         if config.is_moe_layer(i):
             moe_inter = config.moe_intermediate_size

@@ -1,10 +1,10 @@
 """The shape of a Llama-family decoder, read from a Hugging Face `config.json`.
 
-Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite and Phi-3 checkpoints differ only in a few switches
-(q/k/v bias, q/k norms, where the norms sit, Granite's multipliers, fused checkpoint tensors, rope
-scaling, sliding window: `Family`), so one frozen dataclass describes them all and one module runs
-them. Every number is bounded and typed here, since the loader sizes everything after it from
-them.
+Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3 and Gemma 2/3 checkpoints differ only in a
+few switches (q/k/v bias, q/k norms, where the norms sit and how they scale, the MLP's activation,
+Granite's multipliers, fused checkpoint tensors, rope scaling, which layers slide a window, logit
+soft-capping: `Family`), so one frozen dataclass describes them all and one module runs them.
+Every number is bounded and typed here, since the loader sizes everything after it from them.
 """
 
 import math
@@ -28,6 +28,8 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -55,12 +57,20 @@ class Family:
     "qwen3_moe": `num_experts`, `moe_intermediate_size`, `norm_topk_prob`, dense layers)."""
     renames: tuple[tuple[str, str], ...] = ()
     """(the model's name, the checkpoint's) for parts of a layer the family names its own way."""
+    gemma: bool = False
+    """Gemma's decoder: norms scale by (1 + w) in float32, a norm before and after each sublayer,
+    a GeGLU MLP (tanh GELU), embeddings scaled by √hidden in the model's dtype, the query scale
+    from `query_pre_attn_scalar`, soft-capped logits where the config asks."""
+    sliding: str = "all"
+    """Which layers slide the window when `sliding_window` is set and no `layer_types` list
+    says: "all" (Mistral), "qwen2" (from `max_window_layers`, if `use_sliding_window`), or
+    "every N" (Gemma: layer i slides unless (i + 1) % N == 0, N from `sliding_window_pattern`)."""
 
 
 FAMILIES = {
     "llama": Family(),
     "mistral": Family(),
-    "qwen2": Family(qkv_bias_only=True),
+    "qwen2": Family(qkv_bias_only=True, sliding="qwen2"),
     "qwen3": Family(qk_norm="head"),
     "olmo2": Family(qk_norm="projection", post_norms=True),
     "granite": Family(multipliers=True),
@@ -76,12 +86,14 @@ FAMILIES = {
         ),
     ),
     "qwen3_moe": Family(qk_norm="head", experts="qwen3_moe"),
+    "gemma2": Family(gemma=True, sliding="every 2"),
+    "gemma3_text": Family(gemma=True, qk_norm="head", sliding="every 6"),
 }
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SUPPORTED = (
-    "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite and Phi-3 style decoders, and "
-    "Mixtral and Qwen3-MoE mixtures of experts"
+    "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and Gemma 3 style "
+    "decoders, and Mixtral and Qwen3-MoE mixtures of experts"
 )
 _ROPE_KEYS = {
     "linear": ("factor",),
@@ -115,9 +127,12 @@ class ModelConfig:
     `attention_bias` puts a bias on q/k/v; `o_proj_bias` on the output projection (Llama's
     `attention_bias` sets both, Qwen2 has q/k/v bias only). `rope_scaling` is None for plain RoPE,
     else a dict with `rope_type` and that type's parameters. `sliding_window` is kept only when it
-    is shorter than `max_position_embeddings`: attention here always spans the whole context, which
-    equals sliding-window attention exactly while a sequence is no longer than the window, so such a
-    model's usable context is `max_context_len`.
+    is shorter than `max_position_embeddings`; the layers in `sliding_layers` then attend to the
+    last `sliding_window` tokens only (a query at position p sees keys p - window + 1 .. p), the
+    others to the whole context. `sliding_layers` are listed also without such a window when
+    they rotate with a rope of their own: `local_rope_theta`, the sliding layers' base where the
+    family gives them one (Gemma 3; plain RoPE, no scaling). `attn_softcap` and `final_softcap`
+    cap attention scores and logits as c · tanh(x / c) (Gemma 2).
     """
 
     vocab_size: int
@@ -140,6 +155,10 @@ class ModelConfig:
     model_type: str = "llama"
     name: str = "model"
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
     embedding_multiplier: float = 1.0  # Granite's multipliers; 1.0 elsewhere
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None  # None: 1 / sqrt(head_dim)
@@ -155,9 +174,15 @@ class ModelConfig:
     @property
     def max_context_len(self) -> int:
         """The longest sequence this runtime computes exactly like the reference model."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    def window_of(self, layer: int) -> int | None:
+        """The keys a query of `layer` sees back from itself (itself included), or None: all."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether `layer` rotates with the sliding layers' own rope (`local_rope_theta`)."""
+        return self.local_rope_theta is not None and layer in self.sliding_layers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -179,20 +204,33 @@ class ModelConfig:
             extras.append("norms after each sublayer")
         if family.multipliers:
             extras.append("Granite's multipliers")
+        if family.gemma:
+            extras.append("Gemma's norms around each sublayer and GeGLU")
+        if self.attn_softcap is not None or self.final_softcap is not None:
+            caps = (self.attn_softcap, self.final_softcap)
+            extras.append(
+                "soft-capped "
+                + " and ".join(
+                    name for name, cap in zip(("attention", "logits"), caps, strict=True) if cap
+                )
+            )
         if self.num_experts:
             extras.append(f"{self.experts_per_token} of {self.num_experts} experts per token")
         shape = (
             f"{self.num_layers} layers, {self.num_heads} query heads over {self.num_kv_heads} "
             f"KV heads of {self.head_dim}"
         )
-        if self.sliding_window is None:
-            attention = (
-                f"full attention on every layer up to {self.max_position_embeddings:,} tokens"
-            )
+        context = f"up to {self.max_position_embeddings:,} tokens"
+        sliding = len(self.sliding_layers) if self.sliding_window is not None else 0
+        if not sliding:
+            attention = f"full attention on every layer {context}"
+        elif sliding == self.num_layers:
+            attention = f"a sliding window of {self.sliding_window:,} tokens on every layer"
+            attention += f" {context}"
         else:
             attention = (
-                f"a sliding window of {self.sliding_window:,} tokens on every layer, computed "
-                f"as full attention within it: the context is capped at {self.max_context_len:,}"
+                f"a sliding window of {self.sliding_window:,} tokens on {sliding} of "
+                f"{self.num_layers} layers, full attention on the others {context}"
             )
         return f"{ARCHITECTURES[self.model_type]}: {', '.join([shape, *extras])}; {attention}"
 
@@ -210,7 +248,8 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise CheckpointError("config.json: expected a JSON object at the top level")
         model_type = _model_type(hf)
-        _check_mlp(hf)
+        family = FAMILIES[model_type]
+        _check_mlp(hf, family)
         num_heads = _size(hf, "num_attention_heads")
         hidden_size = _size(hf, "hidden_size")
         num_kv_heads = _size(hf, "num_key_value_heads", default=num_heads)
@@ -228,14 +267,15 @@ class ModelConfig:
         if head_dim % 2:
             raise CheckpointError(f"config.json: head_dim {head_dim} must be even for RoPE")
         max_pos = _size(hf, "max_position_embeddings", default=2048)
-        theta, rope_scaling = _rope(hf, max_pos)
-        family = FAMILIES[model_type]
+        theta, rope_scaling, local_theta = _ropes(hf, max_pos)
+        num_layers = _size(hf, "num_hidden_layers")
+        window = _sliding_window(hf, model_type, max_pos)
         attention_bias = family.attention_bias and _flag(hf, "attention_bias")
         return cls(
             vocab_size=_size(hf, "vocab_size"),
             hidden_size=hidden_size,
             intermediate_size=_size(hf, "intermediate_size"),
-            num_layers=_size(hf, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -251,8 +291,16 @@ class ModelConfig:
             torch_dtype=_dtype(hf),
             model_type=model_type,
             name=name,
-            sliding_window=_sliding_window(hf, model_type, max_pos),
-            **_multipliers(hf, family),
+            sliding_window=window,
+            sliding_layers=(
+                _sliding_layers(hf, family, num_layers)
+                if window is not None or local_theta is not None
+                else ()
+            ),
+            local_rope_theta=local_theta,
+            attn_softcap=_softcap(hf, "attn_logit_softcapping") if family.gemma else None,
+            final_softcap=_softcap(hf, "final_logit_softcapping") if family.gemma else None,
+            **_multipliers(hf, family, hidden_size, head_dim),
             **_experts(hf, family),
         )
 
@@ -299,9 +347,20 @@ class _Multipliers(TypedDict):
     logits_scaling: float
 
 
-def _multipliers(hf: dict[str, Any], family: Family) -> _Multipliers:
-    """Granite's four multipliers (each defaults to transformers' GraniteConfig default); the
-    neutral values for every other family."""
+def _multipliers(
+    hf: dict[str, Any], family: Family, hidden_size: int, head_dim: int
+) -> _Multipliers:
+    """Granite's four multipliers (each defaults to transformers' GraniteConfig default), Gemma's
+    two (embeddings times √hidden, queries scaled by 1 / √query_pre_attn_scalar); the neutral
+    values for every other family."""
+    if family.gemma:
+        scalar = _number("query_pre_attn_scalar", hf.get("query_pre_attn_scalar") or head_dim)
+        return _Multipliers(
+            embedding_multiplier=math.sqrt(hidden_size),
+            residual_multiplier=1.0,
+            attention_multiplier=scalar**-0.5,
+            logits_scaling=1.0,
+        )
     if not family.multipliers:
         return _Multipliers(
             embedding_multiplier=1.0,
@@ -379,10 +438,24 @@ def _top_k(top_k: int, count: int) -> int:
     return top_k
 
 
-def _check_mlp(hf: dict[str, Any]) -> None:
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"config.json: hidden_act {act!r} is not supported; expected 'silu'")
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+"""The names of the tanh-approximated GELU of Gemma's GeGLU (transformers' `ACT2FN`)."""
+
+
+def _check_mlp(hf: dict[str, Any], family: Family) -> None:
+    if family.gemma:  # Gemma 2/3 read `hidden_activation`; older configs carry `hidden_act`
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or GELU_TANH[0]
+        if act not in GELU_TANH:
+            raise CheckpointError(
+                f"config.json: hidden_activation {_shown(act)} is not supported; expected "
+                f"{GELU_TANH[0]!r}"
+            )
+    else:
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(
+                f"config.json: hidden_act {_shown(act)} is not supported; expected 'silu'"
+            )
     if hf.get("mlp_bias"):
         raise CheckpointError("config.json: mlp_bias true is not supported by kvctl's decoder")
 
@@ -441,6 +514,31 @@ def _dtype(hf: dict[str, Any]) -> str:
     return name
 
 
+def _ropes(hf: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(rope_theta, rope_scaling, the sliding layers' own rope base or None). Gemma 3 gives its
+    sliding layers plain RoPE of their own base: transformers 5 writes `rope_parameters` per
+    layer type, older configs `rope_local_base_freq` beside the full layers' rope."""
+    given = hf.get("rope_parameters")
+    if isinstance(given, dict) and "full_attention" in given:
+        local = given.get("sliding_attention")
+        if local is not None and not isinstance(local, dict):
+            raise CheckpointError(
+                "config.json: rope_parameters.sliding_attention must be an object"
+            )
+        theta, scaling = _rope({"rope_parameters": given["full_attention"]}, max_pos)
+        if local is None:
+            return theta, scaling, None
+        local_theta, local_scaling = _rope({"rope_parameters": local}, max_pos)
+        if local_scaling is not None:
+            raise CheckpointError("config.json: rope scaling on sliding layers is not supported")
+        return theta, scaling, local_theta
+    theta, scaling = _rope(hf, max_pos)
+    local_base = hf.get("rope_local_base_freq")
+    if local_base is None:
+        return theta, scaling, None
+    return theta, scaling, _number("rope_local_base_freq", local_base)
+
+
 def _rope(hf: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either the transformers-5 `rope_parameters` entry or the
     older top-level `rope_theta` + `rope_scaling` pair."""
@@ -476,7 +574,7 @@ def _sliding_window(hf: dict[str, Any], model_type: str, max_pos: int) -> int | 
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types") or []
     uses_window = (
-        model_type in ("mistral", "phi3", "mixtral")  # every layer, whenever a window is given
+        model_type in ("mistral", "phi3", "mixtral", "gemma2", "gemma3_text")
         or _flag(hf, "use_sliding_window")
         or (isinstance(layer_types, list) and "sliding_attention" in layer_types)
     )
@@ -485,3 +583,32 @@ def _sliding_window(hf: dict[str, Any], model_type: str, max_pos: int) -> int | 
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         raise CheckpointError("config.json: sliding_window must be a positive integer or null")
     return window if window < max_pos else None
+
+
+def _sliding_layers(hf: dict[str, Any], family: Family, layers: int) -> tuple[int, ...]:
+    """The layers that slide the window: `layer_types` where the config lists them, else the
+    family's rule (`Family.sliding`), as transformers derives `layer_types`."""
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        kinds = ("sliding_attention", "full_attention")
+        if not isinstance(layer_types, list) or len(layer_types) != layers:
+            raise CheckpointError(f"config.json: layer_types must list each of the {layers} layers")
+        if any(kind not in kinds for kind in layer_types):
+            raise CheckpointError(f"config.json: layer_types may name only {' and '.join(kinds)}")
+        return tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    if family.sliding == "qwen2":
+        first = _optional_int(hf, "max_window_layers")
+        return tuple(range(layers if first is None else max(0, first), layers))
+    if family.sliding.startswith("every "):
+        default = int(family.sliding.removeprefix("every "))
+        key = "sliding_window_pattern"
+        every = next((hf[k] for k in (key, "_" + key) if hf.get(k) is not None), default)
+        if not isinstance(every, int) or isinstance(every, bool) or not 1 <= every <= 1024:
+            raise CheckpointError(f"config.json: {key} must be an integer from 1 to 1,024")
+        return tuple(i for i in range(layers) if (i + 1) % every)
+    return tuple(range(layers))
+
+
+def _softcap(hf: dict[str, Any], key: str) -> float | None:
+    value = hf.get(key)
+    return None if value is None else _number(key, value)

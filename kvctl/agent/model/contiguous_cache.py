@@ -22,7 +22,9 @@ from kvctl.agent.model.attention import (
     BatchLayout,
     attend_decode,
     attend_one,
+    chunk_mask,
     key_mask,
+    layer_attentions,
     split_by_sequence,
 )
 from kvctl.agent.model.config import ModelConfig
@@ -35,7 +37,7 @@ class _DecodeIndex:
 
     slots: Tensor  # [B] long: slot of each sequence
     write_at: Tensor  # [B] long: position of each sequence's new token
-    valid: Tensor  # [B, L] bool: keys that exist, L = longest sequence in the batch
+    valid: dict[int | None, Tensor]  # window -> [B, L] bool: keys seen, L = the longest length
     first_slot: int | None  # set when slots are consecutive ascending: a view, no gather
 
 
@@ -63,6 +65,7 @@ class ContiguousKVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)  # [layers, slots, len, kvh, d]
         self.max_seqs = max_seqs
         self.max_len = max_len
+        self.layers = layer_attentions(config)
         self._free_slots = list(range(max_seqs))  # a heap: lowest free slot first
         self._slot: dict[Hashable, int] = {}
         self._len: dict[Hashable, int] = {}
@@ -127,14 +130,16 @@ class ContiguousKVCache:
     ) -> Tensor:
         self.k[layer, idx.slots, idx.write_at] = k  # k [B, kvh, d]
         self.v[layer, idx.slots, idx.write_at] = v
-        length = idx.valid.shape[1]
+        seen = self.layers[layer]
+        valid = idx.valid[seen.window]
+        length = valid.shape[1]
         if idx.first_slot is not None:
             rows = slice(idx.first_slot, idx.first_slot + len(idx.slots))
             keys, values = self.k[layer, rows, :length], self.v[layer, rows, :length]
         else:
             keys = self.k[layer, :, :length].index_select(0, idx.slots)  # [B, L, kvh, d]
             values = self.v[layer, :, :length].index_select(0, idx.slots)
-        return attend_decode(q, keys, values, idx.valid)
+        return attend_decode(q, keys, values, valid, seen.softcap)
 
     def _attend_each(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, layout: BatchLayout
@@ -148,13 +153,16 @@ class ContiguousKVCache:
             split_by_sequence(v, layout.new_lens),
             strict=True,
         )
+        seen = self.layers[layer]
         for seq_id, cached, q_i, k_i, v_i in per_seq:
-            slot, end = self._slot[seq_id], cached + q_i.shape[0]
+            slot, t = self._slot[seq_id], q_i.shape[0]
+            end = cached + t
             self.k[layer, slot, cached:end] = k_i  # [t, kvh, d]
             self.v[layer, slot, cached:end] = v_i
-            outs.append(
-                attend_one(q_i, self.k[layer, slot, :end], self.v[layer, slot, :end], cached)
-            )
+            first = seen.first_key(cached)  # the keys before it no new token sees
+            keys, values = self.k[layer, slot, first:end], self.v[layer, slot, first:end]
+            mask = chunk_mask(t, cached, q.device, q.dtype, seen.window, first) if t > 1 else None
+            outs.append(attend_one(q_i, keys, values, cached - first, mask, seen.softcap))
         return torch.cat(outs)  # [T, h, d]
 
     def _check_fits(self, layout: BatchLayout) -> None:
@@ -178,6 +186,9 @@ class ContiguousKVCache:
         return _DecodeIndex(
             slots=torch.tensor(slot_list, dtype=torch.long, device=device),
             write_at=torch.tensor(layout.cached_lens, dtype=torch.long, device=device),
-            valid=key_mask(layout.total_lens, max(layout.total_lens), device),
+            valid={
+                window: key_mask(layout.total_lens, max(layout.total_lens), device, window)
+                for window in {seen.window for seen in self.layers}
+            },
             first_slot=slot_list[0] if consecutive else None,
         )

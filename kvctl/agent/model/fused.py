@@ -33,7 +33,15 @@ from torch import Tensor, nn
 
 from kvctl.agent.kernels import cpu_ops
 from kvctl.agent.model.attention import AttentionBackend
-from kvctl.agent.model.llama import Decoder, DecoderLayer, LlamaModel, RMSNorm
+from kvctl.agent.model.llama import (
+    Decoder,
+    DecoderLayer,
+    LlamaModel,
+    RMSNorm,
+    embed,
+    folded_norm,
+    rotations,
+)
 from kvctl.agent.model.moe import FusedMoE, SparseMoE
 from kvctl.agent.model.projection import Projection, scaled
 from kvctl.agent.model.rope import apply_rotary
@@ -67,6 +75,11 @@ class LayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_and_mul(self, gate_up: Tensor) -> Tensor:
+        """Gemma's GeGLU: gelu_tanh(gate) · up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class KernelLayerOps(LayerOps):
     """The same steps as single passes of the CPU kernels (float32 or bfloat16 on a CPU; in
@@ -78,9 +91,13 @@ class KernelLayerOps(LayerOps):
         self._ops = ops
 
     def rms_norm(self, x: Tensor, norm: RMSNorm) -> Tensor:
+        if _rounds_apart(x, norm):
+            return super().rms_norm(x, norm)
         return self._ops.rms_norm(x, norm.weight, norm.eps)
 
     def add_rms_norm_(self, residual: Tensor, x: Tensor, norm: RMSNorm) -> Tensor:
+        if _rounds_apart(residual, norm):
+            return super().add_rms_norm_(residual, x, norm)
         return self._ops.add_rms_norm_(residual, x.contiguous(), norm.weight, norm.eps)
 
     def rotary(
@@ -96,6 +113,12 @@ class KernelLayerOps(LayerOps):
         return self._ops.silu_and_mul(gate_up)
 
 
+def _rounds_apart(x: Tensor, norm: RMSNorm) -> bool:
+    """Whether `norm` scales in float32 where the kernel would round first (Gemma's norms on
+    bfloat16 rows): such a norm runs in torch."""
+    return norm.scale_in_float and x.dtype != torch.float32
+
+
 def layer_ops_for(weight: Tensor, kernels: bool = True) -> LayerOps:
     """The kernels' single passes for float32 or bfloat16 weights on a CPU where they run (and
     `kernels`), else torch."""
@@ -108,9 +131,10 @@ def layer_ops_for(weight: Tensor, kernels: bool = True) -> LayerOps:
 class FusedLayer(nn.Module):
     """One decoder layer with fused products; its norms and residual adds run in the decoder.
 
-    The families' scalar factors are folded into the weights here, once: Granite's attention
-    multiplier into q's rows (or, after a q norm, into that norm's weight) and its residual
-    multiplier into o and down, so the step pays nothing for them."""
+    The families' scalar factors are folded into the weights here, once: Granite's and Gemma's
+    query scale into q's rows (or, after a q norm, into that norm's weight), Granite's residual
+    multiplier into o and down, and Gemma's (1 + w) into its norms' weights, so the step pays
+    nothing for them."""
 
     def __init__(self, layer: DecoderLayer, kernels: bool = True) -> None:
         super().__init__()
@@ -123,13 +147,14 @@ class FusedLayer(nn.Module):
         self.qk_norm = attention.qk_norm
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
+        self.local_rope = layer.local_rope
         scale, m = attention.query_scale, layer.residual_multiplier
         parts = (attention.q_proj, attention.k_proj, attention.v_proj)
         weights: list[Tensor] = [p.weight for p in parts]
         biases: list[Tensor] | None = None if parts[0].bias is None else [p.bias for p in parts]
         if self.qk_norm is not None:
-            self.q_norm = _scaled_norm(attention.q_norm, scale)
-            self.k_norm = attention.k_norm
+            self.q_norm = folded_norm(attention.q_norm, scale)
+            self.k_norm = folded_norm(attention.k_norm)
         else:
             weights[0] = scaled(weights[0], scale)
             if biases is not None:
@@ -143,17 +168,24 @@ class FusedLayer(nn.Module):
             kernels,
         )
         self.moe: FusedMoE | None = None
+        self.gelu = False
         if isinstance(mlp, SparseMoE):
             self.moe = FusedMoE(mlp, kernels, down_scale=m)
         else:
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
             self.gate_up = Projection.of(gate_up, kernels=kernels)
             self.down = Projection.of(scaled(mlp.down_proj.weight, m), kernels=kernels)
-        self.post_norms = layer.post_norms
-        self.input_layernorm = None if layer.post_norms else layer.input_layernorm
-        self.post_attention_layernorm = layer.post_attention_layernorm
+            self.gelu = mlp.gelu
+        self.post_norms, self.sandwich = layer.post_norms, layer.sandwich
+        self.input_layernorm = None if layer.post_norms else folded_norm(layer.input_layernorm)
+        self.post_attention_layernorm = folded_norm(layer.post_attention_layernorm)
+        self.pre_feedforward_layernorm = (
+            folded_norm(layer.pre_feedforward_layernorm) if layer.sandwich else None
+        )
         self.post_feedforward_layernorm = (
-            layer.post_feedforward_layernorm if layer.post_norms else None
+            folded_norm(layer.post_feedforward_layernorm)
+            if layer.post_norms or layer.sandwich
+            else None
         )
 
     def attention(
@@ -187,47 +219,44 @@ class FusedLayer(nn.Module):
     def mlp(self, h: Tensor, ops: LayerOps) -> Tensor:
         if self.moe is not None:
             return self.moe(h, ops.silu_and_mul)
-        return self.down(ops.silu_and_mul(self.gate_up(h)))
-
-
-def _scaled_norm(norm: RMSNorm, scale: float) -> RMSNorm:
-    """`norm` with its output multiplied by `scale` (the same norm when `scale` is 1)."""
-    if scale == 1.0:
-        return norm
-    out = RMSNorm(norm.weight.shape[0], norm.eps)
-    out.weight = nn.Parameter(scaled(norm.weight.detach(), scale), requires_grad=False)
-    return out
+        act = ops.gelu_and_mul if self.gelu else ops.silu_and_mul
+        return self.down(act(self.gate_up(h)))
 
 
 class FusedDecoder(nn.Module):
     """`Decoder` over fused layers: x = embed; per layer h = norm(x), x += attn(h),
     h = norm(x), x += mlp(h); then the final norm, each residual add fused into the norm after
-    it. With post norms (OLMo 2): x += norm(attn(x)), x += norm(mlp(x)), then the final norm."""
+    it. With post norms (OLMo 2): x += norm(attn(x)), x += norm(mlp(x)), then the final norm;
+    with Gemma's on both sides: x += norm(attn(norm(x))), x += norm(mlp(norm(x)))."""
 
     def __init__(self, decoder: Decoder, kernels: bool = True) -> None:
         super().__init__()
         self.embed_tokens = decoder.embed_tokens
         self.embedding_multiplier = decoder.embedding_multiplier
+        self.round_multiplier = decoder.round_multiplier
         self.rotary_emb = decoder.rotary_emb
-        self.norm = decoder.norm
+        self.local_rotary_emb = decoder.local_rotary_emb
+        self.norm = folded_norm(decoder.norm)
         self.blocks = [FusedLayer(layer, kernels) for layer in decoder.blocks]
         """The layers, typed (`nn.ModuleList` yields plain modules); `layers` registers them."""
         self.layers = nn.ModuleList(self.blocks)
         self.ops = layer_ops_for(decoder.embed_tokens.weight, kernels)
         self.post_norms = bool(self.blocks) and self.blocks[0].post_norms
+        self.sandwich = bool(self.blocks) and self.blocks[0].sandwich
 
     def forward(self, token_ids: Tensor, positions: Tensor, attention: AttentionBackend) -> Tensor:
-        x = self.embed_tokens(token_ids)  # [T, hidden], the residual stream (updated in place)
-        if self.embedding_multiplier != 1.0:
-            x.mul_(self.embedding_multiplier)
-        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, head_dim] each
+        x = embed(self, token_ids)  # [T, hidden], the residual stream (updated in place)
+        ropes = rotations(self, positions, x.dtype)  # cos/sin [T, head_dim] per rope
         if self.post_norms:
-            return self._post_norm_layers(x, cos, sin, attention)
+            return self._post_norm_layers(x, ropes, attention)
+        if self.sandwich:
+            return self._sandwich_layers(x, ropes, attention)
         ops, blocks = self.ops, self.blocks
         first = blocks[0].input_layernorm
         assert first is not None
         h = ops.rms_norm(x, first)
         for i, layer in enumerate(blocks):
+            cos, sin = ropes[layer.local_rope]
             h = ops.add_rms_norm_(
                 x, layer.attention(h, cos, sin, attention, ops), layer.post_attention_layernorm
             )
@@ -237,11 +266,12 @@ class FusedDecoder(nn.Module):
         return h
 
     def _post_norm_layers(
-        self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend
+        self, x: Tensor, ropes: list[tuple[Tensor, Tensor]], attention: AttentionBackend
     ) -> Tensor:
         ops = self.ops
         for layer in self.blocks:
             assert layer.post_feedforward_layernorm is not None
+            cos, sin = ropes[layer.local_rope]
             x.add_(
                 ops.rms_norm(
                     layer.attention(x, cos, sin, attention, ops), layer.post_attention_layernorm
@@ -249,6 +279,27 @@ class FusedDecoder(nn.Module):
             )
             x.add_(ops.rms_norm(layer.mlp(x, ops), layer.post_feedforward_layernorm))
         return ops.rms_norm(x, self.norm)
+
+    def _sandwich_layers(
+        self, x: Tensor, ropes: list[tuple[Tensor, Tensor]], attention: AttentionBackend
+    ) -> Tensor:
+        """Gemma's layers; each residual add is fused into the norm that opens the next
+        sublayer."""
+        ops, blocks = self.ops, self.blocks
+        first = blocks[0].input_layernorm
+        assert first is not None
+        h = ops.rms_norm(x, first)
+        for i, layer in enumerate(blocks):
+            assert layer.pre_feedforward_layernorm is not None
+            assert layer.post_feedforward_layernorm is not None
+            out = layer.attention(h, *ropes[layer.local_rope], attention, ops)
+            out = ops.rms_norm(out, layer.post_attention_layernorm)
+            h = ops.add_rms_norm_(x, out, layer.pre_feedforward_layernorm)
+            out = ops.rms_norm(layer.mlp(h, ops), layer.post_feedforward_layernorm)
+            after = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else self.norm
+            assert after is not None
+            h = ops.add_rms_norm_(x, out, after)
+        return h
 
 
 def fuse(model: LlamaModel, kernels: bool = True) -> LlamaModel:

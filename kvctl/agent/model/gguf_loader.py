@@ -15,7 +15,7 @@ from torch import Tensor
 
 from kvctl.agent.model.config import ModelConfig
 from kvctl.agent.model.errors import CheckpointError
-from kvctl.agent.model.gguf_metadata import config_from_metadata, read_metadata
+from kvctl.agent.model.gguf_metadata import GEMMA, config_from_metadata, read_metadata
 from kvctl.agent.model.gguf_tokenizer import gguf_tokenizer
 from kvctl.agent.model.llama import LlamaModel
 from kvctl.agent.model.tokenizer import HFTokenizer
@@ -32,6 +32,12 @@ _LAYER_PARTS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+_GEMMA_LAYER_PARTS = {  # a norm before and after each sublayer; llama.cpp's ffn_norm is the MLP's
+    **_LAYER_PARTS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -57,13 +63,14 @@ def load_gguf(
     meta = read_metadata(reader, file.name)
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_metadata(meta, tensors, file)
+    arch = meta["general.architecture"]
     with torch.device("meta"):
         model = LlamaModel(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    names = _check_tensors(tensors, expected, file.name, gguf)
+    names = _check_tensors(tensors, expected, file.name, gguf, arch)
     device, dtype = torch.device(device), dtype or config.dtype
     state = {
-        ours: _dequantize(tensors[theirs], ours, config, gguf).to(device=device, dtype=dtype)
+        ours: _dequantize(tensors[theirs], ours, arch, config, gguf).to(device=device, dtype=dtype)
         for theirs, ours in names.items()
     }
     model.load_state_dict(state, strict=True, assign=True)
@@ -92,18 +99,24 @@ def _open(file: Path, gguf: Any) -> Any:
     return reader
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor name, None for names kvctl does not know."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor name in a file of llama.cpp architecture
+    `arch`, None for names kvctl does not know."""
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
+    layer_parts = _GEMMA_LAYER_PARTS if arch in GEMMA else _LAYER_PARTS
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_PARTS:
-        return f"model.layers.{parts[1]}.{_LAYER_PARTS[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_parts:
+        return f"model.layers.{parts[1]}.{layer_parts[parts[2]]}.{parts[3]}"
     return None
 
 
 def _check_tensors(
-    tensors: dict[str, Any], expected: dict[str, tuple[int, ...]], file: str, gguf: Any
+    tensors: dict[str, Any],
+    expected: dict[str, tuple[int, ...]],
+    file: str,
+    gguf: Any,
+    arch: str = "llama",
 ) -> dict[str, str]:
     """GGUF name -> our name for every tensor, after checking names, shapes and types."""
     readable = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
@@ -112,7 +125,7 @@ def _check_tensors(
     for name, tensor in tensors.items():
         if name == ROPE_FREQS:
             continue
-        ours = hf_name(name)
+        ours = hf_name(name, arch)
         if ours is None or ours not in expected:
             raise CheckpointError(f"{file}: unexpected tensor {name}; not a Llama-family decoder")
         shape = tuple(reversed([int(d) for d in tensor.shape]))
@@ -133,13 +146,17 @@ def _check_tensors(
     return names
 
 
-def _dequantize(tensor: Any, name: str, config: ModelConfig, gguf: Any) -> Tensor:
-    """float32 values of one tensor, in Hugging Face's layout."""
+def _dequantize(tensor: Any, name: str, arch: str, config: ModelConfig, gguf: Any) -> Tensor:
+    """float32 values of one tensor, in Hugging Face's layout and convention."""
     values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
-    if config.model_type == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+    if arch in GEMMA and name.endswith("norm.weight"):
+        # convert_hf_to_gguf stores Gemma's norms as the scale 1 + w, the model keeps the offset w
+        # (as transformers' GGUF loading does: w = stored - 1, in float32)
+        values = values - np.float32(1.0)
+    if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
         values = unpermute(values, config.num_heads)
-    elif config.model_type == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+    elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
         values = unpermute(values, config.num_kv_heads)
     return torch.from_numpy(values)
 

@@ -4,6 +4,7 @@ The llama.cpp keys are translated into a Hugging Face config dict and checked by
 `ModelConfig.from_hf`, so a GGUF model is held to the same rules as a checkpoint directory.
 """
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,24 @@ import numpy as np
 import torch
 
 from kvctl.agent.model.chat_template import ChatTemplate
-from kvctl.agent.model.config import ModelConfig
+from kvctl.agent.model.config import LIMITS, ModelConfig
 from kvctl.agent.model.errors import CheckpointError
 from kvctl.agent.model.rope import inv_frequencies
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")  # llama.cpp names; Mistral files are "llama"
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # llama.cpp names; Mistral: "llama"
+_FAMILIES = "Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 text decoders"
+_MODEL_TYPES = {"gemma3": "gemma3_text"}  # Hugging Face's model_type where it is not llama.cpp's
+GEMMA = ("gemma2", "gemma3")
+"""Architectures whose norm weights llama.cpp's converter stores as 1 + w (`gguf_loader`)."""
+# What llama.cpp's gemma2/gemma3 hparams loading assumes where a file says nothing: every Nth layer
+# attends to the whole context (layer i slides iff i % N < N - 1), Gemma 2's window and caps, Gemma
+# 3's sliding layers' rope base, and the layer count of the 27B model, the one whose query scale is
+# 1 / sqrt(hidden / heads) instead of 1 / sqrt(key_length).
+_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA2_WINDOW = 4096
+_GEMMA2_CAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+_GEMMA3_LOCAL_BASE = 10000.0
+_LAYERS_27B = {"gemma2": 46, "gemma3": 62}
 _STRING, _ARRAY = 8, 9  # GGUFValueType
 # Llama 3.1/3.2's rope scaling, which llama.cpp stores as a `rope_freqs.weight` tensor.
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
@@ -57,7 +71,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], file: Pa
     if arch not in ARCHITECTURES:
         raise CheckpointError(
             f"{file.name}: unsupported architecture {arch!r}; kvctl loads GGUF files of "
-            f"architecture {', '.join(ARCHITECTURES)} (Llama, Mistral, Qwen2 and Qwen3 decoders)"
+            f"architecture {', '.join(ARCHITECTURES)} ({_FAMILIES})"
         )
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{file.name}: missing tensor token_embd.weight")
@@ -109,8 +123,8 @@ def _hf_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, file: s
     if key("rope.dimension_count", head_dim) != head_dim:
         raise CheckpointError(f"{file}: partial rotary embeddings are not supported")
     vocab = int(tensors["token_embd.weight"].shape[1])
-    return {
-        "model_type": arch,
+    hf = {
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length"),
@@ -127,6 +141,85 @@ def _hf_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, file: s
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "torch_dtype": _dtype(tensors),
     }
+    if arch in GEMMA:
+        hf.update(_gemma(meta, tensors, arch, file, hf))
+    return hf
+
+
+def _gemma(
+    meta: dict[str, Any], tensors: dict[str, Any], arch: str, file: str, hf: dict[str, Any]
+) -> dict[str, Any]:
+    """The Gemma 2 / Gemma 3 keys of the config, read as llama.cpp's gemma2/gemma3 code reads the
+    file its convert_hf_to_gguf writes; CheckpointError where the file asks for something llama.cpp
+    would compute otherwise, or kvctl cannot."""
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    layers, hidden, heads = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
+    gemma: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",  # llama.cpp's LLM_FFN_GELU is the tanh one
+        "query_pre_attn_scalar": hf["head_dim"],
+        **_sliding(key, arch, file, layers),
+    }
+    if layers == _LAYERS_27B[arch] and isinstance(hidden, int) and isinstance(heads, int):
+        gemma["query_pre_attn_scalar"] = hidden // heads if heads > 0 else None
+    if arch == "gemma2":
+        window = key("attention.sliding_window")
+        gemma["sliding_window"] = _GEMMA2_WINDOW if window is None else window
+        gemma.update({name: key(name, cap) for name, cap in _GEMMA2_CAPS.items()})
+        if key("rope.freq_base_swa", hf["rope_theta"]) != hf["rope_theta"]:
+            raise CheckpointError(
+                f"{file}: gemma2.rope.freq_base_swa is not supported; llama.cpp's gemma2 rotates "
+                "every layer with rope.freq_base"
+            )
+        if "output.weight" in tensors:
+            raise CheckpointError(
+                f"{file}: unexpected tensor output.weight; llama.cpp's gemma2 ties the output "
+                "to token_embd.weight"
+            )
+        return gemma
+    if key("attn_logit_softcapping") is not None:
+        raise CheckpointError(
+            f"{file}: gemma3.attn_logit_softcapping is not supported; llama.cpp's gemma3 does not "
+            "soft-cap attention scores"
+        )
+    window = key("attention.sliding_window") or None  # absent or 0: no layer slides
+    gemma["sliding_window"] = window
+    gemma["final_logit_softcapping"] = key("final_logit_softcapping") or None  # 0: none
+    if window is not None:  # llama.cpp rotates with the sliding base only where layers slide
+        gemma["rope_local_base_freq"] = key("rope.freq_base_swa", _GEMMA3_LOCAL_BASE)
+    return gemma
+
+
+def _sliding(key: Callable[[str, Any], Any], arch: str, file: str, layers: Any) -> dict[str, Any]:
+    """`layer_types` from llama.cpp's `set_swa_pattern(N)`: layer i slides iff N is 0 or
+    i % N < N - 1. Gemma 2's N is always 2; Gemma 3's 6 unless the file gives one number."""
+    name = f"{arch}.attention.sliding_window_pattern"
+    pattern = key("attention.sliding_window_pattern", _PATTERN[arch])
+    if arch == "gemma2" and pattern != _PATTERN[arch]:
+        raise CheckpointError(
+            f"{file}: {name} {_brief(pattern)} is not supported; llama.cpp's gemma2 slides the "
+            "window on every other layer"
+        )
+    if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 0:
+        raise CheckpointError(
+            f"{file}: {name} {_brief(pattern)} is not supported; kvctl reads one number of layers"
+        )
+    if not isinstance(layers, int) or not 0 < layers <= LIMITS["num_hidden_layers"]:
+        return {}  # refused by ModelConfig.from_hf
+    return {
+        "layer_types": [
+            "sliding_attention" if pattern == 0 or i % pattern < pattern - 1 else "full_attention"
+            for i in range(layers)
+        ]
+    }
+
+
+def _brief(value: Any) -> str:
+    """`value` for a one-line message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str, file: str) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, and the
-Mixtral and Qwen3-MoE mixtures of experts) over a flattened, variable-length batch; the families'
-switches are `config.Family`.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and 3,
+and the Mixtral and Qwen3-MoE mixtures of experts) over a flattened, variable-length batch; the
+families' switches are `config.Family`. Which keys a layer's queries see (a sliding window,
+soft-capped scores) is the attention backend's business (`ModelConfig.window_of`).
 
 Tokens of all sequences of a step are concatenated into one [T] batch, as in vLLM and nano-vllm:
 no padding, each token with its own position. The KV cache is not part of the model; every
@@ -14,7 +15,7 @@ logits reuse `model.embed_tokens.weight`, just as tied checkpoints store no `lm_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,16 +31,40 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, then scaled in the input dtype (as Llama does)."""
+    """Root-mean-square norm computed in float32, then scaled in the input dtype (as Llama does).
 
-    def __init__(self, dim: int, eps: float) -> None:
+    `gemma`: scaled by (1 + weight) in float32 and rounded after (Gemma's norm, whose checkpoints
+    store the offset from 1). `folded_norm` turns one into a norm with the scale itself as its
+    weight, which is what the fused kernels read."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
         self.eps = eps
+        self.gemma = gemma
+        self.scale_in_float = gemma
+        """Multiply by the weight in float32 before rounding to the input dtype."""
 
     def forward(self, x: Tensor) -> Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.scale_in_float:
+            weight = self.weight.float()
+            return (normed * (1.0 + weight if self.gemma else weight)).to(x.dtype)
         return self.weight * normed.to(x.dtype)
+
+
+def folded_norm(norm: RMSNorm, factor: float = 1.0) -> RMSNorm:
+    """A norm computing `norm` times `factor` with its whole scale as a float32 weight: Gemma's
+    (1 + w) added once at load, and a query scale folded in; `norm` itself when there is
+    nothing to fold."""
+    if not norm.gemma and factor == 1.0:
+        return norm
+    weight = norm.weight.detach().float()
+    out = RMSNorm(weight.shape[0], norm.eps)
+    out.scale_in_float = norm.scale_in_float
+    scale = (1.0 + weight if norm.gemma else weight) * factor
+    out.weight = nn.Parameter(scale if norm.gemma else scale.to(norm.weight.dtype), False)
+    return out
 
 
 class Embedding(nn.Module):
@@ -69,10 +94,10 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.o_proj_bias)
         self.qk_norm = config.family.qk_norm
-        if self.qk_norm is not None:  # Qwen3: over each head; OLMo 2: over the projection
-            per_head = self.qk_norm == "head"
-            self.q_norm = RMSNorm(config.head_dim if per_head else q_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim if per_head else kv_dim, config.rms_norm_eps)
+        if self.qk_norm is not None:  # Qwen3, Gemma 3: over each head; OLMo 2: the projection
+            per_head, eps, gemma = self.qk_norm == "head", config.rms_norm_eps, config.family.gemma
+            self.q_norm = RMSNorm(config.head_dim if per_head else q_dim, eps, gemma)
+            self.k_norm = RMSNorm(config.head_dim if per_head else kv_dim, eps, gemma)
         self.query_scale = config.query_scale
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
@@ -94,7 +119,7 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); GeGLU for Gemma: down(gelu_tanh(gate(x)) * up(x))."""
 
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
@@ -102,26 +127,33 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, inner, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, inner, bias=False)
         self.down_proj = nn.Linear(inner, config.hidden_size, bias=False)
+        self.gelu = config.family.gemma
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); with post norms
-    (OLMo 2) x + norm(attn(x)), then x + norm(mlp(x)). Granite scales each branch by its
-    residual multiplier."""
+    (OLMo 2) x + norm(attn(x)), then x + norm(mlp(x)); Gemma's both, x + norm(attn(norm(x))),
+    then x + norm(mlp(norm(x))). Granite scales each branch by its residual multiplier."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
+        hidden, eps, gemma = config.hidden_size, config.rms_norm_eps, config.family.gemma
         self.post_norms = config.family.post_norms
+        self.sandwich = gemma
+        self.local_rope = config.local_rope(layer_index)
         if not self.post_norms:
-            self.input_layernorm = RMSNorm(hidden, eps)
+            self.input_layernorm = RMSNorm(hidden, eps, gemma)
         self.self_attn = SelfAttention(config, layer_index)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        if self.post_norms:
-            self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, gemma)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
+        if self.post_norms or self.sandwich:
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
         self.mlp: MLP | SparseMoE
         if config.is_moe_layer(layer_index):
             inner = config.moe_intermediate_size
@@ -133,6 +165,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
         m = self.residual_multiplier
+        if self.sandwich:
+            h = self.self_attn(self.input_layernorm(x), cos, sin, attention)
+            x = x + self.post_attention_layernorm(h)
+            h = self.mlp(self.pre_feedforward_layernorm(x))
+            return x + self.post_feedforward_layernorm(h)
         if self.post_norms:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attention))
             return x + self.post_feedforward_layernorm(self.mlp(x))
@@ -149,18 +186,52 @@ class Decoder(nn.Module):
         self.blocks = [DecoderLayer(config, i) for i in range(config.num_layers)]
         """The layers, typed (`nn.ModuleList` yields plain modules); `layers` registers them."""
         self.layers = nn.ModuleList(self.blocks)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.family.gemma)
         self.rotary_emb = RotaryEmbedding(config)
+        self.local_rotary_emb = (
+            RotaryEmbedding(config, local=True)
+            if any(config.local_rope(i) for i in range(config.num_layers))
+            else None
+        )
         self.embedding_multiplier = config.embedding_multiplier
+        self.round_multiplier = config.family.gemma
 
     def forward(self, token_ids: Tensor, positions: Tensor, attention: AttentionBackend) -> Tensor:
-        x = self.embed_tokens(token_ids)  # [T, hidden]
-        if self.embedding_multiplier != 1.0:
-            x = x * self.embedding_multiplier
-        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, head_dim] each
+        x = embed(self, token_ids)  # [T, hidden]
+        ropes = rotations(self, positions, x.dtype)
         for layer in self.blocks:
-            x = layer(x, cos, sin, attention)
+            x = layer(x, *ropes[layer.local_rope], attention)
         return self.norm(x)
+
+
+class _Embeds(Protocol):
+    embed_tokens: Embedding
+    embedding_multiplier: float
+    round_multiplier: bool
+    rotary_emb: RotaryEmbedding
+    local_rotary_emb: RotaryEmbedding | None
+
+
+def embed(decoder: _Embeds, token_ids: Tensor) -> Tensor:
+    """The token embeddings [T, hidden] times the family's multiplier, a new tensor (the residual
+    stream, updated in place by the fused decoder). Gemma rounds √hidden to the model's dtype
+    before multiplying, as its checkpoints were trained."""
+    x = decoder.embed_tokens(token_ids)
+    m = decoder.embedding_multiplier
+    if decoder.round_multiplier:
+        m = float(torch.tensor(m, dtype=x.dtype))
+    return x.mul_(m) if m != 1.0 else x
+
+
+def rotations(
+    decoder: _Embeds, positions: Tensor, dtype: torch.dtype
+) -> list[tuple[Tensor, Tensor]]:
+    """cos/sin [T, head_dim] of the model's rope, then (where it has one) the sliding layers'
+    own: indexed by `DecoderLayer.local_rope`."""
+    ropes = [decoder.rotary_emb(positions, dtype)]
+    if decoder.local_rotary_emb is not None:
+        ropes.append(decoder.local_rotary_emb(positions, dtype))
+    return ropes
 
 
 class LlamaModel(nn.Module):
@@ -199,5 +270,9 @@ class LlamaModel(nn.Module):
             lm_head = self.lm_head
             weight = self.model.embed_tokens.weight if lm_head is None else lm_head.weight
             logits = F.linear(hidden, weight)
-        scaling = self.config.logits_scaling
-        return (logits if scaling == 1.0 else logits / scaling).float()
+        scaling, cap = self.config.logits_scaling, self.config.final_softcap
+        if scaling != 1.0:
+            logits = logits / scaling
+        if cap is not None:  # Gemma 2: c · tanh(logits / c), in the model's dtype
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

@@ -44,12 +44,17 @@ every query tile its kernels use."""
 
 
 def attend_pages(
-    q: Tensor, k_pages: Tensor, v_pages: Tensor, cached_len: int, mask: Tensor | None = None
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    cached_len: int,
+    mask: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention of one sequence's t new tokens over K/V given page by page.
 
-    q [t, h, d]; k_pages, v_pages [n, page_size, kvh, d] holding the sequence's first
-    `cached_len + t` tokens in order (the rest of the last page is ignored); `mask` as for
+    q [t, h, d]; k_pages, v_pages [n, page_size, kvh, d] holding `cached_len + t` tokens in
+    order, the new ones last (the rest of the last page is ignored); `mask` and `softcap` as for
     `attend_one`. Returns [t, h, d], bit for bit what `attend_one` returns on the same tokens.
     """
     t, _, d = q.shape
@@ -59,7 +64,7 @@ def attend_pages(
         raise ValueError(f"{n} pages of {page_size} cannot hold {total} tokens")
     keys = k_pages.reshape(n * page_size, kvh, d)[:total]
     values = v_pages.reshape(n * page_size, kvh, d)[:total]
-    return attend_one(q, keys, values, cached_len, mask)
+    return attend_one(q, keys, values, cached_len, mask, softcap)
 
 
 def flex_available() -> bool:

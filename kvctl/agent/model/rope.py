@@ -14,14 +14,18 @@ from torch import Tensor
 from kvctl.agent.model.config import ModelConfig
 
 
-def inv_frequencies(config: ModelConfig) -> Tensor:
-    """Inverse frequencies [head_dim // 2] (float32, CPU) for positions inside the trained context.
+def inv_frequencies(config: ModelConfig, local: bool = False) -> Tensor:
+    """Inverse frequencies [head_dim // 2] (float32, CPU) for positions inside the trained context;
+    `local`: the sliding layers' own plain RoPE (`local_rope_theta`, Gemma 3).
 
     `dynamic` scaling only changes frequencies past `max_position_embeddings`; see
     `dynamic_inv_frequencies` for those.
     """
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # [d/2]
+    if local:
+        assert config.local_rope_theta is not None
+        return 1.0 / (config.local_rope_theta**exponents)
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling or {"rope_type": "default"}
     if scaling["rope_type"] == "linear":
@@ -65,13 +69,14 @@ def dynamic_inv_frequencies(config: ModelConfig, positions: Tensor) -> Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables for a batch of positions; holds no parameters and no state dict entries."""
+    """cos/sin tables for a batch of positions; holds no parameters and no state dict entries.
+    `local`: the sliding layers' own rope (`ModelConfig.local_rope`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, local: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.dynamic = (config.rope_scaling or {}).get("rope_type") == "dynamic"
-        self._inv_freq = {torch.device("cpu"): inv_frequencies(config)}  # device -> [d/2]
+        self.dynamic = not local and (config.rope_scaling or {}).get("rope_type") == "dynamic"
+        self._inv_freq = {torch.device("cpu"): inv_frequencies(config, local)}  # device -> [d/2]
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions [T] (int64) -> cos, sin [T, head_dim] in `dtype`."""

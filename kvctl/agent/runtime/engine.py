@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvctl.agent.config import DEFAULT_LONG_PROMPT_TOKENS
-from kvctl.agent.model.attention import BatchLayout
+from kvctl.agent.model.attention import BatchLayout, layer_attentions
 from kvctl.agent.model.fused import fuse
 from kvctl.agent.model.llama import LlamaModel
 from kvctl.agent.model.processing import (
@@ -283,6 +283,7 @@ class Engine:
             config.decode_read_path,
             num_heads=mc.num_heads,
             kernels=config.cpu_kernels,
+            layers=layer_attentions(mc),
         )
         self.prefix_cache = (
             PrefixCache(self.pool, config.eviction_policy, mc.name, config.prefix_isolation)

@@ -24,13 +24,18 @@ Reads, by step kind:
   gathered as above and the two results are put back in batch order.
 
 "auto" (the default) is "flex" on CUDA, "paged" on a CPU where the kernels are built and have
-the model's head layout (head dim 16, 32, 64 or 128; up to 8 query heads per KV head; float32 or
-bfloat16 pages), and "gather" elsewhere. In a mixed step the one-token rows take the decode read
-path too. If FlexAttention fails under "auto" (a compiler that cannot build its kernel), the cache
-logs it once and gathers from then on.
+the model's head layout (head dim 16, 32, 64, 128 or 256; up to 8 query heads per KV head;
+float32 or bfloat16 pages), and "gather" elsewhere. In a mixed step the one-token rows take the
+decode read path too. If FlexAttention fails under "auto" (a compiler that cannot build its
+kernel), the cache logs it once and gathers from then on.
 
 Page tables are read afresh at every `begin_step`, so whatever the defragmenter moved between two
 steps is invisible to the model: it reads the same values from their new pages.
+
+Layers with a sliding window (`LayerAttention`) read only the pages holding keys their queries
+see: a prompt chunk's read starts at the page of its first visible key and its mask hides the
+rest, the paged kernel skips the pages before the window, and a gathered decode masks them. Such
+a model (or one with soft-capped scores) decodes by "paged" or "gather", never "flex".
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ from torch import Tensor
 
 from kvctl.agent.kernels import cpu_ops
 from kvctl.agent.model.attention import (
+    FULL,
     BatchLayout,
+    LayerAttention,
     attend_decode,
     chunk_mask,
     key_mask,
@@ -71,14 +78,18 @@ _Run = tuple[int, int, int]
 """A sequence read as a view: (segment, first row, pages)."""
 
 
+Window = int | None
+"""A layer's sliding window (None: it sees every key)."""
+
+
 @dataclass(frozen=True)
 class _Gathered:
     """One-token rows read through one padded gather: their rows of the flat batch (None: the
-    whole batch in order), gather plan `[b, P]` and key mask `[b, P * page_size]`."""
+    whole batch in order), gather plan `[b, P]` and key mask `[b, P * page_size]` per window."""
 
     rows: Tensor | None
     pages: BatchIndex
-    valid: Tensor
+    valid: dict[Window, Tensor]
 
 
 @dataclass(frozen=True)
@@ -107,12 +118,22 @@ class _StepIndex:
 
     layout: BatchLayout
     slots: SlotIndex | _KernelSlots  # where each new token's K/V goes
-    reads: tuple[_Run | PageIndex | None, ...]  # not decode: per sequence, a view, a [1, P_i]
-    # index, or None for a one-token sequence of a mixed step (read in `gathered`)
+    reads: dict[Window, _Reads]  # not decode: per window, how each sequence is read
     gathered: _Gathered | _PagedRows | None  # the one-token rows: gathered or paged
     blocks: BlockPlan | None  # decode: the rows read in place, by segment
     tables: tuple[list[int], ...]  # decode: the page tables, to fall back to gathering
-    masks: tuple[Tensor | None, ...] = ()  # not decode: per sequence in `reads`, its chunk mask
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """How a step with several new tokens for some sequence reads each sequence for layers of
+    one window: `pages` a view, a [1, P_i] index, or None for a one-token sequence of a mixed
+    step (read in `gathered`); `first` the position of the first key read (a page boundary);
+    `masks` each read's chunk mask."""
+
+    pages: tuple[_Run | PageIndex | None, ...]
+    first: tuple[int, ...]
+    masks: tuple[Tensor | None, ...]
 
 
 class PagedKVCache:
@@ -125,7 +146,9 @@ class PagedKVCache:
         read_path: ReadPath = "auto",
         num_heads: int | None = None,
         kernels: bool = True,
+        layers: Sequence[LayerAttention] = (),
     ) -> None:
+        """`layers`: each layer's `LayerAttention` (empty: every layer sees every key)."""
         if read_path not in READ_PATHS:
             raise ValueError(f"read_path must be one of {', '.join(READ_PATHS)}, not {read_path!r}")
         self.pool = pool
@@ -139,8 +162,13 @@ class PagedKVCache:
         # the last gather's page tables and layout: decode steps mostly read the same pages as
         # the step before (a sequence takes a new page every `page_size` steps)
         self._last_gather: tuple[list[list[int]], BatchIndex] | None = None
+        self._layers = tuple(layers) or (FULL,) * storage.num_layers
+        self._windows = {seen.window for seen in self._layers}
+        plain = all(seen == FULL for seen in self._layers)
+        if read_path == "flex" and not plain:
+            raise ValueError("read path 'flex' cannot apply sliding windows or soft-capped scores")
         in_place = read_path == "flex" or (
-            read_path == "auto" and storage.device.type == "cuda" and flex_available()
+            read_path == "auto" and storage.device.type == "cuda" and flex_available() and plain
         )
         self._in_place = PageTableAttention(storage) if in_place else None
         self._kernel = _paged_kernel(storage, read_path, num_heads) if kernels else None
@@ -193,14 +221,14 @@ class PagedKVCache:
         slots = self._slots(np.asarray([p[-1] for p in used]), offsets)
         if self._kernel is not None:
             paged = self._paged(used, lengths, range(len(used)))
-            return _StepIndex(layout, slots, (), paged, None, used)
+            return _StepIndex(layout, slots, {}, paged, None, used)
         blocks = None
         rest: Sequence[int] = range(len(used))
         if self._in_place is not None:
             blocks = self._in_place.plan(used, lengths)
             rest = blocks.rest
         gathered = self._gathered(used, lengths, rest) if rest else None
-        return _StepIndex(layout, slots, (), gathered, blocks, used)
+        return _StepIndex(layout, slots, {}, gathered, blocks, used)
 
     def _slots(self, pages: np.ndarray, offsets: np.ndarray) -> SlotIndex | _KernelSlots:
         """Each new token's slot, in the form the write path takes."""
@@ -224,15 +252,35 @@ class PagedKVCache:
             else:
                 gathered = self._gathered(used, layout.total_lens, singles, token_rows)
         batched = set(singles) if gathered is not None else set()
-        reads = tuple(
-            None if i in batched else self._sequence_read(pages) for i, pages in enumerate(used)
-        )
+        reads = {window: self._reads(layout, used, batched, window) for window in self._windows}
+        return _StepIndex(layout, slots, reads, gathered, None, ())
+
+    def _reads(
+        self, layout: BatchLayout, used: tuple[list[int], ...], batched: set[int], window: Window
+    ) -> _Reads:
+        """Each sequence's read for layers of `window`: from the page of the first key its
+        first new token sees."""
+        page_size = self.pool.page_size
         device, dtype = self.storage.device, self.storage.dtype
-        masks = tuple(
-            chunk_mask(n, cached, device, dtype) if read is not None and n > 1 else None
-            for read, cached, n in zip(reads, layout.cached_lens, layout.new_lens, strict=True)
-        )
-        return _StepIndex(layout, slots, reads, gathered, None, (), masks)
+        seen = LayerAttention(window)
+        pages: list[_Run | PageIndex | None] = []
+        firsts: list[int] = []
+        masks: list[Tensor | None] = []
+        for i, (table, cached, n) in enumerate(
+            zip(used, layout.cached_lens, layout.new_lens, strict=True)
+        ):
+            first = seen.first_key(cached) // page_size
+            firsts.append(first * page_size)
+            if i in batched:
+                pages.append(None)
+                masks.append(None)
+                continue
+            pages.append(self._sequence_read(table[first:]))
+            masked = n > 1 or window is not None  # one token sees all its keys but a window's
+            masks.append(
+                chunk_mask(n, cached, device, dtype, window, first * page_size) if masked else None
+            )
+        return _Reads(tuple(pages), tuple(firsts), tuple(masks))
 
     def _sequence_read(self, pages: list[int]) -> _Run | PageIndex:
         run = self.storage.run_of(pages)
@@ -259,7 +307,8 @@ class PagedKVCache:
             index = self.storage.index_batch(padded)
             self._last_gather = (picked, index)
         row_lengths = [lengths[r] for r in rows]
-        valid = key_mask(row_lengths, index.shape[1] * self.pool.page_size, self.storage.device)
+        keys, device = index.shape[1] * self.pool.page_size, self.storage.device
+        valid = {w: key_mask(row_lengths, keys, device, w) for w in self._windows}
         self._ensure_buffers(index.buffer_pages)
         whole = len(rows) == len(tables)  # rows ascend, so all of them means all in order
         if token_rows is None:
@@ -319,7 +368,7 @@ class PagedKVCache:
             log.exception("FlexAttention failed; decode gathers pages from now on")
             self._in_place = None
             gathered = self._gathered(step.tables, step.layout.total_lens, range(len(step.tables)))
-            self._step = _StepIndex(step.layout, step.slots, (), gathered, None, step.tables)
+            self._step = _StepIndex(step.layout, step.slots, {}, gathered, None, step.tables)
             return self._attend_gathered(layer, q, gathered)
 
     def _attend_paged(self, layer: int, q: Tensor, paged: _PagedRows) -> Tensor:
@@ -328,6 +377,7 @@ class PagedKVCache:
         rows = q if paged.rows is None else q.index_select(0, paged.rows)
         if self._scale is None:
             self._scale = rows.shape[-1] ** -0.5
+        seen = self._layers[layer]
         out = kernel.paged_decode_attention(
             rows.float().contiguous(),
             self.storage.segments,
@@ -335,6 +385,8 @@ class PagedKVCache:
             paged.lengths,
             layer,
             self._scale,
+            seen.window or 0,
+            seen.softcap or 0.0,
         )
         return out.to(q.dtype)
 
@@ -347,7 +399,8 @@ class PagedKVCache:
         assert self._buffers is not None
         keys, values = self.storage.gather_batch(layer, gathered.pages, self._buffers)
         rows = q if gathered.rows is None else q.index_select(0, gathered.rows)
-        return attend_decode(rows, keys, values, gathered.valid)
+        seen = self._layers[layer]
+        return attend_decode(rows, keys, values, gathered.valid[seen.window], seen.softcap)
 
     def _attend_in_place(
         self, layer: int, q: Tensor, step: _StepIndex, blocks: BlockPlan
@@ -372,8 +425,12 @@ class PagedKVCache:
         batched = None
         if step.gathered is not None:
             batched = self._attend_rows(layer, q, step.gathered)  # [singles, h, d]
-        per_seq = zip(queries, step.reads, layout.cached_lens, step.masks, strict=True)
-        for q_i, read, cached, mask in per_seq:
+        seen = self._layers[layer]
+        reads = step.reads[seen.window]
+        per_seq = zip(
+            queries, reads.pages, layout.cached_lens, reads.first, reads.masks, strict=True
+        )
+        for q_i, read, cached, first, mask in per_seq:
             if read is None:
                 continue
             if isinstance(read, PageIndex):
@@ -382,12 +439,14 @@ class PagedKVCache:
                 keys, values = keys.view(shape), values.view(shape)
             else:
                 keys, values = self.storage.pages_view(layer, *read)  # [P, page_size, kvh, d]
-            outs.append(attend_pages(q_i, keys, values, cached, mask))
+            outs.append(attend_pages(q_i, keys, values, cached - first, mask, seen.softcap))
         if batched is None:
             return torch.cat(outs)  # [T, h, d]
-        return self._merge(q, step, batched, outs)
+        return self._merge(q, step, batched, outs, reads)
 
-    def _merge(self, q: Tensor, step: _StepIndex, batched: Tensor, outs: list[Tensor]) -> Tensor:
+    def _merge(
+        self, q: Tensor, step: _StepIndex, batched: Tensor, outs: list[Tensor], reads: _Reads
+    ) -> Tensor:
         """Put a mixed step's gathered rows and per-sequence outputs back in batch order."""
         gathered = step.gathered
         assert gathered is not None and gathered.rows is not None
@@ -395,7 +454,7 @@ class PagedKVCache:
         out.index_copy_(0, gathered.rows, batched)
         pieces = iter(outs)
         for offset, n, read in zip(
-            step.layout.offsets, step.layout.new_lens, step.reads, strict=True
+            step.layout.offsets, step.layout.new_lens, reads.pages, strict=True
         ):
             if read is not None:
                 out[offset : offset + n] = next(pieces)
@@ -422,7 +481,7 @@ def _paged_kernel(
     if read_path == "paged":
         raise ValueError(
             "read path 'paged' needs the CPU kernels on a CPU, float32 or bfloat16 pages and a "
-            "head dim of 16, 32, 64 or 128 with at most 8 query heads per KV head"
+            "head dim of 16, 32, 64, 128 or 256 with at most 8 query heads per KV head"
         )
     return None
 
