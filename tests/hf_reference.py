@@ -49,6 +49,36 @@ VARIANTS = {  # name: (transformers config class, model class, config fields)
     ),
     # qkv_proj and gate_up_proj stored fused
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    # Phi-3's long-context rope within its original context (short factors, the attention factor
+    # of 256 / 64); past it, tests/model/test_rope.py
+    "phi3-longrope": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            "pad_token_id": 0,
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [1.0 + 2.0 * i for i in range(8)],
+            },
+        },
+    ),
+    # YaRN as Qwen3 and gpt-oss use it
+    "qwen3-yarn": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {
+            "head_dim": 32,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     # mixtures of experts: Mixtral's names (block_sparse_moe, w1/w2/w3), top 2 of 4
     "mixtral": (
         "MixtralConfig",

@@ -148,8 +148,8 @@ BAD = {
         "config.json: num_attention_heads 4 is not a multiple of num_key_value_heads 3",
     ),
     "unsupported rope": (
-        _edit_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
-        "config.json: rope type 'yarn' is not supported",
+        _edit_config(rope_scaling={"rope_type": "su", "factor": 2.0}),
+        "config.json: rope type 'su' is not supported",
     ),
     "no weights": (
         lambda root: (root / "model.safetensors").unlink(),
@@ -677,3 +677,45 @@ def test_the_start_up_line_names_the_family_and_how_its_layers_attend():
         {**HF_CONFIG, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, "m"
     )
     assert "2 of 8 experts per token" in mixtral.describe()
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        (
+            {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 8},
+            "config.json: rope type 'longrope' needs short_factor, a list of 8 numbers",
+        ),
+        (
+            {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": ["x"] * 8},
+            "config.json: rope long_factor must be a positive finite number, got 'x'",
+        ),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "beta_fast": "fast"},
+            "config.json: rope beta_fast must be a positive finite number, got 'fast'",
+        ),
+        (
+            {"rope_type": "yarn", "factor": -4.0},
+            "config.json: rope factor must be a positive finite number, got -4.0",
+        ),
+    ],
+)
+def test_a_long_context_rope_kvctl_cannot_compute_is_one_line(rope: dict, message: str):
+    with pytest.raises(CheckpointError) as refused:
+        ModelConfig.from_hf({**HF_CONFIG, "rope_scaling": rope}, "m")
+    assert str(refused.value) == message
+
+
+def test_yarn_and_longrope_read_their_original_context_as_transformers_does():
+    """The top-level `original_max_position_embeddings` (Phi-3's) wins over the rope's own, and
+    a missing `factor` is the ratio of the contexts."""
+    longrope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 16,
+    }
+    hf = {**HF_CONFIG, "rope_scaling": longrope, "original_max_position_embeddings": 32}
+    scaling = ModelConfig.from_hf(hf, "m").rope_scaling
+    assert scaling is not None
+    assert scaling["original_max_position_embeddings"] == 32 and scaling["factor"] == 128 / 32

@@ -89,7 +89,7 @@ FAMILIES = {
     "gemma2": Family(gemma=True, sliding="every 2"),
     "gemma3_text": Family(gemma=True, qk_norm="head", sliding="every 6"),
 }
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SUPPORTED = (
     "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and Gemma 3 style "
@@ -99,7 +99,11 @@ _ROPE_KEYS = {
     "linear": ("factor",),
     "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("factor", "original_max_position_embeddings"),
 }
+_OPTIONAL_ROPE_KEYS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+"""Numbers yarn and longrope may give; transformers' defaults apply where they are missing."""
 # The largest value each size may take: several times the largest open models (Llama 3.1 405B:
 # 126 layers, hidden 16,384, MLP 53,248, 128 heads; vocabularies of 256k; contexts of 10M), so a
 # real checkpoint always fits and a hostile one cannot ask for a model it has no weights for.
@@ -267,7 +271,7 @@ class ModelConfig:
         if head_dim % 2:
             raise CheckpointError(f"config.json: head_dim {head_dim} must be even for RoPE")
         max_pos = _size(hf, "max_position_embeddings", default=2048)
-        theta, rope_scaling, local_theta = _ropes(hf, max_pos)
+        theta, rope_scaling, local_theta = _ropes(hf, max_pos, head_dim)
         num_layers = _size(hf, "num_hidden_layers")
         window = _sliding_window(hf, model_type, max_pos)
         attention_bias = family.attention_bias and _flag(hf, "attention_bias")
@@ -514,7 +518,9 @@ def _dtype(hf: dict[str, Any]) -> str:
     return name
 
 
-def _ropes(hf: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None, float | None]:
+def _ropes(
+    hf: dict[str, Any], max_pos: int, head_dim: int
+) -> tuple[float, dict[str, Any] | None, float | None]:
     """(rope_theta, rope_scaling, the sliding layers' own rope base or None). Gemma 3 gives its
     sliding layers plain RoPE of their own base: transformers 5 writes `rope_parameters` per
     layer type, older configs `rope_local_base_freq` beside the full layers' rope."""
@@ -525,21 +531,21 @@ def _ropes(hf: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | No
             raise CheckpointError(
                 "config.json: rope_parameters.sliding_attention must be an object"
             )
-        theta, scaling = _rope({"rope_parameters": given["full_attention"]}, max_pos)
+        theta, scaling = _rope({"rope_parameters": given["full_attention"]}, max_pos, head_dim)
         if local is None:
             return theta, scaling, None
-        local_theta, local_scaling = _rope({"rope_parameters": local}, max_pos)
+        local_theta, local_scaling = _rope({"rope_parameters": local}, max_pos, head_dim)
         if local_scaling is not None:
             raise CheckpointError("config.json: rope scaling on sliding layers is not supported")
         return theta, scaling, local_theta
-    theta, scaling = _rope(hf, max_pos)
+    theta, scaling = _rope(hf, max_pos, head_dim)
     local_base = hf.get("rope_local_base_freq")
     if local_base is None:
         return theta, scaling, None
     return theta, scaling, _number("rope_local_base_freq", local_base)
 
 
-def _rope(hf: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
+def _rope(hf: dict[str, Any], max_pos: int, head_dim: int) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either the transformers-5 `rope_parameters` entry or the
     older top-level `rope_theta` + `rope_scaling` pair."""
     given = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -560,14 +566,41 @@ def _rope(hf: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | Non
         raise CheckpointError("config.json: partial_rotary_factor other than 1.0 is not supported")
     if rope_type == "default":
         return theta, None
-    if rope_type == "llama3":
-        params.setdefault("original_max_position_embeddings", max_pos)
+    _check_scaling(hf, rope_type, params, max_pos, head_dim)
+    return theta, {"rope_type": rope_type, **params}
+
+
+def _check_scaling(
+    hf: dict[str, Any], rope_type: str, params: dict[str, Any], max_pos: int, head_dim: int
+) -> None:
+    """A scaled rope's parameters checked, with transformers' defaults filled in `params`."""
+    if rope_type in ("llama3", "yarn", "longrope"):  # the top-level value wins, as in transformers
+        original = hf.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original or params.get(
+            "original_max_position_embeddings", max_pos
+        )
+    if rope_type in ("yarn", "longrope") and params.get("factor") is None:
+        params["factor"] = max_pos / _number(
+            "original_max_position_embeddings", params.get("original_max_position_embeddings")
+        )
     missing = [key for key in _ROPE_KEYS[rope_type] if params.get(key) is None]
     if missing:
         raise CheckpointError(f"config.json: rope type {rope_type!r} needs {', '.join(missing)}")
     for key in _ROPE_KEYS[rope_type]:
         _number(f"rope {key}", params[key])
-    return theta, {"rope_type": rope_type, **params}
+    for key in _OPTIONAL_ROPE_KEYS:
+        if params.get(key) is not None:
+            _number(f"rope {key}", params[key])
+    if rope_type == "longrope":
+        half = head_dim // 2
+        for key in ("short_factor", "long_factor"):
+            factors = params.get(key)
+            if not isinstance(factors, list) or len(factors) != half:
+                raise CheckpointError(
+                    f"config.json: rope type 'longrope' needs {key}, a list of {half} numbers"
+                )
+            for value in factors:
+                _number(f"rope {key}", value)
 
 
 def _sliding_window(hf: dict[str, Any], model_type: str, max_pos: int) -> int | None:

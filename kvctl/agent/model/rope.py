@@ -3,7 +3,10 @@
 In a flattened paged batch every token carries its own position, so the rotation is a function of
 a `positions` tensor [T] rather than of an offset and a length. The inverse frequencies follow
 transformers' `ROPE_INIT_FUNCTIONS` formula for formula (same float32 operations in the same
-order), so logits match the reference to float rounding.
+order), so logits match the reference to float rounding. yarn and longrope also scale cos and sin
+by their attention factor; `dynamic` and longrope, whose tables depend on a sequence's length,
+take each token's own length (position + 1), so a token's rotation never depends on what else is
+in the batch (docs/operations.md says where that differs from transformers).
 """
 
 import math
@@ -32,7 +35,73 @@ def inv_frequencies(config: ModelConfig, local: bool = False) -> Tensor:
         return inv_freq / scaling["factor"]
     if scaling["rope_type"] == "llama3":
         return _llama3(inv_freq, scaling)
+    if scaling["rope_type"] == "yarn":
+        return _yarn(config, exponents, scaling)
+    if scaling["rope_type"] == "longrope":
+        return _longrope(config, exponents, scaling["short_factor"])
     return inv_freq
+
+
+def attention_scaling(config: ModelConfig) -> float:
+    """The factor on cos and sin of yarn and longrope (1 for every other rope), as transformers
+    computes it from `attention_factor` or the context factor."""
+    scaling = config.rope_scaling or {"rope_type": "default"}
+    kind, given = scaling["rope_type"], scaling.get("attention_factor")
+    if kind not in ("yarn", "longrope"):
+        return 1.0
+    if given is not None:
+        return float(given)
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    if kind == "longrope":
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(config: ModelConfig, exponents: Tensor, scaling: dict) -> Tensor:
+    """YaRN: interpolated frequencies (divided by `factor`) for the slow dimensions,
+    extrapolated (as trained) for the fast ones, a linear ramp between `beta_slow` and
+    `beta_fast` rotations over the original context (transformers' formula)."""
+    dim, base = config.head_dim, config.rope_theta
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    pos_freqs = base**exponents
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = correction_dim(scaling.get("beta_fast") or 32)
+    high = correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does: no division by zero
+    ramp = torch.clamp(
+        (torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1
+    )
+    keep = 1 - ramp  # the share of each dimension extrapolated
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def _longrope(config: ModelConfig, exponents: Tensor, factors: list[float]) -> Tensor:
+    """LongRoPE's frequencies under one set of per-dimension factors."""
+    factor = torch.tensor(factors, dtype=torch.float32, device="cpu")
+    return 1.0 / (factor * config.rope_theta**exponents)
+
+
+def long_inv_frequencies(config: ModelConfig) -> Tensor:
+    """LongRoPE's frequencies [head_dim // 2] for positions past the original context."""
+    assert config.rope_scaling is not None
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return _longrope(config, exponents, config.rope_scaling["long_factor"])
 
 
 def _llama3(inv_freq: Tensor, scaling: dict) -> Tensor:
@@ -75,23 +144,38 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, config: ModelConfig, local: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.dynamic = not local and (config.rope_scaling or {}).get("rope_type") == "dynamic"
+        kind = None if local else (config.rope_scaling or {}).get("rope_type")
+        self.dynamic = kind == "dynamic"
+        self.scale = 1.0 if local else attention_scaling(config)
         self._inv_freq = {torch.device("cpu"): inv_frequencies(config, local)}  # device -> [d/2]
+        self._long: dict[torch.device, Tensor] | None = None
+        if kind == "longrope":  # past the original context: the long factors
+            assert config.rope_scaling is not None
+            self._original = config.rope_scaling["original_max_position_embeddings"]
+            self._long = {torch.device("cpu"): long_inv_frequencies(config)}
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions [T] (int64) -> cos, sin [T, head_dim] in `dtype`."""
         if self.dynamic:
             inv_freq = dynamic_inv_frequencies(self.config, positions)  # [T, d/2]
         else:
-            inv_freq = self._inv_freq_on(positions.device)[None, :]  # [1, d/2]
+            inv_freq = _on(self._inv_freq, positions.device)[None, :]  # [1, d/2]
+        if self._long is not None:  # each token by its own length, as `dynamic` does
+            long = (positions + 1 > self._original)[:, None]  # [T, 1]
+            inv_freq = torch.where(long, _on(self._long, positions.device)[None, :], inv_freq)
         freqs = positions[:, None].float() * inv_freq  # [T, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype), sin.to(dtype)
 
-    def _inv_freq_on(self, device: torch.device) -> Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = self._inv_freq[torch.device("cpu")].to(device)
-        return self._inv_freq[device]
+
+def _on(tables: dict[torch.device, Tensor], device: torch.device) -> Tensor:
+    """A frequency table on `device`, copied there once."""
+    if device not in tables:
+        tables[device] = tables[torch.device("cpu")].to(device)
+    return tables[device]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
