@@ -47,6 +47,10 @@ ITEM_BYTES = {
 # quantized data that such a conversion would turn into nonsense.
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+LANGUAGE_MODEL_PREFIX = "language_model."
+"""Where a multimodal checkpoint keeps its language model's tensors (`config.LANGUAGE_MODELS`)."""
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.")
+"""The parts of a multimodal checkpoint that are not its language model."""
 
 AvailableMemory = Callable[[torch.device], int | None]
 
@@ -243,7 +247,7 @@ def stored_name(config: ModelConfig, name: str) -> str:
     layer, part = _layer_part(name)
     for ours, theirs in config.family.renames:
         part = part.replace(ours, theirs)
-    return layer + part
+    return (LANGUAGE_MODEL_PREFIX if config.multimodal else "") + layer + part
 
 
 def to_model_state(config: ModelConfig, state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -274,7 +278,9 @@ def ignored(name: str, config: ModelConfig) -> bool:
     """Tensors a checkpoint may carry that the model rebuilds itself."""
     if name.endswith(_IGNORED_SUFFIXES):
         return True
-    return config.tie_word_embeddings and name == "lm_head.weight"
+    if config.multimodal and name.startswith(_OTHER_TOWERS):
+        return True
+    return config.tie_word_embeddings and name == stored_name(config, "lm_head.weight")
 
 
 def match_tensors(

@@ -172,6 +172,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers of a mixture-of-experts model with a dense MLP
+    multimodal: bool = False  # the language model of a multimodal checkpoint (`LANGUAGE_MODELS`)
     # turns chat messages into a prompt (chat_template.jinja, tokenizer_config.json, GGUF metadata)
     chat_template: "ChatTemplate | None" = field(default=None, repr=False)
 
@@ -251,6 +252,7 @@ class ModelConfig:
         checkpoint is not a decoder of a family this runtime computes faithfully (`FAMILIES`)."""
         if not isinstance(hf, dict):
             raise CheckpointError("config.json: expected a JSON object at the top level")
+        hf, multimodal = _language_model(hf)
         model_type = _model_type(hf)
         family = FAMILIES[model_type]
         _check_mlp(hf, family)
@@ -306,7 +308,56 @@ class ModelConfig:
             final_softcap=_softcap(hf, "final_logit_softcapping") if family.gemma else None,
             **_multipliers(hf, family, hidden_size, head_dim),
             **_experts(hf, family),
+            multimodal=multimodal,
         )
+
+
+LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+"""Multimodal architectures whose language model kvctl serves alone, text in and text out: the
+config's `text_config`, the tensors under `language_model.` (the vision tower's are ignored)."""
+DEFAULTS = {
+    "gemma3_text": {  # transformers' Gemma3TextConfig: real text_configs omit what equals these
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    },
+}
+"""What transformers' config class of a family assumes where config.json says nothing."""
+
+
+def _language_model(hf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """(the decoder's config, whether it is a multimodal checkpoint's language model); the
+    family's defaults filled in."""
+    architectures = hf.get("architectures")
+    multimodal = isinstance(architectures, list) and any(
+        a in LANGUAGE_MODELS for a in architectures
+    )
+    if multimodal:
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise CheckpointError("config.json: a multimodal checkpoint needs a text_config object")
+        inherited = {k: hf[k] for k in ("torch_dtype", "dtype", "tie_word_embeddings") if k in hf}
+        language = [LANGUAGE_MODELS.get(a, a) for a in architectures if isinstance(a, str)]
+        hf = {**inherited, **text, "architectures": language, "model_type": None}
+    model_type = hf.get("model_type")
+    if model_type is None and isinstance(hf.get("architectures"), list):
+        model_type = next((t for t, a in ARCHITECTURES.items() if a in hf["architectures"]), None)
+    defaults = DEFAULTS.get(model_type) if isinstance(model_type, str) else None
+    if defaults:
+        hf = {**defaults, **hf}
+    return hf, multimodal
 
 
 def token_ids(value: Any, file: str, key: str) -> tuple[int, ...]:
