@@ -130,6 +130,10 @@ VARIANTS = {  # name: (transformers config class, model class, config fields)
         },
     ),
 }
+ROPE_ONLY = ("phi3-longrope", "qwen3-yarn")
+"""Variants that differ from their family only in the rope's frequencies: checked through the
+model, their serving paths are their family's."""
+FAMILY_VARIANTS = sorted(v for v in VARIANTS if v not in ROPE_ONLY)
 PROMPT_LENS = (5, 17, 1, 30)
 
 

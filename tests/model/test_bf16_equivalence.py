@@ -16,7 +16,7 @@ import copy
 
 import pytest
 import torch
-from hf_reference import PROMPT_LENS, VARIANTS, hf_greedy, reference_model
+from hf_reference import FAMILY_VARIANTS, PROMPT_LENS, hf_greedy, reference_model
 from kv_device import DEVICE
 
 from kvctl.agent.model import ContiguousKVCache, SamplingParams, load_checkpoint
@@ -40,7 +40,7 @@ LOGITS_TOLERANCE = 0.02
 torch alike (bfloat16 roundings that land differently through 2 layers of peaked weights)."""
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+@pytest.fixture(scope="module", params=FAMILY_VARIANTS)
 def checkpoint(request, tmp_path_factory) -> tuple:
     """(transformers float32 model, its bfloat16 copy, checkpoint dir)."""
     reference = reference_model(request.param)

@@ -7,7 +7,7 @@ pages small enough that every sequence spans several of them and a batch decodin
 
 import pytest
 import torch
-from hf_reference import VARIANTS, hf_greedy, reference_model
+from hf_reference import FAMILY_VARIANTS, hf_greedy, reference_model
 from kv_device import DEVICE
 
 from kvctl.agent.kernels import cpu_ops
@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 NEW_TOKENS = 10
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+@pytest.fixture(scope="module", params=FAMILY_VARIANTS)
 def family(request, tmp_path_factory) -> tuple:
     """(transformers float32 model, its checkpoint directory) of each family."""
     reference = reference_model(request.param)
