@@ -115,6 +115,22 @@ def test_frequencies_follow_the_truncated_distribution():
     torch.testing.assert_close(counts, expected, atol=0.03, rtol=0)
 
 
+@pytest.mark.parametrize("min_p", [0.0, 0.3])
+def test_frequencies_of_untruncated_rows_follow_the_softmax(min_p: float):
+    """Rows without top-k or top-p (the inverse-CDF path): 4000 draws land in the softmax's
+    proportions at their temperature, and never on a token min-p dropped."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, 1.5, -1.0] + [-30.0] * 5]).expand(4000, 10)
+    params = SamplingParams(temperature=0.7, min_p=min_p, seed=3)
+    generator = params.make_generator()
+    tokens = Sampler()(logits, [params] * 4000, [generator] * 4000)
+    counts = torch.bincount(tokens, minlength=10).float() / 4000
+    expected = torch.softmax(logits[0] / 0.7, dim=0)
+    expected[expected < min_p * expected.max()] = 0
+    expected /= expected.sum()
+    torch.testing.assert_close(counts, expected, atol=0.03, rtol=0)
+    assert counts[expected == 0].sum() == 0
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log()[None].expand(2000, 4)

@@ -341,23 +341,26 @@ def _language_model(hf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """(the decoder's config, whether it is a multimodal checkpoint's language model); the
     family's defaults filled in."""
     architectures = hf.get("architectures")
-    multimodal = isinstance(architectures, list) and any(
-        a in LANGUAGE_MODELS for a in architectures
-    )
-    if multimodal:
+    names = architectures if isinstance(architectures, list) else []
+    if any(isinstance(a, str) and a in LANGUAGE_MODELS for a in names):
         text = hf.get("text_config")
         if not isinstance(text, dict):
             raise CheckpointError("config.json: a multimodal checkpoint needs a text_config object")
-        inherited = {k: hf[k] for k in ("torch_dtype", "dtype", "tie_word_embeddings") if k in hf}
-        language = [LANGUAGE_MODELS.get(a, a) for a in architectures if isinstance(a, str)]
-        hf = {**inherited, **text, "architectures": language, "model_type": None}
+        inherited: dict[str, Any] = {
+            k: hf[k] for k in ("torch_dtype", "dtype", "tie_word_embeddings") if k in hf
+        }
+        language = [LANGUAGE_MODELS.get(a, a) for a in names if isinstance(a, str)]
+        return _with_defaults({**inherited, **text, "architectures": language}), True
+    return _with_defaults(hf), False
+
+
+def _with_defaults(hf: dict[str, Any]) -> dict[str, Any]:
+    """`hf` with its family's `DEFAULTS` where it says nothing."""
     model_type = hf.get("model_type")
     if model_type is None and isinstance(hf.get("architectures"), list):
         model_type = next((t for t, a in ARCHITECTURES.items() if a in hf["architectures"]), None)
     defaults = DEFAULTS.get(model_type) if isinstance(model_type, str) else None
-    if defaults:
-        hf = {**defaults, **hf}
-    return hf, multimodal
+    return {**defaults, **hf} if defaults else hf
 
 
 def token_ids(value: Any, file: str, key: str) -> tuple[int, ...]:
