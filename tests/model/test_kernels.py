@@ -21,7 +21,7 @@ from kvctl.agent.kernels import cpu_ops, unavailable_reason
 from kvctl.agent.model import ContiguousKVCache, build_demo_model, demo_config
 from kvctl.agent.model.attention import attend_decode, key_mask
 from kvctl.agent.model.fused import KernelLayerOps, LayerOps, fuse, uses_kernels
-from kvctl.agent.model.llama import RMSNorm
+from kvctl.agent.model.llama import RMSNorm, folded_norm
 from kvctl.agent.model.projection import PREFILL_ROWS, PackedProjection
 from kvctl.agent.model.rope import RotaryEmbedding
 from kvctl.agent.pool.storage import KVStorage
@@ -275,6 +275,19 @@ def test_layer_steps_match_their_torch_reference(width, rows):
     torch.testing.assert_close(a, b)  # the residual, updated in place by both
     gate_up = torch.randn(rows, 2 * width, generator=gen) * 6
     torch.testing.assert_close(kernel.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+    torch.testing.assert_close(kernel.gelu_and_mul(gate_up), reference.gelu_and_mul(gate_up))
+    half = gate_up.bfloat16()  # rounded where torch's gelu and product round: within a unit
+    torch.testing.assert_close(kernel.gelu_and_mul(half), reference.gelu_and_mul(half))
+    gemma = RMSNorm(width, 1e-6, gemma=True)  # (1 + w), folded into a float32 weight
+    gemma.weight.data = torch.randn(width, generator=gen) * 0.3
+    folded, rows_bf16 = folded_norm(gemma), x.bfloat16()
+    assert folded.weight.dtype == torch.float32
+    expected = gemma(rows_bf16)  # transformers' Gemma norm: the product in float32, one rounding
+    torch.testing.assert_close(kernel.rms_norm(rows_bf16, folded), expected)
+    a, b = rows_bf16.clone(), rows_bf16.clone()
+    torch.testing.assert_close(
+        kernel.add_rms_norm_(a, add.bfloat16(), folded), gemma(b.add_(add.bfloat16()))
+    )
 
 
 @needs_kernels

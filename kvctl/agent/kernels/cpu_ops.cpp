@@ -21,8 +21,8 @@
 // And the elementwise steps of a decoder layer, each one pass where eager PyTorch takes several
 // operations (and, at decode sizes, several dispatches that cost more than the arithmetic):
 // RMSNorm with the residual add before it, rotary embeddings applied in place to the queries and
-// keys of the fused qkv product, and SwiGLU's silu(gate) * up; in float32 or bfloat16 (bfloat16
-// models' linear layers are oneDNN's, see projection.py).
+// keys of the fused qkv product, and SwiGLU's silu(gate) * up (GeGLU's gelu_tanh(gate) * up); in
+// float32 or bfloat16 (bfloat16 models' linear layers are oneDNN's, see projection.py).
 //
 // All parallelise with at::parallel_for (torch's own thread pool and thread count); the
 // elementwise ones run on the calling thread below a few dozen rows, where a fork costs more.
@@ -563,10 +563,12 @@ inline float stored(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-// out = weight * x * rsqrt(mean(x^2) + eps), one row of `n` values (Llama's RMSNorm, the sums in
-// float32).
-template <typename T>
-inline void rms_norm_row(const T* x, const T* weight, float eps, int64_t n, T* out) {
+// out = weight * x * rsqrt(mean(x^2) + eps), one row of `n` values, the sums in float32. A weight
+// of the rows' type rounds as Llama's RMSNorm does (x * rsqrt rounded to the row type, then the
+// weight); a float32 weight on bfloat16 rows as Gemma's (the product in float32, rounded once).
+template <typename T, typename W>
+inline void rms_norm_row(const T* x, const W* weight, float eps, int64_t n, T* out) {
+  constexpr bool round_first = std::is_same_v<T, W>;
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -579,12 +581,15 @@ inline void rms_norm_row(const T* x, const T* weight, float eps, int64_t n, T* o
   const __m512 iv = _mm512_set1_ps(inv);
   i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 normed = stored<T>(_mm512_mul_ps(load16(x + i), iv));
+    __m512 normed = _mm512_mul_ps(load16(x + i), iv);
+    if constexpr (round_first) normed = stored<T>(normed);
     store16(out + i, _mm512_mul_ps(load16(weight + i), normed));
   }
-  for (; i < n; ++i)
-    out[i] = static_cast<T>(static_cast<float>(weight[i]) *
-                            stored<T>(static_cast<float>(x[i]) * inv));
+  for (; i < n; ++i) {
+    float normed = static_cast<float>(x[i]) * inv;
+    if constexpr (round_first) normed = stored<T>(normed);
+    out[i] = static_cast<T>(static_cast<float>(weight[i]) * normed);
+  }
 }
 
 // The element type of float32 or bfloat16 tensors, for a kernel templated on it.
@@ -607,18 +612,32 @@ at::ScalarType row_type(const at::Tensor& x) {
   return type;
 }
 
+// A norm's weight: one value per column, in the rows' type or float32 (`rms_norm_row`).
+void check_norm_weight(const at::Tensor& weight, int64_t n, at::ScalarType type) {
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() &&
+                  (weight.scalar_type() == type || weight.scalar_type() == at::kFloat),
+              "weight must have one value per column, in x's dtype or float32");
+}
+
+// `with_type` for rows and a norm weight: (T, T), or (bfloat16, float) for Gemma's norms.
+template <typename Fn>
+auto with_types(at::ScalarType type, at::ScalarType weight_type, Fn&& fn) {
+  if (type == at::kBFloat16 && weight_type == at::kFloat) return fn(at::BFloat16{}, float{});
+  return with_type(type, [&](auto zero) { return fn(zero, zero); });
+}
+
 // RMSNorm of x [T, n] -> new tensor.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::ScalarType type = row_type(x);
   check_rows(x, "x", type);
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == type,
-              "weight must have one value per column, in x's dtype");
+  check_norm_weight(weight, n, type);
   at::Tensor out = at::empty_like(x);
-  with_type(type, [&](auto zero) {
+  with_types(type, weight.scalar_type(), [&](auto zero, auto weight_zero) {
     using T = decltype(zero);
+    using W = decltype(weight_zero);
     const T* xd = x.data_ptr<T>();
-    const T* wd = weight.data_ptr<T>();
+    const W* wd = weight.data_ptr<W>();
     T* od = out.data_ptr<T>();
     at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
@@ -638,14 +657,14 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
   check_rows(x, "x", type);
   TORCH_CHECK(residual.sizes() == x.sizes(), "residual and x differ in shape");
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == type,
-              "weight must have one value per column, in x's dtype");
+  check_norm_weight(weight, n, type);
   at::Tensor out = at::empty_like(x);
-  with_type(type, [&](auto zero) {
+  with_types(type, weight.scalar_type(), [&](auto zero, auto weight_zero) {
     using T = decltype(zero);
+    using W = decltype(weight_zero);
     T* rd = residual.data_ptr<T>();
     const T* xd = x.data_ptr<T>();
-    const T* wd = weight.data_ptr<T>();
+    const W* wd = weight.data_ptr<W>();
     T* od = out.data_ptr<T>();
     at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
@@ -710,7 +729,33 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int6
 }
 
 // SwiGLU: gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I].
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+// The activations of a gated MLP, act(gate) * up: 16 lanes, and one value for a row's tail.
+struct Silu {  // x / (1 + exp(-x)); exp512 takes any x (clamped below at -87)
+  static __m512 lanes(__m512 x) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  }
+  static float one(float x) { return x / (1.f + std::exp(-x)); }
+};
+
+struct GeluTanh {  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), torch's approximate="tanh"
+  static constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+  static __m512 lanes(__m512 x) {
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 inner =
+        _mm512_mul_ps(_mm512_set1_ps(kBeta), _mm512_fmadd_ps(_mm512_set1_ps(kKappa), cube, x));
+    const __m512 half = _mm512_mul_ps(_mm512_set1_ps(0.5f), x);
+    return _mm512_mul_ps(half, _mm512_add_ps(_mm512_set1_ps(1.f), tanh512(inner)));
+  }
+  static float one(float x) {
+    return 0.5f * x * (1.f + std::tanh(kBeta * (x + kKappa * x * x * x)));
+  }
+};
+
+// act(gate) * up over a [rows, 2n] gate_up product, the activation rounded to the row type
+// before the product as torch's two operations round it.
+template <typename Act>
+at::Tensor act_and_mul(const at::Tensor& gate_up) {
   const at::ScalarType type = row_type(gate_up);
   check_rows(gate_up, "gate_up", type);
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
@@ -727,21 +772,24 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
         T* o = od + r * n;
         int64_t i = 0;
         for (; i + 16 <= n; i += 16) {
-          const __m512 x = load16(g + i);
-          // silu(x) = x / (1 + exp(-x)); exp512 takes any x (clamped below at -87)
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
-          const __m512 silu = stored<T>(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-          store16(o + i, _mm512_mul_ps(silu, load16(u + i)));
+          const __m512 act = stored<T>(Act::lanes(load16(g + i)));
+          store16(o + i, _mm512_mul_ps(act, load16(u + i)));
         }
         for (; i < n; ++i) {
-          const float x = static_cast<float>(g[i]);
-          o[i] = static_cast<T>(stored<T>(x / (1.f + std::exp(-x))) * static_cast<float>(u[i]));
+          const float act = stored<T>(Act::one(static_cast<float>(g[i])));
+          o[i] = static_cast<T>(act * static_cast<float>(u[i]));
         }
       }
     });
     return 0;
   });
   return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) { return act_and_mul<Silu>(gate_up); }
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) {
+  return act_and_mul<GeluTanh>(gate_up);
 }
 
 }  // namespace
@@ -758,4 +806,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rotary_", &rotary_);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul);
 }

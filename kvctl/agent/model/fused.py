@@ -83,7 +83,8 @@ class LayerOps:
 
 class KernelLayerOps(LayerOps):
     """The same steps as single passes of the CPU kernels (float32 or bfloat16 on a CPU; in
-    bfloat16 each step computes in float32 and rounds where Hugging Face's modules round)."""
+    bfloat16 each step computes in float32 and rounds where Hugging Face's modules round: a
+    norm with a float32 weight, Gemma's folded (1 + w), as Gemma's norm rounds)."""
 
     name = "cpu-kernels"
 
@@ -91,13 +92,9 @@ class KernelLayerOps(LayerOps):
         self._ops = ops
 
     def rms_norm(self, x: Tensor, norm: RMSNorm) -> Tensor:
-        if _rounds_apart(x, norm):
-            return super().rms_norm(x, norm)
         return self._ops.rms_norm(x, norm.weight, norm.eps)
 
     def add_rms_norm_(self, residual: Tensor, x: Tensor, norm: RMSNorm) -> Tensor:
-        if _rounds_apart(residual, norm):
-            return super().add_rms_norm_(residual, x, norm)
         return self._ops.add_rms_norm_(residual, x.contiguous(), norm.weight, norm.eps)
 
     def rotary(
@@ -112,11 +109,8 @@ class KernelLayerOps(LayerOps):
     def silu_and_mul(self, gate_up: Tensor) -> Tensor:
         return self._ops.silu_and_mul(gate_up)
 
-
-def _rounds_apart(x: Tensor, norm: RMSNorm) -> bool:
-    """Whether `norm` scales in float32 where the kernel would round first (Gemma's norms on
-    bfloat16 rows): such a norm runs in torch."""
-    return norm.scale_in_float and x.dtype != torch.float32
+    def gelu_and_mul(self, gate_up: Tensor) -> Tensor:
+        return self._ops.gelu_tanh_and_mul(gate_up)
 
 
 def layer_ops_for(weight: Tensor, kernels: bool = True) -> LayerOps:

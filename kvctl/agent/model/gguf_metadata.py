@@ -187,8 +187,9 @@ def _gemma(
     window = key("attention.sliding_window") or None  # absent or 0: no layer slides
     gemma["sliding_window"] = window
     gemma["final_logit_softcapping"] = key("final_logit_softcapping") or None  # 0: none
-    if window is not None:  # llama.cpp rotates with the sliding base only where layers slide
-        gemma["rope_local_base_freq"] = key("rope.freq_base_swa", _GEMMA3_LOCAL_BASE)
+    # llama.cpp rotates with the sliding base only where layers slide (None: not the default)
+    local = key("rope.freq_base_swa", _GEMMA3_LOCAL_BASE) if window is not None else None
+    gemma["rope_local_base_freq"] = local
     return gemma
 
 
