@@ -547,6 +547,10 @@ def test_from_hf_qwen2_bias_and_mistral_window():
     assert ModelConfig.from_hf(qwen_windowed, "q").sliding_window is None  # not switched on
     qwen_windowed.update(use_sliding_window=True, max_window_layers=1)
     assert ModelConfig.from_hf(qwen_windowed, "q").sliding_layers == (1, 2, 3)
+    qwen3 = {**qwen_windowed, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    assert ModelConfig.from_hf(qwen3, "q").sliding_layers == (1, 2, 3)  # Qwen3's rule is Qwen2's
+    del qwen_windowed["max_window_layers"]  # transformers' default, 28: none of these 4 layers
+    assert ModelConfig.from_hf(qwen_windowed, "q").sliding_layers == ()
 
 
 GEMMA3_OLD = {  # Gemma-3-1B's config.json as transformers 4 wrote it, shrunk

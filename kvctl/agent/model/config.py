@@ -61,22 +61,24 @@ class Family:
     """Gemma's decoder: norms scale by (1 + w) in float32, a norm before and after each sublayer,
     a GeGLU MLP (tanh GELU), embeddings scaled by √hidden in the model's dtype, the query scale
     from `query_pre_attn_scalar`, soft-capped logits where the config asks."""
-    sliding: str = "all"
-    """Which layers slide the window when `sliding_window` is set and no `layer_types` list
-    says: "all" (Mistral), "qwen2" (from `max_window_layers`, if `use_sliding_window`), or
-    "every N" (Gemma: layer i slides unless (i + 1) % N == 0, N from `sliding_window_pattern`)."""
+    sliding: str = "flagged"
+    """When `sliding_window` applies and to which layers, where no `layer_types` list says:
+    "flagged" (Qwen's: only with `use_sliding_window`, layers from `max_window_layers` on),
+    "always" (Mistral's: every layer, whenever a window is given), or "every N" (Gemma's:
+    always, layer i slides unless (i + 1) % N == 0, N from `sliding_window_pattern`)."""
 
 
 FAMILIES = {
     "llama": Family(),
-    "mistral": Family(),
-    "qwen2": Family(qkv_bias_only=True, sliding="qwen2"),
+    "mistral": Family(sliding="always"),
+    "qwen2": Family(qkv_bias_only=True),
     "qwen3": Family(qk_norm="head"),
     "olmo2": Family(qk_norm="projection", post_norms=True),
     "granite": Family(multipliers=True),
-    "phi3": Family(fused_checkpoint=True, attention_bias=False),
+    "phi3": Family(fused_checkpoint=True, attention_bias=False, sliding="always"),
     "mixtral": Family(
         experts="mixtral",
+        sliding="always",
         renames=(
             ("mlp.gate.", "block_sparse_moe.gate."),
             ("gate_proj.", "w1."),
@@ -275,7 +277,7 @@ class ModelConfig:
         max_pos = _size(hf, "max_position_embeddings", default=2048)
         theta, rope_scaling, local_theta = _ropes(hf, max_pos, head_dim)
         num_layers = _size(hf, "num_hidden_layers")
-        window = _sliding_window(hf, model_type, max_pos)
+        window = _sliding_window(hf, family, max_pos)
         attention_bias = family.attention_bias and _flag(hf, "attention_bias")
         return cls(
             vocab_size=_size(hf, "vocab_size"),
@@ -657,11 +659,11 @@ def _check_scaling(
                 _number(f"rope {key}", value)
 
 
-def _sliding_window(hf: dict[str, Any], model_type: str, max_pos: int) -> int | None:
+def _sliding_window(hf: dict[str, Any], family: Family, max_pos: int) -> int | None:
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types") or []
     uses_window = (
-        model_type in ("mistral", "phi3", "mixtral", "gemma2", "gemma3_text")
+        family.sliding != "flagged"
         or _flag(hf, "use_sliding_window")
         or (isinstance(layer_types, list) and "sliding_attention" in layer_types)
     )
@@ -670,6 +672,10 @@ def _sliding_window(hf: dict[str, Any], model_type: str, max_pos: int) -> int | 
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         raise CheckpointError("config.json: sliding_window must be a positive integer or null")
     return window if window < max_pos else None
+
+
+QWEN_WINDOW_LAYERS = 28
+"""`max_window_layers` where a config that slides (`use_sliding_window`) leaves it out."""
 
 
 def _sliding_layers(hf: dict[str, Any], family: Family, layers: int) -> tuple[int, ...]:
@@ -683,9 +689,9 @@ def _sliding_layers(hf: dict[str, Any], family: Family, layers: int) -> tuple[in
         if any(kind not in kinds for kind in layer_types):
             raise CheckpointError(f"config.json: layer_types may name only {' and '.join(kinds)}")
         return tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
-    if family.sliding == "qwen2":
+    if family.sliding == "flagged":  # transformers' Qwen configs default to 28
         first = _optional_int(hf, "max_window_layers")
-        return tuple(range(layers if first is None else max(0, first), layers))
+        return tuple(range(QWEN_WINDOW_LAYERS if first is None else max(0, first), layers))
     if family.sliding.startswith("every "):
         default = int(family.sliding.removeprefix("every "))
         key = "sliding_window_pattern"

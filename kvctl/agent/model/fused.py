@@ -170,17 +170,16 @@ class FusedLayer(nn.Module):
             self.gate_up = Projection.of(gate_up, kernels=kernels)
             self.down = Projection.of(scaled(mlp.down_proj.weight, m), kernels=kernels)
             self.gelu = mlp.gelu
-        self.post_norms, self.sandwich = layer.post_norms, layer.sandwich
-        self.input_layernorm = None if layer.post_norms else folded_norm(layer.input_layernorm)
-        self.post_attention_layernorm = folded_norm(layer.post_attention_layernorm)
-        self.pre_feedforward_layernorm = (
-            folded_norm(layer.pre_feedforward_layernorm) if layer.sandwich else None
-        )
-        self.post_feedforward_layernorm = (
-            folded_norm(layer.post_feedforward_layernorm)
-            if layer.post_norms or layer.sandwich
-            else None
-        )
+        # the norms around each sublayer, None where the family has none: Llama's before each,
+        # OLMo 2's after each, Gemma's on both sides
+        post = layer.post_norms or layer.sandwich
+        self.attn_in = None if layer.post_norms else folded_norm(layer.input_layernorm)
+        self.attn_out = folded_norm(layer.post_attention_layernorm) if post else None
+        self.mlp_in: RMSNorm | None = None
+        if not layer.post_norms:
+            before_mlp = layer.pre_feedforward_layernorm if layer.sandwich else None
+            self.mlp_in = folded_norm(before_mlp or layer.post_attention_layernorm)
+        self.mlp_out = folded_norm(layer.post_feedforward_layernorm) if post else None
 
     def attention(
         self,
@@ -218,10 +217,9 @@ class FusedLayer(nn.Module):
 
 
 class FusedDecoder(nn.Module):
-    """`Decoder` over fused layers: x = embed; per layer h = norm(x), x += attn(h),
-    h = norm(x), x += mlp(h); then the final norm, each residual add fused into the norm after
-    it. With post norms (OLMo 2): x += norm(attn(x)), x += norm(mlp(x)), then the final norm;
-    with Gemma's on both sides: x += norm(attn(norm(x))), x += norm(mlp(norm(x)))."""
+    """`Decoder` over fused layers: x = embed; per layer x += attn(h) and x += mlp(h), h being
+    x or its norm, each sublayer's output normed where the family norms it (OLMo 2, Gemma);
+    then the final norm. Each residual add is fused into the norm that follows it."""
 
     def __init__(self, decoder: Decoder, kernels: bool = True) -> None:
         super().__init__()
@@ -235,65 +233,30 @@ class FusedDecoder(nn.Module):
         """The layers, typed (`nn.ModuleList` yields plain modules); `layers` registers them."""
         self.layers = nn.ModuleList(self.blocks)
         self.ops = layer_ops_for(decoder.embed_tokens.weight, kernels)
-        self.post_norms = bool(self.blocks) and self.blocks[0].post_norms
-        self.sandwich = bool(self.blocks) and self.blocks[0].sandwich
 
     def forward(self, token_ids: Tensor, positions: Tensor, attention: AttentionBackend) -> Tensor:
         x = embed(self, token_ids)  # [T, hidden], the residual stream (updated in place)
         ropes = rotations(self, positions, x.dtype)  # cos/sin [T, head_dim] per rope
-        if self.post_norms:
-            return self._post_norm_layers(x, ropes, attention)
-        if self.sandwich:
-            return self._sandwich_layers(x, ropes, attention)
         ops, blocks = self.ops, self.blocks
-        first = blocks[0].input_layernorm
-        assert first is not None
-        h = ops.rms_norm(x, first)
+        first = blocks[0].attn_in
+        h = x if first is None else ops.rms_norm(x, first)
         for i, layer in enumerate(blocks):
-            cos, sin = ropes[layer.local_rope]
-            h = ops.add_rms_norm_(
-                x, layer.attention(h, cos, sin, attention, ops), layer.post_attention_layernorm
-            )
-            after = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else self.norm
-            assert after is not None
-            h = ops.add_rms_norm_(x, layer.mlp(h, ops), after)
-        return h
-
-    def _post_norm_layers(
-        self, x: Tensor, ropes: list[tuple[Tensor, Tensor]], attention: AttentionBackend
-    ) -> Tensor:
-        ops = self.ops
-        for layer in self.blocks:
-            assert layer.post_feedforward_layernorm is not None
-            cos, sin = ropes[layer.local_rope]
-            x.add_(
-                ops.rms_norm(
-                    layer.attention(x, cos, sin, attention, ops), layer.post_attention_layernorm
-                )
-            )
-            x.add_(ops.rms_norm(layer.mlp(x, ops), layer.post_feedforward_layernorm))
-        return ops.rms_norm(x, self.norm)
-
-    def _sandwich_layers(
-        self, x: Tensor, ropes: list[tuple[Tensor, Tensor]], attention: AttentionBackend
-    ) -> Tensor:
-        """Gemma's layers; each residual add is fused into the norm that opens the next
-        sublayer."""
-        ops, blocks = self.ops, self.blocks
-        first = blocks[0].input_layernorm
-        assert first is not None
-        h = ops.rms_norm(x, first)
-        for i, layer in enumerate(blocks):
-            assert layer.pre_feedforward_layernorm is not None
-            assert layer.post_feedforward_layernorm is not None
             out = layer.attention(h, *ropes[layer.local_rope], attention, ops)
-            out = ops.rms_norm(out, layer.post_attention_layernorm)
-            h = ops.add_rms_norm_(x, out, layer.pre_feedforward_layernorm)
-            out = ops.rms_norm(layer.mlp(h, ops), layer.post_feedforward_layernorm)
-            after = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else self.norm
-            assert after is not None
-            h = ops.add_rms_norm_(x, out, after)
+            h = self._add(x, out, layer.attn_out, layer.mlp_in)
+            after = blocks[i + 1].attn_in if i + 1 < len(blocks) else self.norm
+            h = self._add(x, layer.mlp(h, ops), layer.mlp_out, after)
         return h
+
+    def _add(
+        self, x: Tensor, out: Tensor, out_norm: RMSNorm | None, next_norm: RMSNorm | None
+    ) -> Tensor:
+        """x += out (normed first where `out_norm`); the input of what follows: the norm of x
+        where `next_norm`, else x itself."""
+        if out_norm is not None:
+            out = self.ops.rms_norm(out, out_norm)
+        if next_norm is None:
+            return x.add_(out)
+        return self.ops.add_rms_norm_(x, out, next_norm)
 
 
 def fuse(model: LlamaModel, kernels: bool = True) -> LlamaModel:

@@ -15,6 +15,7 @@ logits reuse `model.embed_tokens.weight`, just as tied checkpoints store no `lm_
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -34,34 +35,33 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, then scaled in the input dtype (as Llama does).
 
     `gemma`: scaled by (1 + weight) in float32 and rounded after (Gemma's norm, whose checkpoints
-    store the offset from 1). `folded_norm` turns one into a norm with the scale itself as its
-    weight, which is what the fused kernels read."""
+    store the offset from 1). `folded_norm` turns one into a norm with the whole scale as a
+    float32 weight; a float32 weight on rows of a narrower dtype always scales in float32 and
+    rounds once, the rule the CPU kernel applies too."""
 
     def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
         self.eps = eps
         self.gemma = gemma
-        self.scale_in_float = gemma
-        """Multiply by the weight in float32 before rounding to the input dtype."""
 
     def forward(self, x: Tensor) -> Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        if self.scale_in_float:
-            weight = self.weight.float()
-            return (normed * (1.0 + weight if self.gemma else weight)).to(x.dtype)
+        if self.gemma:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        if self.weight.dtype == torch.float32:
+            return (normed * self.weight).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
 def folded_norm(norm: RMSNorm, factor: float = 1.0) -> RMSNorm:
-    """A norm computing `norm` times `factor` with its whole scale as a float32 weight: Gemma's
-    (1 + w) added once at load, and a query scale folded in; `norm` itself when there is
-    nothing to fold."""
+    """A norm computing `norm` times `factor` with its whole scale as its weight: Gemma's
+    (1 + w) added once at load (a float32 weight), and a query scale folded in; `norm` itself
+    when there is nothing to fold."""
     if not norm.gemma and factor == 1.0:
         return norm
     weight = norm.weight.detach().float()
     out = RMSNorm(weight.shape[0], norm.eps)
-    out.scale_in_float = norm.scale_in_float
     scale = (1.0 + weight if norm.gemma else weight) * factor
     out.weight = nn.Parameter(scale if norm.gemma else scale.to(norm.weight.dtype), False)
     return out
@@ -219,8 +219,14 @@ def embed(decoder: _Embeds, token_ids: Tensor) -> Tensor:
     x = decoder.embed_tokens(token_ids)
     m = decoder.embedding_multiplier
     if decoder.round_multiplier:
-        m = float(torch.tensor(m, dtype=x.dtype))
+        m = _rounded(m, x.dtype)
     return x.mul_(m) if m != 1.0 else x
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` as `dtype` holds it (once per value and dtype, not on every step)."""
+    return float(torch.tensor(value, dtype=dtype))
 
 
 def rotations(
