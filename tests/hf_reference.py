@@ -129,6 +129,31 @@ VARIANTS = {  # name: (transformers config class, model class, config fields)
             "pad_token_id": 0,
         },
     ),
+    # attention sinks, q/k/v/o biases, a sliding window of 8 tokens on every other layer, a
+    # router with a bias choosing 2 of 4 experts with biases and a clamped SwiGLU (tight here,
+    # 1.5, so the clamp bites), YaRN within its original context
+    "gpt-oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "swiglu_limit": 1.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+            "pad_token_id": 0,
+        },
+    ),
 }
 ROPE_ONLY = ("phi3-longrope", "qwen3-yarn")
 """Variants that differ from their family only in the rope's frequencies: checked through the
@@ -147,6 +172,8 @@ def peaked_weights(model: torch.nn.Module, seed: int) -> None:
             noise = torch.randn(param.shape, generator=gen)
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("sinks"):  # sinks as large as the scores, so they matter
+                param.copy_(1.0 + noise)
             elif name.endswith("bias"):
                 param.copy_(0.5 * noise)
             elif name.endswith("embed_tokens.weight"):

@@ -21,7 +21,12 @@ def greedy_generate(
     weight = next(model.parameters())
     device = weight.device
     cache = ContiguousKVCache(
-        config, max_seqs=len(prompts) + 1, max_len=longest, device=device, dtype=weight.dtype
+        config,
+        max_seqs=len(prompts) + 1,
+        max_len=longest,
+        device=device,
+        dtype=weight.dtype,
+        sinks=model.attention_sinks(),
     )
     seqs = list(range(len(prompts)))
     layout = cache.begin_step(seqs, [len(p) for p in prompts])

@@ -123,7 +123,7 @@ BAD = {
         _edit_config(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
         "config.json: unsupported architecture 'GPT2LMHeadModel'; "
         "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and Gemma 3 "
-        "style decoders, and Mixtral and Qwen3-MoE mixtures of experts",
+        "style decoders, and Mixtral, Qwen3-MoE and gpt-oss mixtures of experts",
     ),
     "architecture disagrees with model_type": (
         _edit_config(architectures=["Qwen2ForCausalLM"]),

@@ -38,7 +38,9 @@ def prompts() -> list[list[int]]:
 def test_prefill_logits_match_transformers(checkpoint, prompts):
     reference, path, _ = checkpoint
     config, model, _ = load_checkpoint(path, DEVICE, torch.float32)
-    cache = ContiguousKVCache(config, max_seqs=len(prompts), max_len=64, device=DEVICE)
+    cache = ContiguousKVCache(
+        config, max_seqs=len(prompts), max_len=64, device=DEVICE, sinks=model.attention_sinks()
+    )
     layout = cache.begin_step(list(range(len(prompts))), [len(p) for p in prompts])
     tokens = torch.tensor([t for p in prompts for t in p], device=DEVICE)
     ours = model.logits(model(tokens, layout.positions(DEVICE), cache)).cpu()  # [T, vocab]
@@ -53,7 +55,9 @@ def test_chunked_prefill_matches_one_shot_prefill(checkpoint, prompts):
     reference, path, _ = checkpoint
     config, model, _ = load_checkpoint(path, DEVICE, torch.float32)
     long_prompts = [p for p in prompts if len(p) > 2]
-    cache = ContiguousKVCache(config, max_seqs=len(long_prompts), max_len=64, device=DEVICE)
+    cache = ContiguousKVCache(
+        config, len(long_prompts), max_len=64, device=DEVICE, sinks=model.attention_sinks()
+    )
     seqs = list(range(len(long_prompts)))
     halves = [(p[: len(p) // 2], p[len(p) // 2 :]) for p in long_prompts]
     logits = []
@@ -90,7 +94,9 @@ def test_the_serving_form_matches_transformers(checkpoint, prompts, generate, ke
     config, model, _ = load_checkpoint(path, DEVICE, torch.float32)
     fuse(model, kernels=kernels)
     assert uses_kernels(model) == (kernels and DEVICE == "cpu" and cpu_ops() is not None)
-    cache = ContiguousKVCache(config, max_seqs=len(prompts), max_len=64, device=DEVICE)
+    cache = ContiguousKVCache(
+        config, max_seqs=len(prompts), max_len=64, device=DEVICE, sinks=model.attention_sinks()
+    )
     layout = cache.begin_step(list(range(len(prompts))), [len(p) for p in prompts])
     tokens = torch.tensor([t for p in prompts for t in p], device=DEVICE)
     ours = model.logits(model(tokens, layout.positions(DEVICE), cache)).cpu()
@@ -131,7 +137,7 @@ def test_loaded_config_reads_the_checkpoint(checkpoint):
     assert config.eos_token_ids == (2,)
     assert config.tie_word_embeddings == hf.tie_word_embeddings
     assert (model.lm_head is None) == hf.tie_word_embeddings
-    assert config.attention_bias == (hf.model_type == "qwen2")
+    assert config.attention_bias == (hf.model_type in ("qwen2", "gpt_oss"))
     assert config.model_type == hf.model_type
     assert tokenizer is None
     assert next(model.parameters()).dtype == torch.float32

@@ -3,7 +3,8 @@ fused serving model against the model as loaded, with the kernels and without.
 
 Each kernel is held to its torch reference on shapes that reach its edges: tails shorter than a
 vector, partly filled pages, pages in several segments, every supported head layout, bfloat16
-pages, and for decode attention Gemma's sliding windows and soft-capped scores. Where the
+pages, and for decode attention Gemma's sliding windows and soft-capped scores and gpt-oss's
+attention sinks. Where the
 kernels cannot be used here the kernel tests skip; with `KVCTL_REQUIRE_CPU_KERNELS=1` (CI sets
 it) a CPU that could run them but a build that failed (no compiler, no ninja, a compile error)
 fails instead, so a broken build is never a silent green.
@@ -45,10 +46,14 @@ def _reference_decode(storage, q, tables, lengths, layer):
     return attend_decode(q, keys.float(), values.float(), valid)
 
 
-def _reference_window_softcap(storage, q, tables, lengths, layer, window=0, softcap=0.0):
+def _reference_window_softcap(
+    storage, q, tables, lengths, layer, window=0, softcap=0.0, sinks=None
+):
     """An explicit softmax in float64 over each sequence's gathered keys, as transformers' eager
     attention does it for Gemma: scores q.k * scale, then softcap * tanh(s / softcap) (none for
-    0), and the new token (position L - 1) sees key j iff (L - 1) - j < window (all for 0)."""
+    0), and the new token (position L - 1) sees key j iff (L - 1) - j < window (all for 0); with
+    `sinks` [heads], as gpt-oss's: each head's sink joins the softmax as one more column, which
+    is then dropped."""
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + t[-1:] * (width - len(t)) for t in tables])
     keys, values = storage.gather(layer, padded)  # [B, L, kvh, d]
@@ -62,7 +67,12 @@ def _reference_window_softcap(storage, q, tables, lengths, layer, window=0, soft
     position = torch.arange(keys.shape[1])[None, :]
     visible = (position <= last) & ((window == 0) | (last - position < window))
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(-1), values.double())
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        column = sinks.double().view(1, kv_heads, heads // kv_heads, 1).expand(batch, -1, -1, 1)
+        probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+    out = torch.einsum("bkgl,blkd->bkgd", probs, values.double())
     return out.reshape(batch, heads, head_dim).float()
 
 
@@ -161,6 +171,29 @@ def test_paged_decode_attention_soft_caps_the_scores(heads, kv_heads, head_dim, 
         uncapped = _reference_window_softcap(storage, q, tables, LENGTHS, 1, window)
         assert (expected - uncapped).abs().max() > 1e-3  # the cap does change the result
         torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5, msg=f"window {window}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 64), (4, 2, 16)])
+def test_paged_decode_attention_with_attention_sinks(heads, kv_heads, head_dim, dtype):
+    """Sinks from far below the scores (no effect) to far above them (the attention mostly
+    sinks), each head its own, with and without gpt-oss's window of the sliding layers."""
+    storage, tables, table_tensor, q = _scattered_pool(heads, kv_heads, head_dim, dtype, LENGTHS)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    sinks = torch.linspace(-20.0, 8.0, heads)
+    for window in (0, 20):
+        got = ops.paged_decode_attention(
+            q, storage.segments, table_tensor, lengths, 1, head_dim**-0.5, window, 0.0, sinks
+        )
+        expected = _reference_window_softcap(storage, q, tables, LENGTHS, 1, window, sinks=sinks)
+        plain = _reference_window_softcap(storage, q, tables, LENGTHS, 1, window)
+        assert (expected - plain).abs().max() > 0.1  # the sinks do change the result
+        torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5, msg=f"window {window}")
+    with pytest.raises(RuntimeError, match="sinks must be"):
+        ops.paged_decode_attention(
+            q, storage.segments, table_tensor, lengths, 1, 1.0, 0, 0.0, sinks[:-1]
+        )
 
 
 @needs_kernels

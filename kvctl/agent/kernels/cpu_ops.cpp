@@ -10,7 +10,9 @@
 //   sum), float32 accumulation, grouped-query heads (query head h reads KV head h / group).
 //   Gemma's two twists, both off at 0: a sliding window (the new token sees only the last
 //   `window` keys; the pages wholly before them are neither read nor checked, so they can go back
-//   to the pool) and logit soft-capping (each score s becomes cap * tanh(s / cap), Gemma 2).
+//   to the pool) and logit soft-capping (each score s becomes cap * tanh(s / cap), Gemma 2); and
+//   gpt-oss's attention sinks (a logit per query head in the softmax's denominator: the running
+//   max and sum start from it instead of from nothing, as if it were a key whose value is zero).
 //
 // packed_linear: y = x @ W^T + b with W repacked once into 16-column blocks ([N/16][K][16]): two
 //   adjacent blocks are read as two sequential streams, and each of their values feeds up to 14
@@ -141,7 +143,7 @@ struct PageGeometry {
 template <int G, int D, typename kv_t, bool Capped>
 void decode_one(const kv_t* const* segments, const PageGeometry& geo, int64_t layer,
                 const int32_t* table, int64_t start, int64_t length, int64_t kv_head,
-                const float* q, float scale, float softcap, float* out) {
+                const float* q, float scale, float softcap, const float* sinks, float* out) {
   constexpr int C = D / 16;  // vectors per head
   const int64_t token_stride = geo.kv_heads * D;
   __m512 query[G][C];
@@ -153,8 +155,9 @@ void decode_one(const kv_t* const* segments, const PageGeometry& geo, int64_t la
       query[h][c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + c * 16), _mm512_set1_ps(scale));
       acc[h][c] = _mm512_setzero_ps();
     }
-    running_max[h] = -std::numeric_limits<float>::infinity();
-    running_sum[h] = 0.f;
+    // a sink is a key of score sinks[h] and value zero: exp(sink - max) = 1 in the sum
+    running_max[h] = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
+    running_sum[h] = sinks ? 1.f : 0.f;
   }
   alignas(64) float weights[G][16];
   auto page_base = [&](int32_t page) {
@@ -230,14 +233,15 @@ void decode_one(const kv_t* const* segments, const PageGeometry& geo, int64_t la
 }
 
 using DecodeFn = void (*)(const void* const*, const PageGeometry&, int64_t, const int32_t*,
-                          int64_t, int64_t, int64_t, const float*, float, float, float*);
+                          int64_t, int64_t, int64_t, const float*, float, float, const float*,
+                          float*);
 
 template <int G, int D, typename kv_t, bool Capped>
 void decode_erased(const void* const* segments, const PageGeometry& geo, int64_t layer,
                    const int32_t* table, int64_t start, int64_t length, int64_t kv_head,
-                   const float* q, float scale, float softcap, float* out) {
+                   const float* q, float scale, float softcap, const float* sinks, float* out) {
   decode_one<G, D, kv_t, Capped>(reinterpret_cast<const kv_t* const*>(segments), geo, layer,
-                                 table, start, length, kv_head, q, scale, softcap, out);
+                                 table, start, length, kv_head, q, scale, softcap, sinks, out);
 }
 
 template <typename kv_t, int D, bool Capped>
@@ -292,10 +296,12 @@ bool decode_supported(const std::string& dtype, int64_t group, int64_t head_dim)
 // masks Gemma's sliding layers); table entries of the pages wholly before that are ignored (they
 // may be stale: those pages can be back in the pool). softcap > 0: each scaled score s becomes
 // softcap * tanh(s / softcap) before the softmax (Gemma 2's attn_logit_softcapping). 0 turns
-// either off. Returns [B, H, D] float32.
+// either off. sinks: None, or float32 [H], each query head's sink logit (gpt-oss). Returns
+// [B, H, D] float32.
 at::Tensor paged_decode_attention(const at::Tensor& q, const std::vector<at::Tensor>& segments,
                                   const at::Tensor& tables, const at::Tensor& lengths,
-                                  int64_t layer, double scale, int64_t window, double softcap) {
+                                  int64_t layer, double scale, int64_t window, double softcap,
+                                  const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [batch, heads, head_dim] tensor");
   TORCH_CHECK(!segments.empty(), "at least one segment");
@@ -313,6 +319,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const std::vector<at::Ten
   TORCH_CHECK(layer >= 0 && layer < geo.layers, "layer out of range");
   TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
   TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap must be 0 (none) or positive");
+  const float* sink_data = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->dim() == 1 && sinks->size(0) == heads,
+                "sinks must be a contiguous float32 [heads] tensor");
+    sink_data = sinks->data_ptr<float>();
+  }
   const int64_t group = heads / geo.kv_heads;
   const DecodeFn fn = decode_for(first.scalar_type(), group, head_dim, softcap > 0);
   TORCH_CHECK(fn != nullptr, "no kernel for this head layout or dtype");
@@ -349,8 +362,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const std::vector<at::Ten
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / geo.kv_heads, kv_head = item % geo.kv_heads;
       const int64_t offset = (b * heads + kv_head * group) * head_dim;
+      const float* head_sinks = sink_data ? sink_data + kv_head * group : nullptr;
       fn(bases.data(), geo, layer, table_data + b * width, start_of(length_data[b]),
-         length_data[b], kv_head, q_data + offset, s, cap, out_data + offset);
+         length_data[b], kv_head, q_data + offset, s, cap, head_sinks, out_data + offset);
     }
   });
   return out;
@@ -797,7 +811,7 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("segments"),
         py::arg("tables"), py::arg("lengths"), py::arg("layer"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("write_kv", &write_kv);
   m.def("decode_supported", &decode_supported);
   m.def("pack_linear_weight", &pack_linear_weight);

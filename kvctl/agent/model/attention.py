@@ -17,13 +17,17 @@ pass K/V with their own head count and `enable_gqa=True`. Neither repeats K/V, s
 cache costs no copy of it.
 
 A layer may see only a window of keys (`LayerAttention.window`: a query at position p sees keys
-p - window + 1 .. p, Gemma's and Mistral's sliding layers) and soft-cap its scores (Gemma 2).
-Backends trim the keys a window cannot see before attending and mask the rest; soft-capped
-scores cannot go through SDPA, so those layers take `_math_attention`, the formula written out.
+p - window + 1 .. p, Gemma's and Mistral's sliding layers), soft-cap its scores (Gemma 2) and
+add a learned sink to each softmax's denominator (gpt-oss). Backends trim the keys a window
+cannot see before attending and mask the rest; soft-capped scores cannot go through SDPA, so
+those layers take `_math_attention`, the formula written out. A sink needs no formula of its
+own: with s the sink and lse the log-sum-exp of a query's scores, the softmax over the scores
+and the sink is the plain softmax times 1 / (1 + exp(s - lse)) = sigmoid(lse - s), so on a CPU
+the flash kernel, which returns lse, computes it (`_sunk_attention`).
 """
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -47,10 +51,12 @@ class AttentionBackend(Protocol):
 @dataclass(frozen=True)
 class LayerAttention:
     """How one layer's queries see the keys: all of them or the last `window` (the query's own
-    included), scores as they are or soft-capped as c · tanh(s / c)."""
+    included), scores as they are or soft-capped as c · tanh(s / c), and `sinks`: a logit per
+    query head [heads] (float32) that joins each softmax's denominator and adds no value."""
 
     window: int | None = None
     softcap: float | None = None
+    sinks: Tensor | None = field(default=None, compare=False, repr=False)
 
     def first_key(self, position: int) -> int:
         """The first key a query at `position` sees."""
@@ -60,11 +66,23 @@ class LayerAttention:
 FULL = LayerAttention()
 
 
-def layer_attentions(config: ModelConfig) -> tuple[LayerAttention, ...]:
-    """Each layer's `LayerAttention`, from the model's config."""
+def layer_attentions(
+    config: ModelConfig, sinks: Sequence[Tensor | None] = ()
+) -> tuple[LayerAttention, ...]:
+    """Each layer's `LayerAttention`, from the model's config and, for a model with attention
+    sinks, each layer's sink logits (`LlamaModel.attention_sinks`)."""
+    if config.attention_sinks and len(sinks) != config.num_layers:
+        raise ValueError(f"{config.name} has attention sinks: give each layer's")
     return tuple(
-        LayerAttention(config.window_of(i), config.attn_softcap) for i in range(config.num_layers)
+        LayerAttention(config.window_of(i), config.attn_softcap, _held_sinks(sinks, i))
+        for i in range(config.num_layers)
     )
+
+
+def _held_sinks(sinks: Sequence[Tensor | None], layer: int) -> Tensor | None:
+    """Layer `layer`'s sinks as the kernels read them: float32, contiguous, detached."""
+    given = sinks[layer] if sinks else None
+    return None if given is None else given.detach().float().contiguous()
 
 
 @dataclass(frozen=True)
@@ -135,12 +153,13 @@ def attend_one(
     v_all: Tensor,
     cached_len: int,
     mask: Tensor | None = None,
-    softcap: float | None = None,
+    seen: LayerAttention = FULL,
 ) -> Tensor:
     """Causal attention of one sequence's t new tokens.
 
     q [t, h, d]; k_all, v_all [L, kvh, d] with L = cached_len + t (cached tokens, then the new
-    ones). New token i sees keys 0 .. cached_len + i, or those `mask` leaves (a window). Returns
+    ones). New token i sees keys 0 .. cached_len + i, or those `mask` leaves (a window); `seen`
+    gives the soft-cap and sinks (its window is the caller's: trimmed keys, the mask). Returns
     [t, h, d].
 
     A single token without a mask uses the grouped layout (no copy): a window is applied by
@@ -154,8 +173,8 @@ def attend_one(
     if t == 1 and mask is None:
         qg = q.view(kvh, h // kvh, d)  # [kvh, g, d]
         keys, values = k_all.transpose(0, 1), v_all.transpose(0, 1)
-        return _attention(qg, keys, values, softcap=softcap).reshape(1, h, d)
-    return attend_chunk(q, k_all, v_all, cached_len, mask, softcap)
+        return _attention(qg, keys, values, seen=seen).reshape(1, h, d)
+    return attend_chunk(q, k_all, v_all, cached_len, mask, seen)
 
 
 def chunk_mask(
@@ -193,7 +212,7 @@ def attend_chunk(
     v_all: Tensor,
     cached_len: int,
     mask: Tensor | None = None,
-    softcap: float | None = None,
+    seen: LayerAttention = FULL,
 ) -> Tensor:
     """`attend_one` for several new tokens: one SDPA call over K/V as the cache holds them.
 
@@ -211,7 +230,7 @@ def attend_chunk(
         v_all.transpose(0, 1).unsqueeze(0),
         mask,
         causal=mask is None,
-        softcap=softcap,
+        seen=seen,
     )  # [1, h, t, d]
     return out[0].transpose(0, 1)
 
@@ -222,28 +241,59 @@ def _attention(
     v: Tensor,
     mask: Tensor | None = None,
     causal: bool = False,
-    softcap: float | None = None,
+    seen: LayerAttention = FULL,
 ) -> Tensor:
     """SDPA over [..., heads, rows, d] operands (K/V may have fewer heads than q, a divisor),
-    or `_math_attention` where the scores are soft-capped."""
-    if softcap is not None:
-        return _math_attention(q, k, v, mask, causal, softcap)
+    `_sunk_attention` where the layer has sinks, `_math_attention` where its scores are
+    soft-capped or no kernel returns the log-sum-exp a sink needs."""
+    sinks = seen.sinks
+    if sinks is not None and seen.softcap is None and _flash_lse_applies(q, mask):
+        return _sunk_attention(q, k, v, mask, causal, sinks)
+    if seen.softcap is not None or sinks is not None:
+        return _math_attention(q, k, v, mask, causal, seen)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[-3] != q.shape[-3]
     )
 
 
-def _math_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, softcap: float
+def _flash_lse_applies(q: Tensor, mask: Tensor | None) -> bool:
+    """Whether torch's CPU flash kernel takes these operands: 4-D on a CPU, with no mask or an
+    additive one of the queries' dtype."""
+    plain_mask = mask is None or mask.dtype == q.dtype
+    return q.device.type == "cpu" and q.dim() == 4 and plain_mask
+
+
+def _sunk_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, sinks: Tensor
 ) -> Tensor:
-    """Attention with scores soft-capped before the softmax, written out as transformers' eager
-    attention computes it (SDPA has no soft-cap): scores in the queries' dtype, the softmax in
-    float32."""
+    """SDPA's output times sigmoid(lse - sink) per query (the module docstring's identity),
+    through the CPU flash kernel, which returns each row's log-sum-exp in float32."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask
+    )
+    share = torch.sigmoid(lse - _sinks_for(q, sinks).squeeze(-1))  # [..., heads, rows]
+    return (out * share.unsqueeze(-1).to(out.dtype)).to(q.dtype)
+
+
+def _sinks_for(q: Tensor, sinks: Tensor) -> Tensor:
+    """The sink logits shaped to broadcast over scores [..., heads, rows, keys]: [heads, 1, 1]
+    when the rows are tokens, [kv heads, group, 1] in the grouped layouts whose rows are a KV
+    head's query heads."""
+    return sinks.to(q.device).view(q.shape[-3], -1, 1)
+
+
+def _math_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, seen: LayerAttention
+) -> Tensor:
+    """Attention written out as transformers' eager attention computes it (SDPA has no soft-cap
+    and no sink): scores in the queries' dtype, soft-capped where the layer caps them, the
+    softmax in float32 over the scores and the sink, whose own share is dropped."""
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = torch.tanh(scores / softcap) * softcap
+    if seen.softcap is not None:
+        scores = torch.tanh(scores / seen.softcap) * seen.softcap
     if causal:
         rows, cols = scores.shape[-2:]
         hidden = torch.ones(rows, cols, dtype=torch.bool, device=q.device).triu(cols - rows + 1)
@@ -252,7 +302,11 @@ def _math_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
         scores = scores + mask
-    return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if seen.sinks is None:
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    sinks = _sinks_for(q, seen.sinks).expand(*scores.shape[:-1], 1)
+    probs = F.softmax(torch.cat([scores.float(), sinks], dim=-1), dim=-1)
+    return probs[..., :-1].to(q.dtype) @ v
 
 
 def key_mask(
@@ -275,7 +329,7 @@ def key_mask(
 
 
 def attend_decode(
-    q: Tensor, k: Tensor, v: Tensor, valid: Tensor, softcap: float | None = None
+    q: Tensor, k: Tensor, v: Tensor, valid: Tensor, seen: LayerAttention = FULL
 ) -> Tensor:
     """One new token per sequence attending to its whole padded cache, in one SDPA call.
 
@@ -287,7 +341,7 @@ def attend_decode(
     kvh = k.shape[2]
     qg = q.view(b, kvh, h // kvh, d)  # [B, kvh, g, d]
     mask = valid[:, None, None, :]  # [B, 1, 1, L]
-    out = _attention(qg, k.transpose(1, 2), v.transpose(1, 2), mask, softcap=softcap)
+    out = _attention(qg, k.transpose(1, 2), v.transpose(1, 2), mask, seen=seen)
     return out.reshape(b, h, d)  # from [B, kvh, g, d]
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kvctl.agent.model.config import ModelConfig
+from kvctl.agent.model import mxfp4
+from kvctl.agent.model.config import MXFP4_BLOCK, ModelConfig
 from kvctl.agent.model.errors import CheckpointError, brief
 from kvctl.units import format_bytes
 
@@ -174,7 +175,7 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     from the config without building a module (a test keeps the two equal)."""
     hidden, d = config.hidden_size, config.head_dim
     q_dim, kv_dim = config.num_heads * d, config.num_kv_heads * d
-    inter, family = config.intermediate_size, config.family
+    family = config.family
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
     for i in range(config.num_layers):
         layer = f"model.layers.{i}."
@@ -187,6 +188,8 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[layer + "self_attn.o_proj.weight"] = (hidden, q_dim)
         if config.o_proj_bias:
             shapes[layer + "self_attn.o_proj.bias"] = (hidden,)
+        if family.sinks:
+            shapes[layer + "self_attn.sinks"] = (config.num_heads,)
         if family.qk_norm is not None:
             per_head = family.qk_norm == "head"
             shapes[layer + "self_attn.q_norm.weight"] = (d if per_head else q_dim,)
@@ -196,22 +199,49 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[layer + "pre_feedforward_layernorm.weight"] = (hidden,)
         if family.post_norms or family.gemma:
             shapes[layer + "post_feedforward_layernorm.weight"] = (hidden,)
-        if config.is_moe_layer(i):
-            moe_inter = config.moe_intermediate_size
-            shapes[layer + "mlp.gate.weight"] = (config.num_experts, hidden)
-            for e in range(config.num_experts):
-                expert = f"{layer}mlp.experts.{e}."
-                shapes[expert + "gate_proj.weight"] = (moe_inter, hidden)
-                shapes[expert + "up_proj.weight"] = (moe_inter, hidden)
-                shapes[expert + "down_proj.weight"] = (hidden, moe_inter)
-            continue
-        shapes[layer + "mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[layer + "mlp.up_proj.weight"] = (inter, hidden)
-        shapes[layer + "mlp.down_proj.weight"] = (hidden, inter)
+        shapes.update(_mlp_tensors(config, i, layer + "mlp."))
     shapes["model.norm.weight"] = (hidden,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     return shapes
+
+
+def _mlp_tensors(config: ModelConfig, i: int, mlp: str) -> dict[str, tuple[int, ...]]:
+    """Layer `i`'s feed-forward: a dense MLP, a mixture of experts, or gpt-oss's stacked ones."""
+    hidden, inner = config.hidden_size, config.intermediate_size
+    if config.family.experts == "gpt_oss":
+        return _stacked_experts(config, mlp)
+    if not config.is_moe_layer(i):
+        return {
+            mlp + "gate_proj.weight": (inner, hidden),
+            mlp + "up_proj.weight": (inner, hidden),
+            mlp + "down_proj.weight": (hidden, inner),
+        }
+    moe_inner = config.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {mlp + "gate.weight": (config.num_experts, hidden)}
+    for e in range(config.num_experts):
+        expert = f"{mlp}experts.{e}."
+        shapes[expert + "gate_proj.weight"] = (moe_inner, hidden)
+        shapes[expert + "up_proj.weight"] = (moe_inner, hidden)
+        shapes[expert + "down_proj.weight"] = (hidden, moe_inner)
+    return shapes
+
+
+def _stacked_experts(config: ModelConfig, mlp: str) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's router and stacked experts (`moe.StackedMoE`)."""
+    hidden, inner, count = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    return {
+        mlp + "router.weight": (count, hidden),
+        mlp + "router.bias": (count,),
+        mlp + "experts.gate_up_proj": (count, hidden, 2 * inner),
+        mlp + "experts.gate_up_proj_bias": (count, 2 * inner),
+        mlp + "experts.down_proj": (count, inner, hidden),
+        mlp + "experts.down_proj_bias": (count, hidden),
+    }
+
+
+MXFP4_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+"""The model's tensors an MXFP4 checkpoint stores as blocks and scales (`mxfp4`)."""
 
 
 FUSED_TENSORS = {  # a fused checkpoint tensor: the model's tensors it holds, in row order
@@ -233,6 +263,12 @@ def checkpoint_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     stored: dict[str, tuple[int, ...]] = {}
     for name, shape in expected_tensors(config).items():
         layer, part = _layer_part(name)
+        if config.mxfp4_experts and part in MXFP4_TENSORS:
+            count, inner, out = shape
+            blocks, scales = (stored_name(config, name) + suffix for suffix in mxfp4.PARTS)
+            stored[blocks] = (count, out, inner // MXFP4_BLOCK, MXFP4_BLOCK // 2)
+            stored[scales] = (count, out, inner // MXFP4_BLOCK)
+            continue
         if not (fused and part in fused_of):
             stored[stored_name(config, name)] = shape
             continue
@@ -250,15 +286,23 @@ def stored_name(config: ModelConfig, name: str) -> str:
     return (LANGUAGE_MODEL_PREFIX if config.multimodal else "") + layer + part
 
 
-def to_model_state(config: ModelConfig, state: dict[str, Tensor]) -> dict[str, Tensor]:
+def to_model_state(
+    config: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype | None = None
+) -> dict[str, Tensor]:
     """A checkpoint's tensors (`checkpoint_tensors`) under the model's names; fused ones split
-    into their parts (views, no copy)."""
+    into their parts (views, no copy), MXFP4 ones dequantized to `dtype` (default: float32)."""
     shapes = expected_tensors(config)
     ours = {stored_name(config, name): name for name in shapes}
     out: dict[str, Tensor] = {}
     for name, tensor in state.items():
         layer, part = _layer_part(name)
-        if part in FUSED_TENSORS and config.family.fused_checkpoint:
+        if name.endswith(mxfp4.PARTS[1]):
+            continue  # taken with its blocks
+        if name.endswith(mxfp4.PARTS[0]):
+            base = name.removesuffix(mxfp4.PARTS[0])
+            scales = state[base + mxfp4.PARTS[1]]
+            out[ours[base]] = mxfp4.dequantize(tensor, scales, dtype or torch.float32)
+        elif part in FUSED_TENSORS and config.family.fused_checkpoint:
             names = [layer + split for split in FUSED_TENSORS[part]]
             out.update(zip(names, tensor.split([shapes[n][0] for n in names]), strict=True))
         else:
@@ -311,7 +355,7 @@ def match_tensors(
                     f"{file}: {name} has shape {list(info.shape)}, "
                     f"config.json implies {list(expected[name])}"
                 )
-            if info.dtype not in FLOAT_DTYPES:
+            if info.dtype not in FLOAT_DTYPES and not _mxfp4_part(name, info, config):
                 raise CheckpointError(
                     f"{file}: {name} has dtype {info.dtype}; kvctl loads float weights "
                     f"({', '.join(FLOAT_DTYPES)}), not quantized safetensors checkpoints"
@@ -321,6 +365,11 @@ def match_tensors(
         if name not in file_of:
             raise CheckpointError(f"{owner_of.get(name, default_owner)}: missing tensor {name}")
     return file_of
+
+
+def _mxfp4_part(name: str, info: TensorInfo, config: ModelConfig) -> bool:
+    """Whether `name` is the uint8 blocks or scales of an MXFP4 product."""
+    return config.mxfp4_experts and info.dtype == "U8" and name.endswith(mxfp4.PARTS)
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -1,9 +1,10 @@
 """The shape of a Llama-family decoder, read from a Hugging Face `config.json`.
 
-Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3 and Gemma 2/3 checkpoints differ only in a
-few switches (q/k/v bias, q/k norms, where the norms sit and how they scale, the MLP's activation,
-Granite's multipliers, fused checkpoint tensors, rope scaling, which layers slide a window, logit
-soft-capping: `Family`), so one frozen dataclass describes them all and one module runs them.
+Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2/3 and gpt-oss checkpoints differ
+only in a few switches (q/k/v bias, q/k norms, where the norms sit and how they scale, the MLP's
+activation, Granite's multipliers, fused checkpoint tensors, rope scaling, which layers slide a
+window, logit soft-capping, attention sinks, the experts' form: `Family`), so one frozen
+dataclass describes them all and one module runs them.
 Every number is bounded and typed here, since the loader sizes everything after it from them.
 """
 
@@ -30,6 +31,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -54,7 +56,14 @@ class Family:
     experts: str | None = None
     """A mixture of experts, read from config.json the way this family names it ("mixtral":
     `num_local_experts`, experts the size of `intermediate_size`, always renormalised;
-    "qwen3_moe": `num_experts`, `moe_intermediate_size`, `norm_topk_prob`, dense layers)."""
+    "qwen3_moe": `num_experts`, `moe_intermediate_size`, `norm_topk_prob`, dense layers;
+    "gpt_oss": Mixtral's counts, a router with a bias, the softmax over the chosen experts'
+    logits, experts with biases and a clamped SwiGLU, stored as stacked tensors)."""
+    sinks: bool = False
+    """A learned sink logit per query head in each attention softmax's denominator (gpt-oss)."""
+    float32_norms: bool = False
+    """The layer and final norms multiply in float32 and round once in any dtype (gpt-oss's
+    norm: the weight times float32 rows, then the rows' dtype)."""
     renames: tuple[tuple[str, str], ...] = ()
     """(the model's name, the checkpoint's) for parts of a layer the family names its own way."""
     gemma: bool = False
@@ -90,12 +99,13 @@ FAMILIES = {
     "qwen3_moe": Family(qk_norm="head", experts="qwen3_moe"),
     "gemma2": Family(gemma=True, sliding="every 2"),
     "gemma3_text": Family(gemma=True, qk_norm="head", sliding="every 6"),
+    "gpt_oss": Family(experts="gpt_oss", sinks=True, sliding="every 2", float32_norms=True),
 }
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SUPPORTED = (
     "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and Gemma 3 style "
-    "decoders, and Mixtral and Qwen3-MoE mixtures of experts"
+    "decoders, and Mixtral, Qwen3-MoE and gpt-oss mixtures of experts"
 )
 _ROPE_KEYS = {
     "linear": ("factor",),
@@ -174,6 +184,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers of a mixture-of-experts model with a dense MLP
+    swiglu_limit: float = 7.0  # gpt-oss's experts: gate clamped above, up on both sides
+    swiglu_alpha: float = 1.702  # and the sigmoid's gain
+    mxfp4_experts: bool = False  # the checkpoint stores the experts in MXFP4 blocks and scales
     multimodal: bool = False  # the language model of a multimodal checkpoint (`LANGUAGE_MODELS`)
     # turns chat messages into a prompt (chat_template.jinja, tokenizer_config.json, GGUF metadata)
     chat_template: "ChatTemplate | None" = field(default=None, repr=False)
@@ -202,6 +215,10 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
+    @property
+    def attention_sinks(self) -> bool:
+        return self.family.sinks
+
     def describe(self) -> str:
         """One line for the start-up log: the family and how its layers attend."""
         family, extras = self.family, []
@@ -223,6 +240,10 @@ class ModelConfig:
             )
         if self.num_experts:
             extras.append(f"{self.experts_per_token} of {self.num_experts} experts per token")
+        if self.mxfp4_experts:
+            extras.append("experts stored in MXFP4")
+        if self.attention_sinks:
+            extras.append("attention sinks")
         shape = (
             f"{self.num_layers} layers, {self.num_heads} query heads over {self.num_kv_heads} "
             f"KV heads of {self.head_dim}"
@@ -310,6 +331,7 @@ class ModelConfig:
             final_softcap=_softcap(hf, "final_logit_softcapping") if family.gemma else None,
             **_multipliers(hf, family, hidden_size, head_dim),
             **_experts(hf, family),
+            mxfp4_experts=_mxfp4(hf, family),
             multimodal=multimodal,
         )
 
@@ -317,7 +339,7 @@ class ModelConfig:
 LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 """Multimodal architectures whose language model kvctl serves alone, text in and text out: the
 config's `text_config`, the tensors under `language_model.` (the vision tower's are ignored)."""
-DEFAULTS = {
+DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": {  # transformers' Gemma3TextConfig: real text_configs omit what equals these
         "vocab_size": 262208,
         "hidden_size": 2304,
@@ -334,6 +356,30 @@ DEFAULTS = {
         "tie_word_embeddings": True,
         "bos_token_id": 2,
         "eos_token_id": 1,
+    },
+    "gpt_oss": {  # transformers' GptOssConfig
+        "num_hidden_layers": 36,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "head_dim": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "sliding_window": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "attention_bias": True,
     },
 }
 """What transformers' config class of a family assumes where config.json says nothing."""
@@ -442,6 +488,8 @@ class _Experts(TypedDict, total=False):
     moe_intermediate_size: int
     norm_topk_prob: bool
     dense_layers: tuple[int, ...]
+    swiglu_limit: float
+    swiglu_alpha: float
 
 
 def _experts(hf: dict[str, Any], family: Family) -> _Experts:
@@ -449,14 +497,18 @@ def _experts(hf: dict[str, Any], family: Family) -> _Experts:
     if family.experts is None:
         return _Experts()
     layers = _size(hf, "num_hidden_layers")
-    if family.experts == "mixtral":
+    if family.experts in ("mixtral", "gpt_oss"):
         count = _expert_count(hf, "num_local_experts", 8, layers)
         top_k = _size(hf, "num_experts_per_tok", default=2)
-        return _Experts(
+        experts = _Experts(
             num_experts=count,
             experts_per_token=_top_k(top_k, count),
             moe_intermediate_size=_size(hf, "intermediate_size"),
         )
+        if family.experts == "gpt_oss":
+            experts["swiglu_limit"] = _number("swiglu_limit", hf.get("swiglu_limit", 7.0))
+            experts["swiglu_alpha"] = _number("swiglu_alpha", hf.get("swiglu_alpha", 1.702))
+        return experts
     # transformers 4 writes `num_experts`, transformers 5 `num_local_experts`
     key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
     count = _expert_count(hf, key, 128, layers)
@@ -496,6 +548,30 @@ def _top_k(top_k: int, count: int) -> int:
             f"config.json: num_experts_per_tok {top_k} is more than the {count} experts"
         )
     return top_k
+
+
+MXFP4_BLOCK = 32
+"""Values per MXFP4 block: 16 bytes of two 4-bit values each, under one shared exponent."""
+
+
+def _mxfp4(hf: dict[str, Any], family: Family) -> bool:
+    """Whether the experts are stored in MXFP4 (gpt-oss's releases, `quantization_config`); any
+    other quantization is refused in one line, as kvctl computes in the weights' float dtype."""
+    quantization = hf.get("quantization_config")
+    if quantization is None:
+        return False
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method != "mxfp4" or family.experts != "gpt_oss":
+        raise CheckpointError(
+            f"config.json: quantization {_shown(method)} is not supported; kvctl loads float "
+            "weights, and gpt-oss's MXFP4 experts"
+        )
+    for key in ("intermediate_size", "hidden_size"):
+        if _size(hf, key) % MXFP4_BLOCK:
+            raise CheckpointError(
+                f"config.json: {key} must be a multiple of {MXFP4_BLOCK} for MXFP4 experts"
+            )
+    return True
 
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")

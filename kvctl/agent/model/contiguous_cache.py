@@ -57,7 +57,10 @@ class ContiguousKVCache:
         max_len: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        sinks: Sequence[Tensor | None] = (),
     ) -> None:
+        """`sinks`: each layer's attention sinks, for a model that has them
+        (`LlamaModel.attention_sinks`)."""
         if max_seqs < 1 or max_len < 1:
             raise ValueError(f"max_seqs and max_len must be ≥ 1, got {max_seqs} and {max_len}")
         shape = (config.num_layers, max_seqs, max_len, config.num_kv_heads, config.head_dim)
@@ -65,7 +68,7 @@ class ContiguousKVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)  # [layers, slots, len, kvh, d]
         self.max_seqs = max_seqs
         self.max_len = max_len
-        self.layers = layer_attentions(config)
+        self.layers = layer_attentions(config, sinks)
         self._free_slots = list(range(max_seqs))  # a heap: lowest free slot first
         self._slot: dict[Hashable, int] = {}
         self._len: dict[Hashable, int] = {}
@@ -139,7 +142,7 @@ class ContiguousKVCache:
         else:
             keys = self.k[layer, :, :length].index_select(0, idx.slots)  # [B, L, kvh, d]
             values = self.v[layer, :, :length].index_select(0, idx.slots)
-        return attend_decode(q, keys, values, valid, seen.softcap)
+        return attend_decode(q, keys, values, valid, seen)
 
     def _attend_each(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, layout: BatchLayout
@@ -162,7 +165,7 @@ class ContiguousKVCache:
             first = seen.first_key(cached)  # the keys before it no new token sees
             keys, values = self.k[layer, slot, first:end], self.v[layer, slot, first:end]
             mask = chunk_mask(t, cached, q.device, q.dtype, seen.window, first) if t > 1 else None
-            outs.append(attend_one(q_i, keys, values, cached - first, mask, seen.softcap))
+            outs.append(attend_one(q_i, keys, values, cached - first, mask, seen))
         return torch.cat(outs)  # [T, h, d]
 
     def _check_fits(self, layout: BatchLayout) -> None:

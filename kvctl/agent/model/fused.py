@@ -42,7 +42,7 @@ from kvctl.agent.model.llama import (
     folded_norm,
     rotations,
 )
-from kvctl.agent.model.moe import FusedMoE, SparseMoE
+from kvctl.agent.model.moe import FusedMoE, SparseMoE, StackedMoE
 from kvctl.agent.model.projection import Projection, scaled
 from kvctl.agent.model.rope import apply_rotary
 
@@ -142,6 +142,7 @@ class FusedLayer(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         self.local_rope = layer.local_rope
+        self.sinks = attention.sinks
         scale, m = attention.query_scale, layer.residual_multiplier
         parts = (attention.q_proj, attention.k_proj, attention.v_proj)
         weights: list[Tensor] = [p.weight for p in parts]
@@ -163,7 +164,7 @@ class FusedLayer(nn.Module):
         )
         self.moe: FusedMoE | None = None
         self.gelu = False
-        if isinstance(mlp, SparseMoE):
+        if isinstance(mlp, SparseMoE | StackedMoE):
             self.moe = FusedMoE(mlp, kernels, down_scale=m)
         else:
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])

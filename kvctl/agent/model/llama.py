@@ -1,7 +1,7 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and 3,
-and the Mixtral and Qwen3-MoE mixtures of experts) over a flattened, variable-length batch; the
-families' switches are `config.Family`. Which keys a layer's queries see (a sliding window,
-soft-capped scores) is the attention backend's business (`ModelConfig.window_of`).
+and the Mixtral, Qwen3-MoE and gpt-oss mixtures of experts) over a flattened, variable-length
+batch; the families' switches are `config.Family`. Which keys a layer's queries see (a sliding
+window, soft-capped scores, sinks) is the attention backend's business (`LayerAttention`).
 
 Tokens of all sequences of a step are concatenated into one [T] batch, as in vLLM and nano-vllm:
 no padding, each token with its own position. The KV cache is not part of the model; every
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from kvctl.agent.model.attention import AttentionBackend
 from kvctl.agent.model.config import ModelConfig
-from kvctl.agent.model.moe import SparseMoE
+from kvctl.agent.model.moe import SparseMoE, StackedMoE
 from kvctl.agent.model.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
@@ -99,6 +99,8 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim if per_head else q_dim, eps, gemma)
             self.k_norm = RMSNorm(config.head_dim if per_head else kv_dim, eps, gemma)
         self.query_scale = config.query_scale
+        self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
+        """gpt-oss's sink logit per query head; the backend applies it (`LayerAttention`)."""
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
         """x [T, hidden], cos/sin [T, head_dim] -> [T, hidden]."""
@@ -154,14 +156,20 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
         if self.post_norms or self.sandwich:
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
-        self.mlp: MLP | SparseMoE
-        if config.is_moe_layer(layer_index):
+        self.mlp: MLP | SparseMoE | StackedMoE
+        if config.family.experts == "gpt_oss":
+            self.mlp = StackedMoE(config)
+        elif config.is_moe_layer(layer_index):
             inner = config.moe_intermediate_size
             experts = [MLP(config, inner) for _ in range(config.num_experts)]
             self.mlp = SparseMoE(config, experts)
         else:
             self.mlp = MLP(config)
         self.residual_multiplier = config.residual_multiplier
+
+    @property
+    def sinks(self) -> Tensor | None:
+        return self.self_attn.sinks
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
         m = self.residual_multiplier
@@ -266,6 +274,11 @@ class LlamaModel(nn.Module):
                 "1-D tensors of equal length (one flattened batch)"
             )
         return self.model(token_ids, positions, attention)
+
+    def attention_sinks(self) -> list[Tensor | None]:
+        """Each layer's attention sinks (gpt-oss), None for a layer without them: what the
+        attention backends need beside the config (`layer_attentions`)."""
+        return [layer.sinks for layer in self.model.blocks]
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:

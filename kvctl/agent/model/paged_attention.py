@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvctl.agent.model.attention import attend_one
+from kvctl.agent.model.attention import FULL, LayerAttention, attend_one
 from kvctl.agent.pool.storage import KVStorage
 
 Q_BLOCK = 128
@@ -49,12 +49,12 @@ def attend_pages(
     v_pages: Tensor,
     cached_len: int,
     mask: Tensor | None = None,
-    softcap: float | None = None,
+    seen: LayerAttention = FULL,
 ) -> Tensor:
     """Causal attention of one sequence's t new tokens over K/V given page by page.
 
     q [t, h, d]; k_pages, v_pages [n, page_size, kvh, d] holding `cached_len + t` tokens in
-    order, the new ones last (the rest of the last page is ignored); `mask` and `softcap` as for
+    order, the new ones last (the rest of the last page is ignored); `mask` and `seen` as for
     `attend_one`. Returns [t, h, d], bit for bit what `attend_one` returns on the same tokens.
     """
     t, _, d = q.shape
@@ -64,7 +64,7 @@ def attend_pages(
         raise ValueError(f"{n} pages of {page_size} cannot hold {total} tokens")
     keys = k_pages.reshape(n * page_size, kvh, d)[:total]
     values = v_pages.reshape(n * page_size, kvh, d)[:total]
-    return attend_one(q, keys, values, cached_len, mask, softcap)
+    return attend_one(q, keys, values, cached_len, mask, seen)
 
 
 def flex_available() -> bool:

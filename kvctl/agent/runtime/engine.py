@@ -283,7 +283,7 @@ class Engine:
             config.decode_read_path,
             num_heads=mc.num_heads,
             kernels=config.cpu_kernels,
-            layers=layer_attentions(mc),
+            layers=layer_attentions(mc, model.attention_sinks()),
         )
         self.prefix_cache = (
             PrefixCache(self.pool, config.eviction_policy, mc.name, config.prefix_isolation)

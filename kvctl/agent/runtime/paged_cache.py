@@ -164,9 +164,11 @@ class PagedKVCache:
         self._last_gather: tuple[list[list[int]], BatchIndex] | None = None
         self._layers = tuple(layers) or (FULL,) * storage.num_layers
         self._windows = {seen.window for seen in self._layers}
-        plain = all(seen == FULL for seen in self._layers)
+        plain = all(seen == FULL and seen.sinks is None for seen in self._layers)
         if read_path == "flex" and not plain:
-            raise ValueError("read path 'flex' cannot apply sliding windows or soft-capped scores")
+            raise ValueError(
+                "read path 'flex' cannot apply sliding windows, soft-capped scores or sinks"
+            )
         in_place = read_path == "flex" or (
             read_path == "auto" and storage.device.type == "cuda" and flex_available() and plain
         )
@@ -387,6 +389,7 @@ class PagedKVCache:
             self._scale,
             seen.window or 0,
             seen.softcap or 0.0,
+            seen.sinks,
         )
         return out.to(q.dtype)
 
@@ -400,7 +403,7 @@ class PagedKVCache:
         keys, values = self.storage.gather_batch(layer, gathered.pages, self._buffers)
         rows = q if gathered.rows is None else q.index_select(0, gathered.rows)
         seen = self._layers[layer]
-        return attend_decode(rows, keys, values, gathered.valid[seen.window], seen.softcap)
+        return attend_decode(rows, keys, values, gathered.valid[seen.window], seen)
 
     def _attend_in_place(
         self, layer: int, q: Tensor, step: _StepIndex, blocks: BlockPlan
@@ -439,7 +442,7 @@ class PagedKVCache:
                 keys, values = keys.view(shape), values.view(shape)
             else:
                 keys, values = self.storage.pages_view(layer, *read)  # [P, page_size, kvh, d]
-            outs.append(attend_pages(q_i, keys, values, cached - first, mask, seen.softcap))
+            outs.append(attend_pages(q_i, keys, values, cached - first, mask, seen))
         if batched is None:
             return torch.cat(outs)  # [T, h, d]
         return self._merge(q, step, batched, outs, reads)
