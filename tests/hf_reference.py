@@ -49,6 +49,12 @@ VARIANTS = {  # name: (transformers config class, model class, config fields)
     ),
     # qkv_proj and gate_up_proj stored fused
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    # Phi-4-mini's partial rope: the first 3/4 of each head rotate, the rest pass through
+    "phi4-mini-partial": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"pad_token_id": 0, "partial_rotary_factor": 0.75, "tie_word_embeddings": True},
+    ),
     # Phi-3's long-context rope within its original context (short factors, the attention factor
     # of 256 / 64); past it, tests/model/test_rope.py
     "phi3-longrope": (

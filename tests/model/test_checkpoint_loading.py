@@ -530,6 +530,46 @@ def test_from_hf_reads_old_and_new_rope_layouts():
     assert a.rope_theta == 500000.0 and a.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
+PHI4_MINI = {  # microsoft/Phi-4-mini-instruct's config.json, the parts that shape its rope
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "vocab_size": 200064,
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "partial_rotary_factor": 0.75,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "longrope",
+        "long_factor": [1.0 + i for i in range(48)],
+        "short_factor": [1.0] * 48,
+    },
+    "sliding_window": 262144,
+    "tie_word_embeddings": True,
+}
+
+
+def test_phi4_minis_partial_rope_reads_as_transformers_reads_it():
+    """96 of each head's 128 dimensions rotate, and longrope's factors cover those 96 only."""
+    config = ModelConfig.from_hf(PHI4_MINI, "phi-4-mini")
+    assert (config.head_dim, config.rotary_dim, config.partial_rotary_factor) == (128, 96, 0.75)
+    assert config.rope_scaling is not None and len(config.rope_scaling["long_factor"]) == 48
+    assert config.sliding_window is None  # longer than the context: no window
+    new = {**PHI4_MINI, "rope_parameters": {"partial_rotary_factor": 0.75, "rope_theta": 1e4}}
+    new = {k: v for k, v in new.items() if k not in ("partial_rotary_factor", "rope_scaling")}
+    assert ModelConfig.from_hf(new, "m").rotary_dim == 96
+    for factor in (0.001, 1.5, 0.7):  # nothing, more than the head, an odd 89.6 -> 89
+        with pytest.raises(CheckpointError, match="partial_rotary_factor"):
+            ModelConfig.from_hf({**PHI4_MINI, "partial_rotary_factor": factor}, "m")
+    with pytest.raises(CheckpointError, match="needs long_factor, a list of 48 numbers"):
+        wrong = {**PHI4_MINI["rope_scaling"], "long_factor": [1.0] * 64}  # as if all 128 rotated
+        ModelConfig.from_hf({**PHI4_MINI, "rope_scaling": wrong}, "m")
+
+
 def test_from_hf_qwen2_bias_and_mistral_window():
     qwen2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
     qwen = ModelConfig.from_hf({**HF_CONFIG, **qwen2}, "q")

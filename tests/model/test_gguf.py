@@ -80,10 +80,12 @@ def write_gguf(
     pre: str = "llama-bpe",
     add_bos: bool = True,
     raw: dict[str, np.ndarray] | None = None,
+    extra_2d: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """A GGUF file as llama.cpp's converter writes it; 1-D tensors stay F32, as llama.cpp keeps
     norms and biases. `raw` holds already quantized `qtype` blocks, by GGUF tensor name, for the
-    types the gguf package cannot quantize (K-quants); they are stored as they are."""
+    types the gguf package cannot quantize (K-quants); they are stored as they are. `extra_2d`:
+    more tensors by GGUF name, matrices and stacks of them, stored as `qtype`."""
     writer = gguf.GGUFWriter(str(path), arch)
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     writer.add_name(path.stem)
@@ -94,6 +96,13 @@ def write_gguf(
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if arch in GEMMA_ARCHS:
         _gemma_metadata(writer, hf, arch)
+    elif arch == "qwen3moe":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_freq_base(hf["rope_theta"])
+        writer.add_expert_count(hf["num_experts"])
+        writer.add_expert_used_count(hf["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(hf["moe_intermediate_size"])
     else:
         writer.add_rope_dimension_count(head_dim)
         if head_dim != hf["hidden_size"] // heads:
@@ -127,6 +136,8 @@ def write_gguf(
             _add(writer, target, values, qtype if values.ndim == 2 else "F32")
     for target, values in (extra or {}).items():
         _add(writer, target, values, "F32")
+    for target, values in (extra_2d or {}).items():
+        _add(writer, target, values, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -614,6 +625,80 @@ def test_gemma_matches_transformers(gemma, qtype: str, generate, tmp_path: Path)
             assert hf_greedy(model, prompt, 8) == tokens
 
 
+# ---- (d) Qwen3-MoE: experts stacked in one tensor per product -----------------------------
+
+
+def _qwen3moe_file(
+    model: Any, hf: dict[str, Any], path: Path, qtype: str, experts: int | None = None
+) -> Path:
+    """convert_hf_to_gguf's Qwen3MoeModel: each layer's experts as ffn_gate_exps, ffn_up_exps
+    ([experts, inner, hidden]) and ffn_down_exps, the router as ffn_gate_inp, and the expert
+    keys of its metadata; `experts`: only the first so many in the stacked tensors."""
+    state, stacked = {}, {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers: [experts, 2 x inner, hidden]
+            layer = name.split(".")[2]
+            gate, up = tensor[:experts].chunk(2, dim=1)
+            stacked[f"blk.{layer}.ffn_gate_exps.weight"] = gate.numpy()
+            stacked[f"blk.{layer}.ffn_up_exps.weight"] = up.numpy()
+        elif name.endswith("mlp.experts.down_proj"):
+            stacked[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = tensor[:experts].numpy()
+        elif name.endswith("mlp.gate.weight"):
+            stacked[f"blk.{name.split('.')[2]}.ffn_gate_inp.weight"] = tensor.numpy()
+        else:
+            state[name] = tensor
+    return write_gguf(path, state, hf, qtype, "qwen3moe", extra_2d=stacked)
+
+
+def test_qwen3_moe_matches_transformers(generate, tmp_path: Path):
+    """A Qwen3-MoE file as llama.cpp writes it (top 2 of 8 experts, every layer routed) loads
+    as the original model: each expert split out of the stacked tensors, the same weights, and
+    logits within 1e-4 and greedy tokens equal to transformers' model of the same file (its own
+    GGUF loader) and to the original."""
+    transformers = pytest.importorskip("transformers")
+    hf = {
+        **SHAPE,
+        "rms_norm_eps": 1e-6,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "rope_theta": 10000.0,
+    }
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**hf)).eval()
+    peaked_weights(model, seed=9)
+    path = _qwen3moe_file(model, hf, tmp_path / "qwen3moe.gguf", "F32")
+    config, ours, _ = load_checkpoint(path, DEVICE, torch.float32)
+    assert (config.model_type, config.num_experts, config.experts_per_token) == ("qwen3_moe", 8, 2)
+    assert config.moe_intermediate_size == 32 and config.norm_topk_prob and not config.dense_layers
+    loaded = ours.state_dict()
+    for e in (0, 7):
+        gate, up = model.model.layers[1].mlp.experts.gate_up_proj[e].chunk(2, dim=0)
+        assert torch.equal(loaded[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"].cpu(), gate)
+        assert torch.equal(loaded[f"model.layers.1.mlp.experts.{e}.up_proj.weight"].cpu(), up)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (11, 3, 20)]
+    from_file = transformers.AutoModelForCausalLM.from_pretrained(  # it does not read the
+        tmp_path, gguf_file=path.name, dtype=torch.float32, moe_intermediate_size=32
+    ).eval()  # experts' size from the file: given here
+    _assert_same_as_transformers(ours, from_file, prompts, generate)
+    _assert_same_as_transformers(ours, model, prompts, generate)
+
+
+def test_a_stacked_expert_tensor_of_the_wrong_count_is_one_line(tmp_path: Path):
+    """The router and metadata say 8 experts, the stacked tensors hold 4: refused in one line
+    before any weight is read."""
+    transformers = pytest.importorskip("transformers")
+    hf = {**SHAPE, "rms_norm_eps": 1e-6, "head_dim": 16, "num_experts": 8}
+    hf |= {"num_experts_per_tok": 2, "moe_intermediate_size": 32, "rope_theta": 10000.0}
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**hf)).eval()
+    path = _qwen3moe_file(model, hf, tmp_path / "short.gguf", "F32", experts=4)
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(path, DEVICE, torch.float32)
+    assert str(refused.value).startswith("short.gguf: missing tensor for model.layers.0.mlp.")
+
+
 _GEMMA_META = {  # a Gemma file's common keys, without its architecture's prefix
     "context_length": 8192,
     "embedding_length": 64,
@@ -818,8 +903,8 @@ BAD = {
     "unsupported architecture": (
         lambda p: _rewrite(p, arch="falcon"),
         "demo.gguf: unsupported architecture 'falcon'; kvctl loads GGUF files of architecture "
-        "llama, qwen2, qwen3, gemma2, gemma3 (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 "
-        "text decoders)",
+        "llama, qwen2, qwen3, qwen3moe, gemma2, gemma3 (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, "
+        "Gemma 2 and Gemma 3 text decoders)",
     ),
     "unsupported quantization type": (
         lambda p: _rewrite(p, raw=True),

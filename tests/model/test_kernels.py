@@ -324,17 +324,27 @@ def test_layer_steps_match_their_torch_reference(width, rows):
 
 
 @needs_kernels
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 40)])
-def test_rotary_in_place_matches_apply_rotary(heads, kv_heads, head_dim):
-    rotary = RotaryEmbedding(replace(demo_config(), head_dim=head_dim))
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "partial"),
+    [(9, 3, 64, 1.0), (4, 2, 16, 1.0), (2, 1, 40, 1.0), (24, 8, 128, 0.75), (4, 2, 40, 0.5)],
+)
+def test_rotary_in_place_matches_apply_rotary(heads, kv_heads, head_dim, partial):
+    """Whole heads, and partial ropes (Phi-4-mini's 96 of 128; 20 of 40, a tail shorter than a
+    vector), whose unrotated dimensions must come back untouched."""
+    config = replace(demo_config(), head_dim=head_dim, partial_rotary_factor=partial)
+    rotary = RotaryEmbedding(config)
     positions = torch.tensor([0, 1, 7, 300, 4095])
     cos, sin = rotary(positions, torch.float32)
     split = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
     qkv = torch.randn(len(positions), sum(split))
+    assert cos.shape[1] == config.rotary_dim
+    before = qkv.clone()
     expected = LayerOps().rotary(qkv.clone(), cos, sin, split, head_dim)
     got = KernelLayerOps(ops).rotary(qkv, cos, sin, split, head_dim)
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e)
+    kept = before.view(len(positions), -1, head_dim)[:, :, config.rotary_dim :]
+    assert torch.equal(qkv.view(len(positions), -1, head_dim)[:, :, config.rotary_dim :], kept)
 
 
 def _logits(model, prompts):

@@ -698,17 +698,19 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
 
 // Rotary embeddings in place on the first `heads` heads of each row of qkv [T, *] (the queries
 // then the keys of a fused product), half-split layout: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin,
-// with cos/sin [T, head_dim] (each half repeated, as Hugging Face builds them).
+// with cos/sin [T, rot] (each half repeated, as Hugging Face builds them) over the first rot
+// dimensions of each head of head_dim (rot < head_dim: a partial rope, Phi-4-mini's; the rest of
+// the head stays as it is).
 void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
              int64_t head_dim) {
   const at::ScalarType type = row_type(qkv);
   check_rows(qkv, "qkv", type);
   check_rows(cos, "cos", type);
   check_rows(sin, "sin", type);
-  const int64_t rows = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
-  TORCH_CHECK(head_dim % 2 == 0 && heads * head_dim <= width, "heads do not fit the rows");
-  TORCH_CHECK(cos.size(0) == rows && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
-              "cos and sin must be [rows, head_dim]");
+  const int64_t rows = qkv.size(0), width = qkv.size(1), rot = cos.size(1), half = rot / 2;
+  TORCH_CHECK(heads * head_dim <= width, "heads do not fit the rows");
+  TORCH_CHECK(cos.size(0) == rows && rot % 2 == 0 && rot <= head_dim && sin.sizes() == cos.sizes(),
+              "cos and sin must be [rows, an even number of dimensions up to head_dim]");
   with_type(type, [&](auto zero) {
     using T = decltype(zero);
     T* qd = qkv.data_ptr<T>();
@@ -716,8 +718,8 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int6
     const T* sd = sin.data_ptr<T>();
     at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        const T* c = cd + r * head_dim;
-        const T* s = sd + r * head_dim;
+        const T* c = cd + r * rot;
+        const T* s = sd + r * rot;
         for (int64_t h = 0; h < heads; ++h) {
           T* x1 = qd + r * width + h * head_dim;
           T* x2 = x1 + half;

@@ -188,6 +188,7 @@ class ModelConfig:
     swiglu_alpha: float = 1.702  # and the sigmoid's gain
     mxfp4_experts: bool = False  # the checkpoint stores the experts in MXFP4 blocks and scales
     multimodal: bool = False  # the language model of a multimodal checkpoint (`LANGUAGE_MODELS`)
+    partial_rotary_factor: float = 1.0  # the share of each head the rope rotates (Phi-4-mini)
     # turns chat messages into a prompt (chat_template.jinja, tokenizer_config.json, GGUF metadata)
     chat_template: "ChatTemplate | None" = field(default=None, repr=False)
 
@@ -199,6 +200,12 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         """The keys a query of `layer` sees back from itself (itself included), or None: all."""
         return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head the rope rotates (all but with
+        `partial_rotary_factor`); the rest pass through, as transformers' Phi-3 does."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def local_rope(self, layer: int) -> bool:
         """Whether `layer` rotates with the sliding layers' own rope (`local_rope_theta`)."""
@@ -296,7 +303,8 @@ class ModelConfig:
         if head_dim % 2:
             raise CheckpointError(f"config.json: head_dim {head_dim} must be even for RoPE")
         max_pos = _size(hf, "max_position_embeddings", default=2048)
-        theta, rope_scaling, local_theta = _ropes(hf, max_pos, head_dim)
+        partial = _partial_rotary(hf, head_dim)
+        theta, rope_scaling, local_theta = _ropes(hf, max_pos, int(head_dim * partial))
         num_layers = _size(hf, "num_hidden_layers")
         window = _sliding_window(hf, family, max_pos)
         attention_bias = family.attention_bias and _flag(hf, "attention_bias")
@@ -333,6 +341,7 @@ class ModelConfig:
             **_experts(hf, family),
             mxfp4_experts=_mxfp4(hf, family),
             multimodal=multimodal,
+            partial_rotary_factor=partial,
         )
 
 
@@ -651,7 +660,7 @@ def _dtype(hf: dict[str, Any]) -> str:
 
 
 def _ropes(
-    hf: dict[str, Any], max_pos: int, head_dim: int
+    hf: dict[str, Any], max_pos: int, rotary_dim: int
 ) -> tuple[float, dict[str, Any] | None, float | None]:
     """(rope_theta, rope_scaling, the sliding layers' own rope base or None). Gemma 3 gives its
     sliding layers plain RoPE of their own base: transformers 5 writes `rope_parameters` per
@@ -663,21 +672,21 @@ def _ropes(
             raise CheckpointError(
                 "config.json: rope_parameters.sliding_attention must be an object"
             )
-        theta, scaling = _rope({"rope_parameters": given["full_attention"]}, max_pos, head_dim)
+        theta, scaling = _rope({"rope_parameters": given["full_attention"]}, max_pos, rotary_dim)
         if local is None:
             return theta, scaling, None
-        local_theta, local_scaling = _rope({"rope_parameters": local}, max_pos, head_dim)
+        local_theta, local_scaling = _rope({"rope_parameters": local}, max_pos, rotary_dim)
         if local_scaling is not None:
             raise CheckpointError("config.json: rope scaling on sliding layers is not supported")
         return theta, scaling, local_theta
-    theta, scaling = _rope(hf, max_pos, head_dim)
+    theta, scaling = _rope(hf, max_pos, rotary_dim)
     local_base = hf.get("rope_local_base_freq")
     if local_base is None:
         return theta, scaling, None
     return theta, scaling, _number("rope_local_base_freq", local_base)
 
 
-def _rope(hf: dict[str, Any], max_pos: int, head_dim: int) -> tuple[float, dict[str, Any] | None]:
+def _rope(hf: dict[str, Any], max_pos: int, rotary_dim: int) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either the transformers-5 `rope_parameters` entry or the
     older top-level `rope_theta` + `rope_scaling` pair."""
     given = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -693,17 +702,30 @@ def _rope(hf: dict[str, Any], max_pos: int, head_dim: int) -> tuple[float, dict[
             f"config.json: rope type {_shown(rope_type)} is not supported; "
             f"kvctl supports {', '.join(ROPE_TYPES)}"
         )
-    partial = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
-    if partial != 1.0:
-        raise CheckpointError("config.json: partial_rotary_factor other than 1.0 is not supported")
+    params.pop("partial_rotary_factor", None)  # `_partial_rotary`
     if rope_type == "default":
         return theta, None
-    _check_scaling(hf, rope_type, params, max_pos, head_dim)
+    _check_scaling(hf, rope_type, params, max_pos, rotary_dim)
     return theta, {"rope_type": rope_type, **params}
 
 
+def _partial_rotary(hf: dict[str, Any], head_dim: int) -> float:
+    """`partial_rotary_factor` (top level, or in transformers 5's `rope_parameters`): a share of
+    each head whose rotated part must be a positive even number of dimensions."""
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    given = hf.get("partial_rotary_factor") or (rope or {}).get("partial_rotary_factor") or 1.0
+    factor = _number("partial_rotary_factor", given, below=1.0 + 1e-9)
+    rotated = int(head_dim * factor)
+    if rotated < 2 or rotated % 2:
+        raise CheckpointError(
+            f"config.json: partial_rotary_factor {factor} rotates {rotated} of head_dim "
+            f"{head_dim}; the rope needs a positive even number"
+        )
+    return factor
+
+
 def _check_scaling(
-    hf: dict[str, Any], rope_type: str, params: dict[str, Any], max_pos: int, head_dim: int
+    hf: dict[str, Any], rope_type: str, params: dict[str, Any], max_pos: int, rotary_dim: int
 ) -> None:
     """A scaled rope's parameters checked, with transformers' defaults filled in `params`."""
     if rope_type in ("llama3", "yarn", "longrope"):  # the top-level value wins, as in transformers
@@ -724,7 +746,7 @@ def _check_scaling(
         if params.get(key) is not None:
             _number(f"rope {key}", params[key])
     if rope_type == "longrope":
-        half = head_dim // 2
+        half = rotary_dim // 2
         for key in ("short_factor", "long_factor"):
             factors = params.get(key)
             if not isinstance(factors, list) or len(factors) != half:

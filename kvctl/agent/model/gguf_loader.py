@@ -32,7 +32,15 @@ _LAYER_PARTS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+EXPERT_PARTS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+"""A mixture of experts' products, stored stacked over the experts ([experts, out, in] in
+Hugging Face's order): split into each expert's own at load."""
 _GEMMA_LAYER_PARTS = {  # a norm before and after each sublayer; llama.cpp's ffn_norm is the MLP's
     **_LAYER_PARTS,
     "post_attention_norm": "post_attention_layernorm",
@@ -69,10 +77,12 @@ def load_gguf(
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     names = _check_tensors(tensors, expected, file.name, gguf, arch)
     device, dtype = torch.device(device), dtype or config.dtype
-    state = {
-        ours: _dequantize(tensors[theirs], ours, arch, config, gguf).to(device=device, dtype=dtype)
-        for theirs, ours in names.items()
-    }
+    state: dict[str, Tensor] = {}
+    for theirs, ours in names.items():
+        values = _dequantize(tensors[theirs], ours[0], arch, config, gguf)
+        parts = values.unbind(0) if len(ours) > 1 else (values,)  # stacked experts: each its own
+        for name, part in zip(ours, parts, strict=True):
+            state[name] = part.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     tokenizer = gguf_tokenizer(meta, file.name, config.vocab_size)
     wrapped = None if tokenizer is None else HFTokenizer(tokenizer, config.eos_token_ids)
@@ -111,28 +121,39 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     return None
 
 
+def expert_names(name: str, experts: int) -> list[str] | None:
+    """Our names of each expert's part of a stacked GGUF expert tensor, None for another name."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in EXPERT_PARTS:
+        stem = f"model.layers.{parts[1]}.mlp.experts"
+        return [f"{stem}.{e}.{EXPERT_PARTS[parts[2]]}.{parts[3]}" for e in range(experts)]
+    return None
+
+
 def _check_tensors(
     tensors: dict[str, Any],
     expected: dict[str, tuple[int, ...]],
     file: str,
     gguf: Any,
     arch: str = "llama",
-) -> dict[str, str]:
-    """GGUF name -> our name for every tensor, after checking names, shapes and types."""
+) -> dict[str, list[str]]:
+    """GGUF name -> our names for every tensor (one, or each expert's of a stacked one), after
+    checking names, shapes and types."""
     readable = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
     readable |= set(getattr(gguf.quants, "_type_traits", {}))
-    names: dict[str, str] = {}
+    names: dict[str, list[str]] = {}
     for name, tensor in tensors.items():
         if name == ROPE_FREQS:
             continue
-        ours = hf_name(name, arch)
-        if ours is None or ours not in expected:
-            raise CheckpointError(f"{file}: unexpected tensor {name}; not a Llama-family decoder")
         shape = tuple(reversed([int(d) for d in tensor.shape]))
-        if shape != expected[ours]:
+        single = hf_name(name, arch)
+        ours = expert_names(name, shape[0]) or ([] if single is None else [single])
+        if not ours or not all(n in expected for n in ours):
+            raise CheckpointError(f"{file}: unexpected tensor {name}; not a Llama-family decoder")
+        want = expected[ours[0]] if len(ours) == 1 else (len(ours), *expected[ours[0]])
+        if shape != want:
             raise CheckpointError(
-                f"{file}: {name} has shape {list(shape)}, the metadata implies "
-                f"{list(expected[ours])}"
+                f"{file}: {name} has shape {list(shape)}, the metadata implies {list(want)}"
             )
         if tensor.tensor_type not in readable:
             raise CheckpointError(
@@ -140,7 +161,7 @@ def _check_tensors(
                 "dequantize; requantize the file (Q8_0, Q4_K, F16, ...)"
             )
         names[name] = ours
-    missing = sorted(set(expected) - set(names.values()))
+    missing = sorted(set(expected) - {n for group in names.values() for n in group})
     if missing:
         raise CheckpointError(f"{file}: missing tensor for {missing[0]}")
     return names

@@ -17,9 +17,9 @@ from kvctl.agent.model.config import LIMITS, ModelConfig
 from kvctl.agent.model.errors import CheckpointError
 from kvctl.agent.model.rope import inv_frequencies
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # llama.cpp names; Mistral: "llama"
-_FAMILIES = "Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 text decoders"
-_MODEL_TYPES = {"gemma3": "gemma3_text"}  # Hugging Face's model_type where it is not llama.cpp's
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3")  # Mistral: "llama"
+_FAMILIES = "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 and Gemma 3 text decoders"
+_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}  # where HF names it otherwise
 GEMMA = ("gemma2", "gemma3")
 """Architectures whose norm weights llama.cpp's converter stores as 1 + w (`gguf_loader`)."""
 # What llama.cpp's gemma2/gemma3 hparams loading assumes where a file says nothing: every Nth layer
@@ -143,6 +143,14 @@ def _hf_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, file: s
     }
     if arch in GEMMA:
         hf.update(_gemma(meta, tensors, arch, file, hf))
+    if arch == "qwen3moe":  # llama.cpp's qwen3moe: every layer routed, the top k renormalised
+        hf.update(
+            num_experts=key("expert_count"),
+            num_experts_per_tok=key("expert_used_count"),
+            moe_intermediate_size=key("expert_feed_forward_length"),
+            norm_topk_prob=True,
+        )
+        hf["intermediate_size"] = hf["intermediate_size"] or hf["moe_intermediate_size"]
     return hf
 
 

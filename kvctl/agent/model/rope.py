@@ -18,13 +18,13 @@ from kvctl.agent.model.config import ModelConfig
 
 
 def inv_frequencies(config: ModelConfig, local: bool = False) -> Tensor:
-    """Inverse frequencies [head_dim // 2] (float32, CPU) for positions inside the trained context;
-    `local`: the sliding layers' own plain RoPE (`local_rope_theta`, Gemma 3).
+    """Inverse frequencies [rotary_dim // 2] (float32, CPU) for positions inside the trained
+    context; `local`: the sliding layers' own plain RoPE (`local_rope_theta`, Gemma 3).
 
     `dynamic` scaling only changes frequencies past `max_position_embeddings`; see
     `dynamic_inv_frequencies` for those.
     """
-    dim = config.head_dim
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # [d/2]
     if local:
         assert config.local_rope_theta is not None
@@ -68,7 +68,7 @@ def _yarn(config: ModelConfig, exponents: Tensor, scaling: dict) -> Tensor:
     """YaRN: interpolated frequencies (divided by `factor`) for the slow dimensions,
     extrapolated (as trained) for the fast ones, a linear ramp between `beta_slow` and
     `beta_fast` rotations over the original context (transformers' formula)."""
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotary_dim, config.rope_theta
     factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
     pos_freqs = base**exponents
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
@@ -97,9 +97,9 @@ def _longrope(config: ModelConfig, exponents: Tensor, factors: list[float]) -> T
 
 
 def long_inv_frequencies(config: ModelConfig) -> Tensor:
-    """LongRoPE's frequencies [head_dim // 2] for positions past the original context."""
+    """LongRoPE's frequencies [rotary_dim // 2] for positions past the original context."""
     assert config.rope_scaling is not None
-    dim = config.head_dim
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     return _longrope(config, exponents, config.rope_scaling["long_factor"])
 
@@ -120,7 +120,7 @@ def _llama3(inv_freq: Tensor, scaling: dict) -> Tensor:
 
 
 def dynamic_inv_frequencies(config: ModelConfig, positions: Tensor) -> Tensor:
-    """Per-token inverse frequencies [T, head_dim // 2] for dynamic-NTK scaling.
+    """Per-token inverse frequencies [T, rotary_dim // 2] for dynamic-NTK scaling.
 
     transformers rescales the base from the largest position in its forward call, which makes a
     token's rotation depend on what else is in the batch. Here each token uses its own length
@@ -128,7 +128,7 @@ def dynamic_inv_frequencies(config: ModelConfig, positions: Tensor) -> Tensor:
     `max_position_embeddings` and for one-token decode steps, and independent of batch composition.
     """
     assert config.rope_scaling is not None
-    dim = config.head_dim
+    dim = config.rotary_dim
     max_pos = config.max_position_embeddings
     factor = config.rope_scaling["factor"]
     seq_len = torch.clamp(positions + 1, min=max_pos)  # [T]
@@ -155,7 +155,7 @@ class RotaryEmbedding(torch.nn.Module):
             self._long = {torch.device("cpu"): long_inv_frequencies(config)}
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions [T] (int64) -> cos, sin [T, head_dim] in `dtype`."""
+        """positions [T] (int64) -> cos, sin [T, rotary_dim] in `dtype`."""
         if self.dynamic:
             inv_freq = dynamic_inv_frequencies(self.config, positions)  # [T, d/2]
         else:
@@ -179,8 +179,12 @@ def _on(tables: dict[torch.device, Tensor], device: torch.device) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, head_dim], cos/sin [T, head_dim] -> x rotated, the half-split (NeoX) layout
-    that Hugging Face Llama checkpoints are stored in."""
+    """x [T, heads, head_dim], cos/sin [T, rotary_dim] -> x with its first rotary_dim dimensions
+    of each head rotated (the rest as they are), the half-split (NeoX) layout that Hugging Face
+    Llama checkpoints are stored in."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, d]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
