@@ -83,7 +83,7 @@ def test_chat_load_on_a_tiny_pool_never_stalls(start_agent) -> None:
             [
                 *(sys.executable, "-m", "kvctl.cli.main", "--agent", agent.url, "--json"),
                 *("load", "--profile", "chat", "--concurrency", "8", "--seed", "5"),
-                *("--duration", "35"),
+                *("--duration", "20"),
             ],
             capture_output=True,
             text=True,

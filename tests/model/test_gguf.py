@@ -4,6 +4,7 @@ template in the metadata), read back by kvctl and, as the reference, by transfor
 loader."""
 
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -96,6 +97,8 @@ def write_gguf(
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if arch in GEMMA_ARCHS:
         _gemma_metadata(writer, hf, arch)
+    elif arch == "phi3":
+        _phi3_metadata(writer, hf, head_dim)
     elif arch == "qwen3moe":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -151,6 +154,10 @@ def _converted(
     """The GGUF name and values convert_hf_to_gguf writes for one Hugging Face tensor of an `arch`
     model; None for one it drops."""
     values = tensor.float().numpy()
+    if arch == "phi3":  # no Q/K permutation; qkv and gate_up stay fused (attn_qkv, ffn_up)
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, hf["num_hidden_layers"])
+        stem, suffix = name.rsplit(".", 1)
+        return f"{names.get_name(stem)}.{suffix}", values
     if arch in GEMMA_ARCHS:
         if name == "lm_head.weight":  # dropped: llama.cpp's Gemma reuses token_embd
             return None
@@ -169,6 +176,21 @@ def _converted(
     elif arch == "llama" and ".k_proj." in name:
         values = permute(values, hf["num_key_value_heads"])
     return target, values
+
+
+def _phi3_metadata(writer: Any, hf: dict[str, Any], head_dim: int) -> None:
+    """convert_hf_to_gguf's Phi3MiniModel: the rotated dimensions, the window, and for longrope
+    its original context and attention factor (the factors themselves go in as tensors)."""
+    writer.add_rope_dimension_count(int(head_dim * hf.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base(hf["rope_theta"])
+    if hf.get("sliding_window"):
+        writer.add_sliding_window(hf["sliding_window"])
+    scaling = hf.get("rope_scaling")
+    if scaling is not None:
+        original = hf["original_max_position_embeddings"]
+        factor = hf["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original)))
 
 
 def _gemma_metadata(writer: Any, hf: dict[str, Any], arch: str) -> None:
@@ -699,6 +721,69 @@ def test_a_stacked_expert_tensor_of_the_wrong_count_is_one_line(tmp_path: Path):
     assert str(refused.value).startswith("short.gguf: missing tensor for model.layers.0.mlp.")
 
 
+# ---- (e) Phi-3: fused products, a window, Phi-4-mini's partial rope and longrope -------------
+
+PHI3 = {
+    # Phi-3 mini's layout: qkv and gate_up fused, a sliding window on every layer
+    "phi3": {"sliding_window": 8},
+    # Phi-4-mini's: 3/4 of each head rotates, longrope (within its original context of 64
+    # tokens: past it transformers recomputes whole sequences, docs/operations.md), tied
+    # embeddings
+    "phi4-mini": {
+        "partial_rotary_factor": 0.75,
+        "tie_word_embeddings": True,
+        "original_max_position_embeddings": 64,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(6)],
+            "long_factor": [1.0 + 2.0 * i for i in range(6)],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("variant", sorted(PHI3))
+def test_phi3_matches_the_original(variant: str, generate, tmp_path: Path):
+    """A Phi-3 file as llama.cpp writes it loads as the original model: its fused qkv and
+    gate_up split into the model's products, the window, the rotated share of each head, and
+    longrope's factors (stored as tensors) read back; logits within 1e-4 and greedy tokens equal
+    to the original's, through the model and the engine, prompts and continuations past the
+    window. Phi-3 mini's file is also held to transformers' own GGUF loader."""
+    transformers = pytest.importorskip("transformers")
+    hf = {**SHAPE, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "pad_token_id": 0}
+    hf |= PHI3[variant]
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**hf)).eval()
+    peaked_weights(model, seed=len(variant))
+    state = model.state_dict()
+    if hf.get("tie_word_embeddings"):
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    extra = {}
+    if "rope_scaling" in hf:
+        extra = {
+            "rope_factors_long.weight": np.array(hf["rope_scaling"]["long_factor"], np.float32),
+            "rope_factors_short.weight": np.array(hf["rope_scaling"]["short_factor"], np.float32),
+        }
+    path = write_gguf(tmp_path / f"{variant}.gguf", state, hf, "F32", "phi3", extra=extra)
+    config, ours, _ = load_checkpoint(path, DEVICE, torch.float32)
+    assert config.model_type == "phi3"
+    assert config.sliding_window == hf.get("sliding_window")
+    assert config.rotary_dim == int(16 * hf.get("partial_rotary_factor", 1.0))
+    if "rope_scaling" in hf:
+        assert config.rope_scaling is not None
+        assert config.rope_scaling["long_factor"] == pytest.approx(
+            extra["rope_factors_long.weight"]
+        )
+        assert config.rope_scaling["original_max_position_embeddings"] == 64
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (11, 3, 20)]
+    _assert_same_as_transformers(ours, model, prompts, generate)
+    if variant == "phi3":
+        from_file = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file=path.name, dtype=torch.float32, sliding_window=8, pad_token_id=0
+        ).eval()
+        _assert_same_as_transformers(ours, from_file, prompts, generate)
+
+
 _GEMMA_META = {  # a Gemma file's common keys, without its architecture's prefix
     "context_length": 8192,
     "embedding_length": 64,
@@ -903,8 +988,8 @@ BAD = {
     "unsupported architecture": (
         lambda p: _rewrite(p, arch="falcon"),
         "demo.gguf: unsupported architecture 'falcon'; kvctl loads GGUF files of architecture "
-        "llama, qwen2, qwen3, qwen3moe, gemma2, gemma3 (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, "
-        "Gemma 2 and Gemma 3 text decoders)",
+        "llama, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3 (Llama, Mistral, Qwen2, Qwen3, "
+        "Qwen3-MoE, Phi-3, Gemma 2 and Gemma 3 text decoders)",
     ),
     "unsupported quantization type": (
         lambda p: _rewrite(p, raw=True),

@@ -15,7 +15,12 @@ from torch import Tensor
 
 from kvctl.agent.model.config import ModelConfig
 from kvctl.agent.model.errors import CheckpointError
-from kvctl.agent.model.gguf_metadata import GEMMA, config_from_metadata, read_metadata
+from kvctl.agent.model.gguf_metadata import (
+    GEMMA,
+    LONGROPE_FACTORS,
+    config_from_metadata,
+    read_metadata,
+)
 from kvctl.agent.model.gguf_tokenizer import gguf_tokenizer
 from kvctl.agent.model.llama import LlamaModel
 from kvctl.agent.model.tokenizer import HFTokenizer
@@ -33,6 +38,10 @@ _LAYER_PARTS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+}
+FUSED_PARTS = {  # Phi-3's fused products, split along their rows into the model's own
+    "attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "ffn_up": ("mlp.gate_proj", "mlp.up_proj"),
 }
 EXPERT_PARTS = {
     "ffn_gate_exps": "gate_proj",
@@ -80,8 +89,7 @@ def load_gguf(
     state: dict[str, Tensor] = {}
     for theirs, ours in names.items():
         values = _dequantize(tensors[theirs], ours[0], arch, config, gguf)
-        parts = values.unbind(0) if len(ours) > 1 else (values,)  # stacked experts: each its own
-        for name, part in zip(ours, parts, strict=True):
+        for name, part in zip(ours, _parts(values, ours, expected), strict=True):
             state[name] = part.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     tokenizer = gguf_tokenizer(meta, file.name, config.vocab_size)
@@ -109,6 +117,18 @@ def _open(file: Path, gguf: Any) -> Any:
     return reader
 
 
+def _parts(
+    values: Tensor, ours: list[str], expected: dict[str, tuple[int, ...]]
+) -> tuple[Tensor, ...]:
+    """One GGUF tensor's values as the model's tensors `ours`: itself, each expert of a stacked
+    one, or the row blocks of a fused one (Phi-3's qkv, gate and up)."""
+    if len(ours) == 1:
+        return (values,)
+    if values.dim() > len(expected[ours[0]]):
+        return values.unbind(0)
+    return values.split([expected[name][0] for name in ours])
+
+
 def hf_name(name: str, arch: str = "llama") -> str | None:
     """The Hugging Face parameter name of a GGUF tensor name in a file of llama.cpp architecture
     `arch`, None for names kvctl does not know."""
@@ -121,12 +141,17 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def expert_names(name: str, experts: int) -> list[str] | None:
-    """Our names of each expert's part of a stacked GGUF expert tensor, None for another name."""
+def split_names(name: str, arch: str, experts: int) -> list[str] | None:
+    """Our names of the tensors one GGUF tensor holds several of: each expert's part of a
+    stacked expert tensor, or each part of a fused Phi-3 product; None for another name."""
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in EXPERT_PARTS:
-        stem = f"model.layers.{parts[1]}.mlp.experts"
-        return [f"{stem}.{e}.{EXPERT_PARTS[parts[2]]}.{parts[3]}" for e in range(experts)]
+    if not (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit()):
+        return None
+    layer, part, suffix = f"model.layers.{parts[1]}", parts[2], parts[3]
+    if part in EXPERT_PARTS:
+        return [f"{layer}.mlp.experts.{e}.{EXPERT_PARTS[part]}.{suffix}" for e in range(experts)]
+    if arch == "phi3" and part in FUSED_PARTS:
+        return [f"{layer}.{ours}.{suffix}" for ours in FUSED_PARTS[part]]
     return None
 
 
@@ -143,14 +168,14 @@ def _check_tensors(
     readable |= set(getattr(gguf.quants, "_type_traits", {}))
     names: dict[str, list[str]] = {}
     for name, tensor in tensors.items():
-        if name == ROPE_FREQS:
+        if name == ROPE_FREQS or (arch == "phi3" and name in LONGROPE_FACTORS):
             continue
         shape = tuple(reversed([int(d) for d in tensor.shape]))
         single = hf_name(name, arch)
-        ours = expert_names(name, shape[0]) or ([] if single is None else [single])
+        ours = split_names(name, arch, shape[0]) or ([] if single is None else [single])
         if not ours or not all(n in expected for n in ours):
             raise CheckpointError(f"{file}: unexpected tensor {name}; not a Llama-family decoder")
-        want = expected[ours[0]] if len(ours) == 1 else (len(ours), *expected[ours[0]])
+        want = _stored_shape(ours, expected)
         if shape != want:
             raise CheckpointError(
                 f"{file}: {name} has shape {list(shape)}, the metadata implies {list(want)}"
@@ -165,6 +190,16 @@ def _check_tensors(
     if missing:
         raise CheckpointError(f"{file}: missing tensor for {missing[0]}")
     return names
+
+
+def _stored_shape(ours: list[str], expected: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of the GGUF tensor holding the model's tensors `ours` (`split_names`)."""
+    first = expected[ours[0]]
+    if len(ours) == 1:
+        return first
+    if ".experts." in ours[0]:
+        return (len(ours), *first)
+    return (sum(expected[name][0] for name in ours), *first[1:])
 
 
 def _dequantize(tensor: Any, name: str, arch: str, config: ModelConfig, gguf: Any) -> Tensor:

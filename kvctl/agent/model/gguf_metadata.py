@@ -17,8 +17,11 @@ from kvctl.agent.model.config import LIMITS, ModelConfig
 from kvctl.agent.model.errors import CheckpointError
 from kvctl.agent.model.rope import inv_frequencies
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3")  # Mistral: "llama"
-_FAMILIES = "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 and Gemma 3 text decoders"
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+"""llama.cpp's names (Mistral's files are "llama")."""
+_FAMILIES = "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2 and Gemma 3 text decoders"
+LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+"""Phi-3's longrope factors, which llama.cpp stores as tensors; folded into the config."""
 _MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}  # where HF names it otherwise
 GEMMA = ("gemma2", "gemma3")
 """Architectures whose norm weights llama.cpp's converter stores as 1 + w (`gguf_loader`)."""
@@ -83,6 +86,8 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], file: Pa
         raise CheckpointError(message) from None
     if "rope_freqs.weight" in tensors:
         config = _with_llama3_rope(config, tensors["rope_freqs.weight"], file.name)
+    if arch == "phi3" and LONGROPE_FACTORS[0] in tensors:
+        config = _with_longrope(config, meta, tensors, file.name)
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return replace(
         config,
@@ -120,7 +125,8 @@ def _hf_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, file: s
     head_dim = key("attention.key_length") or (hidden // heads if hidden and heads else None)
     if key("attention.value_length", head_dim) != head_dim:
         raise CheckpointError(f"{file}: attention.key_length and value_length differ")
-    if key("rope.dimension_count", head_dim) != head_dim:
+    rotated = key("rope.dimension_count", head_dim)
+    if rotated != head_dim and arch != "phi3":
         raise CheckpointError(f"{file}: partial rotary embeddings are not supported")
     vocab = int(tensors["token_embd.weight"].shape[1])
     hf = {
@@ -143,6 +149,10 @@ def _hf_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, file: s
     }
     if arch in GEMMA:
         hf.update(_gemma(meta, tensors, arch, file, hf))
+    if arch == "phi3":  # Phi-4-mini rotates part of each head; Phi-3 mini slides a window
+        if isinstance(rotated, int) and isinstance(head_dim, int) and head_dim > 0:
+            hf["partial_rotary_factor"] = rotated / head_dim
+        hf["sliding_window"] = key("attention.sliding_window") or None
     if arch == "qwen3moe":  # llama.cpp's qwen3moe: every layer routed, the top k renormalised
         hf.update(
             num_experts=key("expert_count"),
@@ -247,6 +257,45 @@ def _dtype(tensors: dict[str, Any]) -> str:
     if kinds <= {"F32"}:
         return "float32"
     return "bfloat16" if "BF16" in kinds else "float16"
+
+
+def _with_longrope(
+    config: ModelConfig, meta: dict[str, Any], tensors: dict[str, Any], file: str
+) -> ModelConfig:
+    """Phi-3's longrope (the 128k releases, Phi-4-mini) from the factor tensors llama.cpp
+    stores and its `rope.scaling` keys; checked as a config.json's would be."""
+    if config.rope_scaling is not None or LONGROPE_FACTORS[1] not in tensors:
+        raise CheckpointError(f"{file}: rope_factors_long.weight needs rope_factors_short.weight")
+    long, short = (
+        np.array(tensors[name].data, dtype=np.float32).reshape(-1).tolist()
+        for name in LONGROPE_FACTORS
+    )
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": long,
+        "short_factor": short,
+        "original_max_position_embeddings": meta.get("phi3.rope.scaling.original_context_length"),
+    }
+    if meta.get("phi3.rope.scaling.attn_factor") is not None:
+        scaling["attention_factor"] = meta["phi3.rope.scaling.attn_factor"]
+    hf = {
+        "architectures": ["Phi3ForCausalLM"],
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "partial_rotary_factor": config.partial_rotary_factor,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": scaling,
+    }
+    try:
+        checked = ModelConfig.from_hf(hf, config.name)
+    except CheckpointError as exc:
+        raise CheckpointError(str(exc).replace("config.json:", f"{file}:", 1)) from None
+    return replace(config, rope_scaling=checked.rope_scaling)
 
 
 def _with_llama3_rope(config: ModelConfig, tensor: Any, file: str) -> ModelConfig:
