@@ -254,7 +254,9 @@ def bpe() -> dict[str, Any]:
 def _logits(model: LlamaModel, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
     """Prefill logits of every prompt token, all prompts in one flattened batch."""
     config = model.config
-    cache = ContiguousKVCache(config, max_seqs=len(prompts), max_len=64, device=DEVICE)
+    cache = ContiguousKVCache(
+        config, len(prompts), max_len=64, device=DEVICE, sinks=model.attention_sinks()
+    )
     layout = cache.begin_step(list(range(len(prompts))), [len(p) for p in prompts])
     tokens = torch.tensor([t for p in prompts for t in p], device=DEVICE)
     return model.logits(model(tokens, layout.positions(DEVICE), cache)).cpu()
@@ -784,6 +786,122 @@ def test_phi3_matches_the_original(variant: str, generate, tmp_path: Path):
         _assert_same_as_transformers(ours, from_file, prompts, generate)
 
 
+# ---- (f) gpt-oss: sinks, biased experts stacked per product, MXFP4 ---------------------------
+
+
+def _on_ggml_mxfp4_grid(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [..., out, in] rounded as llama.cpp's MXFP4 stores it (blocks of 32 along `in`),
+    so that a file of it holds the original's values exactly."""
+    kind = gguf.GGMLQuantizationType.MXFP4
+    flat = weight.reshape(-1, weight.shape[-1]).numpy()
+    back = gguf.quants.dequantize(gguf.quants.quantize(flat, kind), kind)
+    return torch.from_numpy(np.array(back, dtype=np.float32)).reshape(weight.shape)
+
+
+def _gpt_oss_file(model: Any, hf: dict[str, Any], path: Path) -> Path:
+    """convert_hf_to_gguf's GptOssModel: the experts' gate and up de-interleaved into
+    ffn_gate_exps / ffn_up_exps and down into ffn_down_exps ([experts, out, in], MXFP4), their
+    biases beside them, the sinks as attn_sinks.weight, the router as ffn_gate_inp, and yarn's
+    keys."""
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    writer.add_block_count(hf["num_hidden_layers"])
+    writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_head_count(hf["num_attention_heads"])
+    writer.add_head_count_kv(hf["num_key_value_heads"])
+    writer.add_key_length(hf["head_dim"])
+    writer.add_value_length(hf["head_dim"])
+    writer.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    writer.add_expert_count(hf["num_local_experts"])
+    writer.add_expert_used_count(hf["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(hf["intermediate_size"])
+    writer.add_sliding_window(hf["sliding_window"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(hf["rope_parameters"]["factor"])
+    writer.add_rope_scaling_orig_ctx_len(hf["rope_parameters"]["original_max_position_embeddings"])
+    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, hf["num_hidden_layers"])
+    for name, tensor in model.state_dict().items():
+        values = tensor.float()
+        if name.endswith("experts.gate_up_proj"):
+            gate_up = values.transpose(-1, -2)
+            stem = name.replace("model.layers.", "blk.").replace("mlp.experts.gate_up_proj", "")
+            _add(writer, f"{stem}ffn_gate_exps.weight", gate_up[:, ::2].numpy(), "MXFP4")
+            _add(writer, f"{stem}ffn_up_exps.weight", gate_up[:, 1::2].numpy(), "MXFP4")
+        elif name.endswith("experts.gate_up_proj_bias"):
+            stem = name.replace("model.layers.", "blk.").replace(
+                "mlp.experts.gate_up_proj_bias", ""
+            )
+            _add(writer, f"{stem}ffn_gate_exps.bias", values[:, ::2].numpy(), "F32")
+            _add(writer, f"{stem}ffn_up_exps.bias", values[:, 1::2].numpy(), "F32")
+        elif name.endswith("experts.down_proj"):
+            stem = name.replace("model.layers.", "blk.").replace("mlp.experts.down_proj", "")
+            _add(writer, f"{stem}ffn_down_exps.weight", values.mT.numpy(), "MXFP4")
+        elif name.endswith("experts.down_proj_bias"):
+            stem = name.replace("model.layers.", "blk.").replace("mlp.experts.down_proj_bias", "")
+            _add(writer, f"{stem}ffn_down_exps.bias", values.numpy(), "F32")
+        else:
+            stem, suffix = name.rsplit(".", 1) if not name.endswith("sinks") else (name, "weight")
+            _add(writer, f"{names.get_name(stem)}.{suffix}", values.numpy(), "F32")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gpt_oss_matches_the_original(generate, tmp_path: Path):
+    """A gpt-oss file as llama.cpp writes it (MXFP4 experts, F32 elsewhere) loads as the
+    original model with its experts on MXFP4's grid: the same weights, gate and up interleaved
+    back, and logits within 1e-4 and greedy tokens equal to the original's, through the model
+    and the engine, on prompts past the window of 8."""
+    transformers = pytest.importorskip("transformers")
+    hf = {
+        **SHAPE,
+        "rms_norm_eps": 1e-5,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 8,
+        "pad_token_id": 0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    }
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**hf)).eval()
+    peaked_weights(model, seed=13)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            experts = layer.mlp.experts
+            gate_up = experts.gate_up_proj.transpose(-1, -2)
+            experts.gate_up_proj.copy_(_on_ggml_mxfp4_grid(gate_up).transpose(-1, -2))
+            down = experts.down_proj.transpose(-1, -2)
+            experts.down_proj.copy_(_on_ggml_mxfp4_grid(down).transpose(-1, -2))
+    path = _gpt_oss_file(model, hf, tmp_path / "gpt-oss.gguf")
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if "exps.weight" in t.name}
+    assert kinds == {"MXFP4"}
+    config, ours, _ = load_checkpoint(path, DEVICE, torch.float32)
+    assert (config.model_type, config.num_experts, config.experts_per_token) == ("gpt_oss", 4, 2)
+    assert config.attention_sinks and config.sliding_layers == (0, 2)
+    assert config.rope_scaling is not None and config.rope_scaling["truncate"] is False
+    loaded = {name: tensor.cpu() for name, tensor in ours.state_dict().items()}
+    assert loaded.keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (11, 3, 20)]
+    _assert_same_as_transformers(ours, model, prompts, generate)
+
+
 _GEMMA_META = {  # a Gemma file's common keys, without its architecture's prefix
     "context_length": 8192,
     "embedding_length": 64,
@@ -988,8 +1106,8 @@ BAD = {
     "unsupported architecture": (
         lambda p: _rewrite(p, arch="falcon"),
         "demo.gguf: unsupported architecture 'falcon'; kvctl loads GGUF files of architecture "
-        "llama, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3 (Llama, Mistral, Qwen2, Qwen3, "
-        "Qwen3-MoE, Phi-3, Gemma 2 and Gemma 3 text decoders)",
+        "llama, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3, gpt-oss (Llama, Mistral, Qwen2, "
+        "Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3 and gpt-oss text decoders)",
     ),
     "unsupported quantization type": (
         lambda p: _rewrite(p, raw=True),

@@ -372,6 +372,18 @@ def _mxfp4_part(name: str, info: TensorInfo, config: ModelConfig) -> bool:
     return config.mxfp4_experts and info.dtype == "U8" and name.endswith(mxfp4.PARTS)
 
 
+def held(config: ModelConfig, name: str, tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """A checkpoint tensor as the model holds it: in the model's dtype, but quantized data as it
+    is (dequantized whole, `to_model_state`), and the norms of a family whose norm multiplies in
+    float32 (gpt-oss: the weight as `dtype` holds it, times float32 rows, rounded once) as
+    float32 tensors of those values."""
+    if not tensor.is_floating_point():
+        return tensor
+    if config.family.float32_norms and name.endswith("norm.weight"):
+        return tensor.to(dtype).float()
+    return tensor.to(dtype)
+
+
 def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes the model's weights take once loaded in `dtype`."""
     count = sum(math.prod(shape) for shape in expected_tensors(config).values())

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvctl.agent.model.checkpoint_check import held
 from kvctl.agent.model.config import ModelConfig
 from kvctl.agent.model.errors import CheckpointError
 from kvctl.agent.model.gguf_metadata import (
@@ -56,6 +57,16 @@ _GEMMA_LAYER_PARTS = {  # a norm before and after each sublayer; llama.cpp's ffn
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_GPT_OSS_LAYER_PARTS = {  # gpt-oss's names; its experts read through `_gpt_oss_*` below
+    **_LAYER_PARTS,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.gate",
+    "ffn_up_exps": "mlp.experts.up",
+    "ffn_down_exps": "mlp.experts.down",
+}
+GPT_OSS = "gpt-oss"
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -84,13 +95,17 @@ def load_gguf(
     with torch.device("meta"):
         model = LlamaModel(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if arch == GPT_OSS:
+        expected = _gpt_oss_stored(expected)
     names = _check_tensors(tensors, expected, file.name, gguf, arch)
     device, dtype = torch.device(device), dtype or config.dtype
     state: dict[str, Tensor] = {}
     for theirs, ours in names.items():
         values = _dequantize(tensors[theirs], ours[0], arch, config, gguf)
         for name, part in zip(ours, _parts(values, ours, expected), strict=True):
-            state[name] = part.to(device=device, dtype=dtype)
+            state[name] = held(config, name, part.to(device), dtype)
+    if arch == GPT_OSS:
+        state = _gpt_oss_model_state(state)
     model.load_state_dict(state, strict=True, assign=True)
     tokenizer = gguf_tokenizer(meta, file.name, config.vocab_size)
     wrapped = None if tokenizer is None else HFTokenizer(tokenizer, config.eos_token_ids)
@@ -129,12 +144,63 @@ def _parts(
     return values.split([expected[name][0] for name in ours])
 
 
+def _gpt_oss_stored(expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The model's tensors as llama.cpp's gpt-oss file holds them: each layer's stacked experts
+    as separate gate, up and down products ([experts, out, in]) and biases, the sinks as a
+    `.weight`; the rest as they are."""
+    stored: dict[str, tuple[int, ...]] = {}
+    for name, shape in expected.items():
+        stem = name.removesuffix("gate_up_proj").removesuffix("down_proj")
+        if name.endswith("experts.gate_up_proj"):
+            count, hidden, double = shape
+            for part in ("gate", "up"):
+                stored[f"{stem}{part}.weight"] = (count, double // 2, hidden)
+                stored[f"{stem}{part}.bias"] = (count, double // 2)
+        elif name.endswith("experts.down_proj"):
+            count, inner, hidden = shape
+            stored[f"{stem}down.weight"] = (count, hidden, inner)
+            stored[f"{stem}down.bias"] = (count, hidden)
+        elif name.endswith("experts.gate_up_proj_bias") or name.endswith("experts.down_proj_bias"):
+            continue
+        elif name.endswith("self_attn.sinks"):
+            stored[name + ".weight"] = shape
+        else:
+            stored[name] = shape
+    return stored
+
+
+def _gpt_oss_model_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`_gpt_oss_stored`'s tensors back in the model's layout: gate and up interleaved column
+    by column into gate_up_proj [experts, hidden, 2 x inner] (as transformers stores it), down
+    transposed to [experts, inner, hidden], the sinks under their own name."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in state.items():
+        stem = name.rsplit("experts.", 1)[0] + "experts."
+        if name.endswith("experts.gate.weight"):
+            up = state[stem + "up.weight"]
+            out[stem + "gate_up_proj"] = torch.stack([tensor, up], dim=2).flatten(1, 2).mT
+            gate_bias, up_bias = state[stem + "gate.bias"], state[stem + "up.bias"]
+            out[stem + "gate_up_proj_bias"] = torch.stack([gate_bias, up_bias], dim=2).flatten(1)
+        elif name.endswith("experts.down.weight"):
+            out[stem + "down_proj"] = tensor.mT.contiguous()
+            out[stem + "down_proj_bias"] = state[stem + "down.bias"]
+        elif name.endswith("self_attn.sinks.weight"):
+            out[name.removesuffix(".weight")] = tensor
+        elif ".experts." not in name:
+            out[name] = tensor
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
 def hf_name(name: str, arch: str = "llama") -> str | None:
     """The Hugging Face parameter name of a GGUF tensor name in a file of llama.cpp architecture
     `arch`, None for names kvctl does not know."""
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
-    layer_parts = _GEMMA_LAYER_PARTS if arch in GEMMA else _LAYER_PARTS
+    layer_parts = _LAYER_PARTS
+    if arch in GEMMA:
+        layer_parts = _GEMMA_LAYER_PARTS
+    elif arch == GPT_OSS:
+        layer_parts = _GPT_OSS_LAYER_PARTS
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_parts:
         return f"model.layers.{parts[1]}.{layer_parts[parts[2]]}.{parts[3]}"
@@ -148,7 +214,7 @@ def split_names(name: str, arch: str, experts: int) -> list[str] | None:
     if not (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit()):
         return None
     layer, part, suffix = f"model.layers.{parts[1]}", parts[2], parts[3]
-    if part in EXPERT_PARTS:
+    if part in EXPERT_PARTS and arch != GPT_OSS:  # gpt-oss's stay stacked (`_gpt_oss_*`)
         return [f"{layer}.mlp.experts.{e}.{EXPERT_PARTS[part]}.{suffix}" for e in range(experts)]
     if arch == "phi3" and part in FUSED_PARTS:
         return [f"{layer}.{ours}.{suffix}" for ours in FUSED_PARTS[part]]

@@ -17,12 +17,15 @@ from kvctl.agent.model.config import LIMITS, ModelConfig
 from kvctl.agent.model.errors import CheckpointError
 from kvctl.agent.model.rope import inv_frequencies
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss")
 """llama.cpp's names (Mistral's files are "llama")."""
-_FAMILIES = "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2 and Gemma 3 text decoders"
+_FAMILIES = (
+    "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3 and gpt-oss text decoders"
+)
 LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 """Phi-3's longrope factors, which llama.cpp stores as tensors; folded into the config."""
-_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}  # where HF names it otherwise
+_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+"""Hugging Face's model_type where it is not llama.cpp's architecture."""
 GEMMA = ("gemma2", "gemma3")
 """Architectures whose norm weights llama.cpp's converter stores as 1 + w (`gguf_loader`)."""
 # What llama.cpp's gemma2/gemma3 hparams loading assumes where a file says nothing: every Nth layer
@@ -140,7 +143,7 @@ def _hf_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, file: s
         "head_dim": head_dim,
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-5),
         "rope_theta": key("rope.freq_base", 10000.0),
-        "rope_scaling": _rope_scaling(meta, arch, file),
+        "rope_scaling": None if arch == "gpt-oss" else _rope_scaling(meta, arch, file),
         "max_position_embeddings": key("context_length", 2048),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensors,
@@ -153,6 +156,8 @@ def _hf_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, file: s
         if isinstance(rotated, int) and isinstance(head_dim, int) and head_dim > 0:
             hf["partial_rotary_factor"] = rotated / head_dim
         hf["sliding_window"] = key("attention.sliding_window") or None
+    if arch == "gpt-oss":
+        hf.update(_gpt_oss(meta, tensors, hf))
     if arch == "qwen3moe":  # llama.cpp's qwen3moe: every layer routed, the top k renormalised
         hf.update(
             num_experts=key("expert_count"),
@@ -209,6 +214,38 @@ def _gemma(
     local = key("rope.freq_base_swa", _GEMMA3_LOCAL_BASE) if window is not None else None
     gemma["rope_local_base_freq"] = local
     return gemma
+
+
+def _gpt_oss(meta: dict[str, Any], tensors: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's keys as llama.cpp's gpt-oss reads them: its experts, every other layer sliding
+    from the first (`set_swa_pattern(2)`), YaRN without truncation (transformers'
+    GptOssConfig), biases on q/k/v/o; the SwiGLU clamp and gain are llama.cpp's constants,
+    which are transformers' defaults."""
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"gpt-oss.{name}", default)
+
+    layers = hf["num_hidden_layers"]
+    keys: dict[str, Any] = {
+        "num_local_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "intermediate_size": key("expert_feed_forward_length") or hf["intermediate_size"],
+        "sliding_window": key("attention.sliding_window"),
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+    }
+    if isinstance(layers, int) and 0 < layers <= LIMITS["num_hidden_layers"]:
+        kinds = ("sliding_attention", "full_attention")
+        keys["layer_types"] = [kinds[i % 2] for i in range(layers)]
+    if key("rope.scaling.type", "none") == "yarn":
+        keys["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": key("rope.scaling.factor"),
+            "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+            "beta_fast": key("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": key("rope.scaling.yarn_beta_slow", 1.0),
+            "truncate": False,
+        }
+    return keys
 
 
 def _sliding(key: Callable[[str, Any], Any], arch: str, file: str, layers: Any) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from kvctl.agent.model.checkpoint_check import (
     AvailableMemory,
     available_memory,
     check_memory,
+    held,
     match_tensors,
     read_header,
     to_model_state,
@@ -112,21 +113,9 @@ def _load_model(
     for file in files:
         with _open(root / file) as handle:
             for name in (n for n, f in file_of.items() if f == file):
-                state[name] = _held(config, name, handle.get_tensor(name).to(device), dtype)
+                state[name] = held(config, name, handle.get_tensor(name).to(device), dtype)
     model.load_state_dict(to_model_state(config, state, dtype), strict=True, assign=True)
     return model.eval().requires_grad_(False)
-
-
-def _held(config: ModelConfig, name: str, tensor: Tensor, dtype: torch.dtype) -> Tensor:
-    """A checkpoint tensor as the model holds it: in the model's dtype, but quantized data as it
-    is (dequantized whole, `to_model_state`), and the norms of a family whose norm multiplies in
-    float32 (gpt-oss: the weight as `dtype` holds it, times float32 rows, rounded once) as
-    float32 tensors of those values."""
-    if not tensor.is_floating_point():
-        return tensor
-    if config.family.float32_norms and name.endswith("norm.weight"):
-        return tensor.to(dtype).float()
-    return tensor.to(dtype)
 
 
 def _weight_files(root: Path) -> tuple[list[str], dict[str, str], str]:
