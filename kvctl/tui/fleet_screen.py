@@ -89,9 +89,10 @@ class FleetScreen(Screen[None]):
         """Rebuild the table from `readings` (one per agent, in the order given), one row per
         agent and pool; `highlight` is the key of the row to put the cursor on."""
         self.readings = list(readings)
-        if not self.is_mounted:
+        tables = self.query(DataTable) if self.is_mounted else None
+        if not tables:  # not composed yet, or being torn down: mount and resume show them
             return
-        table = self.query_one(DataTable)
+        table = tables.first()
         if highlight is None and self.shown and 0 <= table.cursor_row < len(self.shown):
             highlight = fleet_rows.key_of(self.shown[table.cursor_row])
         rows = [row for reading in self.readings for row in reading.per_pool()]

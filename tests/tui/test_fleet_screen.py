@@ -49,6 +49,22 @@ async def test_several_agents_open_on_the_fleet_with_down_ones_as_rows(fakes, fl
     assert lines[-2].strip() == "in the order given"
 
 
+async def test_readings_that_arrive_while_the_table_is_gone_wait_for_it(fakes, fleet) -> None:
+    """A poll answered between the screen's mount and its table's (or while it is torn down)
+    crashed `kvctl top` with NoMatches from the poll worker: the readings are kept and shown
+    once the table is there."""
+    app = fakes.make_app(fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        await fakes.polled(app, pilot)
+        table = app.fleet.query_one(FleetTable)
+        await table.remove()
+        app.fleet.show(app.fleet.readings)  # raised NoMatches
+        await app.fleet.mount(FleetTable(cursor_type="row", cell_padding=0, id="fleet"))
+        app.fleet.show(app.fleet.readings)
+        await pilot.pause()
+        assert rows(app) == [A, B, C]
+
+
 async def test_s_cycles_the_sort_column_and_shift_s_reverses(fakes, fleet) -> None:
     app = fakes.make_app(fleet)
     async with app.run_test(size=SIZE) as pilot:
