@@ -61,9 +61,12 @@ def test_same_seed_same_tokens_whatever_the_batch(settings):
 
 
 def test_rows_without_a_seed_draw_apart_in_one_batch():
+    """64 unseeded rows of one peaked distribution: rows sharing one draw would give one token;
+    independent rows give 10-23 distinct ones (400 batches: 10 in 1 %), so the bound sits well
+    below that: an unseeded test must not fail by chance."""
     logits = _logits(1).expand(64, VOCAB)
     tokens = _sample(logits, [SamplingParams(temperature=2.0)] * 64)
-    assert len(set(tokens.tolist())) > 10
+    assert len(set(tokens.tolist())) > 4
 
 
 @pytest.mark.parametrize("top_k", [-1, 0, VOCAB, VOCAB + 5])
