@@ -65,10 +65,11 @@ PREFILL_ROWS = 512
 """Rows from which a float32 product goes through sgemm instead of the packed kernel: a
 2,048-token prompt step of SmolLM2-135M's shape took 2.2-2.5 s instead of 2.9-3.0 s
 (docs/performance.md, "The linear layers by dtype")."""
-SGEMM_MAX_WEIGHT = 4 << 20
-"""Largest weight (elements) laid out again for sgemm: past it the copy, which walks the blocks
-across pages, costs more than sgemm saves (Llama-3.2-1B's 16,384 x 2,048 gate_up measured 1.3x
-slower at 1,024 rows)."""
+SGEMM_MAX_WEIGHT = 64 << 20
+"""Largest weight (elements) laid out again for sgemm, which keeps a workspace of that size per
+engine thread: 256 MiB at most (Llama-3.2-1B's largest, its 16,384 x 2,048 gate_up, takes 128
+MiB). Laid out block by block straight into the workspace, the copy costs 1-6 % of the product
+at 512 rows and sgemm saves 8-37 % (docs/performance.md); larger weights stay on the kernel."""
 
 
 class PackedProjection(Projection):
@@ -95,13 +96,17 @@ class PackedProjection(Projection):
     def _by_sgemm(self, x: Tensor) -> Tensor:
         """x Wᵀ through MKL's sgemm over Wᵀ laid out row-major for this call in the thread's
         workspace: a prompt's rows are bound by arithmetic, where sgemm beats the packed kernel
-        by more than the copy costs."""
-        k, n = self.in_features, self.out_features
-        wide = _workspace(k * n).view(k, n)
-        wide.copy_(self.packed.permute(1, 0, 2).reshape(k, -1)[:, :n])
-        if self.bias is None:
-            return x @ wide
-        return torch.addmm(self.bias, x, wide)
+        by more than the copy costs. The blocks are copied straight into the workspace (a
+        reshape of the permuted blocks would allocate, and fault in, a copy of the weight on
+        every call); columns past `out_features` are the last block's padding."""
+        k, n, blocks = self.in_features, self.out_features, self.packed.shape[0]
+        wide = _workspace(k * blocks * 16)
+        wide.view(k, blocks, 16).copy_(self.packed.permute(1, 0, 2))
+        wide = wide.view(k, blocks * 16)
+        if blocks * 16 == n:
+            return x @ wide if self.bias is None else torch.addmm(self.bias, x, wide)
+        out = (x @ wide)[:, :n]
+        return out.contiguous() if self.bias is None else out + self.bias
 
 
 _workspaces = threading.local()
