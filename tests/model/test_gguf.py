@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import SHAPE, hf_greedy, peaked_weights
+from hf_reference import VARIANTS as HF_VARIANTS
 from kv_device import DEVICE
 
 from kvctl.agent.model import (
@@ -674,22 +675,25 @@ def _qwen3moe_file(
     return write_gguf(path, state, hf, qtype, "qwen3moe", extra_2d=stacked)
 
 
+QWEN3_MOE = {  # top 2 of 8 experts of 32, every layer routed, as llama.cpp's qwen3moe computes
+    **SHAPE,
+    "rms_norm_eps": 1e-6,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "rope_theta": 10000.0,
+}
+
+
 def test_qwen3_moe_matches_transformers(generate, tmp_path: Path):
     """A Qwen3-MoE file as llama.cpp writes it (top 2 of 8 experts, every layer routed) loads
     as the original model: each expert split out of the stacked tensors, the same weights, and
     logits within 1e-4 and greedy tokens equal to transformers' model of the same file (its own
     GGUF loader) and to the original."""
     transformers = pytest.importorskip("transformers")
-    hf = {
-        **SHAPE,
-        "rms_norm_eps": 1e-6,
-        "head_dim": 16,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "norm_topk_prob": True,
-        "rope_theta": 10000.0,
-    }
+    hf = QWEN3_MOE
     model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**hf)).eval()
     peaked_weights(model, seed=9)
     path = _qwen3moe_file(model, hf, tmp_path / "qwen3moe.gguf", "F32")
@@ -714,10 +718,8 @@ def test_a_stacked_expert_tensor_of_the_wrong_count_is_one_line(tmp_path: Path):
     """The router and metadata say 8 experts, the stacked tensors hold 4: refused in one line
     before any weight is read."""
     transformers = pytest.importorskip("transformers")
-    hf = {**SHAPE, "rms_norm_eps": 1e-6, "head_dim": 16, "num_experts": 8}
-    hf |= {"num_experts_per_tok": 2, "moe_intermediate_size": 32, "rope_theta": 10000.0}
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**hf)).eval()
-    path = _qwen3moe_file(model, hf, tmp_path / "short.gguf", "F32", experts=4)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE)).eval()
+    path = _qwen3moe_file(model, QWEN3_MOE, tmp_path / "short.gguf", "F32", experts=4)
     with pytest.raises(CheckpointError) as refused:
         load_checkpoint(path, DEVICE, torch.float32)
     assert str(refused.value).startswith("short.gguf: missing tensor for model.layers.0.mlp.")
@@ -858,25 +860,8 @@ def test_gpt_oss_matches_the_original(generate, tmp_path: Path):
     back, and logits within 1e-4 and greedy tokens equal to the original's, through the model
     and the engine, on prompts past the window of 8."""
     transformers = pytest.importorskip("transformers")
-    hf = {
-        **SHAPE,
-        "rms_norm_eps": 1e-5,
-        "head_dim": 16,
-        "num_hidden_layers": 3,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "sliding_window": 8,
-        "pad_token_id": 0,
-        "rope_parameters": {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 64,
-        },
-    }
+    # the equivalence tests' gpt-oss, with llama.cpp's SwiGLU clamp (a constant there)
+    hf = {**SHAPE, **HF_VARIANTS["gpt-oss"][2], "swiglu_limit": 7.0, "rms_norm_eps": 1e-5}
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**hf)).eval()
     peaked_weights(model, seed=13)
     with torch.no_grad():
