@@ -18,6 +18,24 @@ from kvctl.agent.runtime import Engine, EngineConfig
 
 transformers = pytest.importorskip("transformers")
 
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks, scales) of a float [experts, in, out] tensor as the releases store it, each
+    block's exponent the smallest that holds its largest value, each value rounded to the
+    nearest E2M1 code: the inverse of `mxfp4.dequantize` (weights already on the grid come back
+    exactly)."""
+    experts, inner, out_rows = weight.shape
+    rows = weight.float().transpose(1, 2).reshape(experts, out_rows, inner // 32, 32)
+    largest = rows.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exponents = torch.ceil(torch.log2(largest / 6.0)).clamp(-mxfp4.SCALE_BIAS, 127)
+    scaled = rows / torch.exp2(exponents).unsqueeze(-1)
+    grid = torch.tensor(mxfp4.E2M1_VALUES[:8])
+    nearest = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(dim=-1)
+    codes = (nearest + 8 * (scaled < 0)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exponents + mxfp4.SCALE_BIAS).to(torch.uint8)
+
+
 GPT_OSS_20B = {  # openai/gpt-oss-20b's config.json, as it ships (layer_types cut to its rule)
     "architectures": ["GptOssForCausalLM"],
     "attention_bias": True,
@@ -119,11 +137,11 @@ def test_mxfp4_decodes_as_transformers_decodes_it():
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(3, 64, 96, generator=gen) * torch.logspace(-3, 2, 96)  # many exponents
-    blocks, scales = mxfp4.quantize(weight)
+    blocks, scales = quantize(weight)
     ours = mxfp4.dequantize(blocks, scales, torch.float32)
     assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
     assert torch.equal(mxfp4.dequantize(blocks, scales, torch.bfloat16), ours.bfloat16())
-    assert torch.equal(mxfp4.dequantize(*mxfp4.quantize(ours), torch.float32), ours)
+    assert torch.equal(mxfp4.dequantize(*quantize(ours), torch.float32), ours)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +152,7 @@ def checkpoints(tmp_path_factory) -> tuple:
     with torch.no_grad():
         for layer in reference.model.layers:
             for product in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
-                product.copy_(mxfp4.dequantize(*mxfp4.quantize(product), torch.float32))
+                product.copy_(mxfp4.dequantize(*quantize(product), torch.float32))
     plain = tmp_path_factory.mktemp("gpt-oss") / "float"
     reference.save_pretrained(plain)
     packed = plain.parent / "mxfp4"
@@ -142,7 +160,7 @@ def checkpoints(tmp_path_factory) -> tuple:
     state = load_file(plain / "model.safetensors")
     for name in list(state):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            state[name + "_blocks"], state[name + "_scales"] = mxfp4.quantize(state.pop(name))
+            state[name + "_blocks"], state[name + "_scales"] = quantize(state.pop(name))
     save_file(state, packed / "model.safetensors")
     config = json.loads((plain / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4"}

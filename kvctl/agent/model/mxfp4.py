@@ -49,20 +49,3 @@ def dequantize(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
         values = torch.ldexp(values.flatten(-2), exponents.unsqueeze(-1).float())
         result[e] = values.flatten(-2).transpose(0, 1)
     return result
-
-
-def quantize(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """(blocks, scales) of a float [experts, in, out] tensor, each block's exponent the smallest
-    that holds its largest value, each value rounded to the nearest E2M1 code: the inverse of
-    `dequantize` for tests and the benchmarks' checkpoints (weights already on the grid come
-    back exactly)."""
-    experts, inner, out_rows = weight.shape
-    rows = weight.float().transpose(1, 2).reshape(experts, out_rows, inner // 32, 32)
-    largest = rows.abs().amax(dim=-1).clamp(min=2.0**-126)
-    exponents = torch.ceil(torch.log2(largest / 6.0)).clamp(-SCALE_BIAS, 127)
-    scaled = rows / torch.exp2(exponents).unsqueeze(-1)
-    grid = torch.tensor(E2M1_VALUES[:8])
-    nearest = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(dim=-1)
-    codes = (nearest + 8 * (scaled < 0)).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks.contiguous(), (exponents + SCALE_BIAS).to(torch.uint8)
