@@ -795,10 +795,23 @@ class ChatMessage(Strict):
     name: str | None = None
     tool_calls: list[dict[str, object]] | None = None  # refused: no tool calling
     tool_call_id: str | None = None  # refused: no tool calling
+    reasoning: str | None = None
+    """An assistant turn's reasoning (vLLM's field), given back for templates that render it
+    (Qwen3's `<think>`, gpt-oss's analysis channel); ignored on other roles, as vLLM does."""
+    reasoning_content: str | None = None
+    """The older name of `reasoning`."""
 
 
 MAX_TEMPLATE_KWARGS = 16
-TEMPLATE_OWN_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+TEMPLATE_OWN_NAMES = (
+    "messages",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "tools",
+    "documents",
+)
 TemplateName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
 TemplateValue = bool | int | float | Annotated[str, StringConstraints(max_length=4096)] | None
 
@@ -819,7 +832,6 @@ class ChatCompletionRequest(GenerationFields):
         "documents": (([],), "documents (retrieval templates) are not supported"),
         "mm_processor_kwargs": (({},), "multimodal input is not supported"),
         "media_io_kwargs": (({},), "multimodal input is not supported"),
-        "reasoning_effort": ((), "reasoning effort is not supported"),
         "include_reasoning": ((ANY,), ""),
         "return_prompt_text": ((False,), "the rendered prompt's text is not returned"),
     }
@@ -843,7 +855,11 @@ class ChatCompletionRequest(GenerationFields):
     """More variables for the chat template, as transformers' `apply_chat_template` takes them
     (Qwen3's `enable_thinking`): names of letters, digits and `_`, values true/false, numbers,
     null or strings; the template's own variables (`messages`, `add_generation_prompt`, the
-    special tokens) cannot be replaced."""
+    special tokens, `tools` and `documents`) cannot be replaced."""
+    reasoning_effort: ReasoningEffort | None = None
+    """For reasoning models, as vLLM passes it: the template variable `reasoning_effort`
+    (gpt-oss's), and `enable_thinking` false for "none", true otherwise, unless
+    chat_template_kwargs sets it (Qwen3's)."""
     tools: list[object] | None = None
     tool_choice: object | None = None
     parallel_tool_calls: bool | None = None

@@ -234,7 +234,6 @@ VLLM_REFUSED = [
             ("documents", [{"title": "a", "text": "b"}]),
             ("mm_processor_kwargs", {"a": 1}),
             ("media_io_kwargs", {"video": {}}),
-            ("reasoning_effort", "low"),
             ("return_prompt_text", True),
         ]
     ),

@@ -144,7 +144,8 @@ class ChatTemplate:
     ) -> str:
         """The prompt text of `messages`; TemplateError when the template refuses them.
         `variables` are more names for the template (a request's `chat_template_kwargs`); they
-        cannot replace the template's own."""
+        cannot replace the template's own. `tools` and `documents` are null, as transformers
+        passes them without tools, so a template's `tools is not none` reads as it does there."""
         try:
             return self._template.render(
                 **(variables or {}),
@@ -152,6 +153,8 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                tools=None,
+                documents=None,
             )
         except jinja2.TemplateError as error:
             raise TemplateError(

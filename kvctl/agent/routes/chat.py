@@ -54,7 +54,7 @@ async def prompt_ids(ctx: ServerContext, gen: Generation, body: ChatCompletionRe
     messages = [_message(m) for m in body.messages]
     tokenizer = gen.tokenizer
     plain = ctx.service.settings.chat.special_tokens_in_content == "plain"
-    variables = body.chat_template_kwargs or {}
+    variables = _template_variables(body)
     if plain and tokenizer is not None:
         _no_special_text(variables, tokenizer.special_spans)
     try:
@@ -114,15 +114,32 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     return await gen.answer(opened, request, shaper, body.stream)
 
 
+def _template_variables(body: ChatCompletionRequest) -> dict[str, object]:
+    """`chat_template_kwargs`, with `reasoning_effort` as vLLM passes it: the variable itself and
+    `enable_thinking` (false for "none") unless the request's kwargs set it."""
+    variables: dict[str, object] = dict(body.chat_template_kwargs or {})
+    effort = body.reasoning_effort
+    if effort is not None:
+        variables["reasoning_effort"] = effort
+        variables.setdefault("enable_thinking", effort != "none")
+    return variables
+
+
 def _message(message: ChatMessage) -> dict[str, Any]:
     """A message as templates expect it: content as one string (text parts joined by newlines,
-    as vLLM does for string-content templates)."""
+    as vLLM does for string-content templates); an assistant's reasoning under the names
+    templates read it by (`reasoning_content`, `reasoning`, gpt-oss's `thinking`), as vLLM and
+    transformers hand it on."""
     content = message.content
     if isinstance(content, list):
         content = "\n".join(part.text for part in content)
     result: dict[str, Any] = {"role": message.role, "content": content}
     if message.name is not None:
         result["name"] = message.name
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if message.role == "assistant" and reasoning is not None:
+        result = {"thinking": reasoning, **result}
+        result["reasoning"] = result["reasoning_content"] = reasoning
     return result
 
 
