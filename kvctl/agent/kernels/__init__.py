@@ -17,12 +17,15 @@ within float rounding; tests run both). The reason is logged once.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -81,44 +84,45 @@ def cpu_ops() -> ModuleType | None:
     name = f"kvctl_cpu_ops_{key}"
     directory = cache_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(directory / "lock")
     if not any(directory.glob(f"{name}*.so")):
         log.info("building the CPU kernels once (about 30 s) into %s", directory)
     try:
-        return load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=list(FLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            verbose=False,
-        )
+        with build_lock(directory):
+            return load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=list(FLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=False,
+            )
     except Exception as error:  # a compiler that fails is a reason to fall back, not to stop
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         log.warning("CPU kernels off: building %s failed (%s)", SOURCE.name, first_line)
         return None
 
 
-BUILD_LOCK_STALE_S = 600.0
-"""A build takes about 30 s; a lock this old was left by a build that was killed."""
-
-
-def clear_stale_lock(lock: Path, now: float | None = None) -> None:
-    """Remove the build lock a killed build left behind, which would make every later start
-    wait for it forever; say so when a fresh one means another process is building."""
-    import time
-
-    try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > BUILD_LOCK_STALE_S:
-        log.warning(
-            "removing %s, left %.0f s ago by a CPU kernel build that did not finish", lock, age
-        )
-        lock.unlink(missing_ok=True)
-    else:
-        log.info("another process is building the CPU kernels (%s); waiting for it", lock)
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold the build directory for this process: an advisory lock (`flock`) that the kernel
+    drops when its holder exits, however it exits. torch's own lock is a plain file, which a
+    build killed halfway (an agent stopped during its first start) leaves behind, and every
+    later start then waited for it; once this lock is held no live process is building, so a
+    torch lock still there is such a leftover and is removed."""
+    with open(directory / "build.flock", "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building the CPU kernels in %s; waiting", directory)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        left = directory / "lock"
+        if left.exists():
+            log.warning("removing %s, left by a CPU kernel build that did not finish", left)
+            left.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _cpuinfo(field: str) -> str:
