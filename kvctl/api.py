@@ -456,6 +456,15 @@ class PoolSnapshot(PoolOccupancy):
     requests_waiting: int
     preemptions_total: int
     """Running requests whose pages were taken back (recomputed later)."""
+    page_groups: int = 1
+    """Page tables per request: 1, or, for a model whose sliding-window layers keep pages of
+    their own (`--window-pages release`), one per layer group, each page holding the K/V of its
+    group's layers (`bytes_per_page`)."""
+    window_pages: int = 0
+    """Pages the running requests' sliding-window groups hold (part of `used_pages`): at most
+    their window's and the next token's, the rest given back."""
+    window_released_pages_total: int = 0
+    """Pages sliding windows gave back while their requests ran: free (or cached) at once."""
     alert_notifications_dropped_total: int = 0
     """Alertmanager notifications given up after their retries."""
     gpus: list[GpuMemory]
@@ -489,7 +498,9 @@ class PoolList(Response):
     assigned_bytes: int | None = None
 
 
-PageStateName = Literal["free", "used", "cached"]
+PageStateName = Literal["free", "used", "cached", "window"]
+"""`window`: used, by a sliding-window layer group (pages such a group gives back as its window
+moves on)."""
 
 
 class PoolMap(Response):

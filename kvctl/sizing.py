@@ -138,16 +138,20 @@ class PoolFit:
     One computation for the agent's start-up log and `kvctl pool show`, so both say the same.
     A request needs pages for its prompt plus `max_tokens` at once (the agent refuses one that
     could never fit), so the largest request is the smaller of the pool and the context.
+    `groups`: page tables per request (a model whose sliding-window layers keep pages of their
+    own has one per layer group, each page holding that group's layers), so a block of tokens
+    takes that many pages at admission.
     """
 
     page_size: int
     bytes_per_page: int
     pages: int
     context: int | None = None
+    groups: int = 1
 
     @property
     def tokens(self) -> int:
-        return self.pages * self.page_size
+        return self.pages // self.groups * self.page_size
 
     @property
     def largest_request(self) -> int:
@@ -160,7 +164,7 @@ class PoolFit:
         return self.context is not None and self.tokens < self.context
 
     def pages_for(self, tokens: int) -> int:
-        return max(1, math.ceil(tokens / self.page_size))
+        return max(1, math.ceil(tokens / self.page_size)) * self.groups
 
     def concurrent(self, tokens: int) -> int:
         """Requests of `tokens` each that fit at once."""

@@ -220,6 +220,11 @@ class AgentConfig(BaseModel):
     prefix_isolation: Literal["salt", "sampling"] = startup(
         "salt", "salt, or sampling (also key the cache by sampling settings)."
     )
+    window_pages: Literal["release", "keep"] = startup(
+        "release",
+        "release: a model's sliding-window layers keep pages of their own and give back those "
+        "their window has left while the request runs; keep: every layer keeps every page.",
+    )
     host_tier_memory: int = startup(
         0,
         "Host memory that keeps prefix pages evicted from the pool, e.g. 8GiB; 0: none "

@@ -490,6 +490,26 @@ METRICS: tuple[MetricDef, ...] = (
         "given back to any allocation that needs them).",
         _field("reserved_pages"),
     ),
+    # ---- sliding windows
+    MetricDef(
+        "kvctl_pool_page_groups",
+        "gauge",
+        "Page tables per request: 1, or one per layer group for a model whose sliding-window "
+        "layers keep pages of their own (--window-pages release).",
+        _field("page_groups"),
+    ),
+    MetricDef(
+        "kvctl_pool_window_pages",
+        "gauge",
+        "Pages running requests' sliding-window layer groups hold (part of the used pages).",
+        _field("window_pages"),
+    ),
+    MetricDef(
+        "kvctl_pool_window_released_pages_total",
+        "counter",
+        "Pages sliding windows gave back while their requests ran (free, or cached, at once).",
+        _field("window_released_pages_total"),
+    ),
     # ---- allocation
     MetricDef(
         "kvctl_alloc_attempts_total",

@@ -116,7 +116,7 @@ class ModelPool:
 
     def page_states(self) -> PageStates:
         self.engine.owner.check("ModelPool.page_states")
-        return self.engine.pool.page_states()
+        return self.engine.page_states()
 
     def defrag_now(self, max_pages: int | None) -> DefragResult:
         """A manual defragmentation, to completion or `max_pages`."""
@@ -223,7 +223,7 @@ class ModelPool:
         pool = self.engine.pool
         need = 0
         for request, _ in zip(scheduler.waiting, range(room), strict=False):
-            need += pool.pages_for(request.num_tokens + 1)
+            need += scheduler.pages.pages_for(request.num_tokens + 1)
         return max(0, need - pool.free_pages - pool.cached_pages)
 
     def _note_defrag(self, report: DefragReport) -> None:
@@ -277,6 +277,9 @@ class ModelPool:
             requests_running=stats.requests_running,
             requests_waiting=stats.requests_waiting,
             preemptions_total=stats.preemptions,
+            page_groups=stats.page_groups,
+            window_pages=stats.window_pages,
+            window_released_pages_total=stats.window_released_pages,
             alert_notifications_dropped_total=agent.alert_notifications_dropped_total,
             gpus=agent.gpus,
             max_waiting=self.max_waiting,

@@ -78,6 +78,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None  # None: a checkpoint without tokenizer.json (token ids only)
     template: ChatTemplate | None  # None: the checkpoint has no chat template (no chat route)
     bytes_per_page: int
+    page_groups: int = 1  # page tables per request (`layer_groups`)
 
     @property
     def pages(self) -> ModelPages:
@@ -93,6 +94,7 @@ def load_model(spec: ModelSpec, config: AgentConfig) -> LoadedModel:
     from kvctl.agent.model.chat_template import demo_chat_template
     from kvctl.agent.model.demo import demo_config
     from kvctl.agent.pool.storage import KVStorage
+    from kvctl.agent.runtime.layer_groups import page_groups
 
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
     shape = demo_shape(spec.path)
@@ -115,15 +117,24 @@ def load_model(spec: ModelSpec, config: AgentConfig) -> LoadedModel:
     names = list(spec.served_model_name)
     if spec.name and spec.name not in names:
         names.insert(0, spec.name)
+    groups = page_groups(mc, config.window_pages == "release")
     page_bytes = KVStorage.page_bytes(
         config.page_size,
-        mc.num_layers,
+        groups.size,
         mc.num_kv_heads,
         mc.head_dim,
         next(model.parameters()).dtype,
     )
     return LoadedModel(
-        spec, name, tuple(names) or (name,), mc, model, tokenizer, template, page_bytes
+        spec,
+        name,
+        tuple(names) or (name,),
+        mc,
+        model,
+        tokenizer,
+        template,
+        page_bytes,
+        groups.count,
     )
 
 
@@ -193,7 +204,13 @@ def _model_pool(
         log.info("model %s:", loaded.name)
     log.info("model: %s", mc.describe())
     log_pool_size(
-        PoolFit(config.page_size, loaded.bytes_per_page, plan.capacity, mc.max_context_len)
+        PoolFit(
+            config.page_size,
+            loaded.bytes_per_page,
+            plan.capacity,
+            mc.max_context_len,
+            loaded.page_groups,
+        )
     )
     try:
         engine = make_engine(loaded.model, loaded.tokenizer, config, plan, settings)
@@ -261,6 +278,7 @@ def make_engine(
             eviction_policy=settings.prefix_cache.eviction_policy,
             prefix_isolation=config.prefix_isolation,
             decode_read_path=config.decode_read_path,
+            release_window_pages=config.window_pages == "release",
             host_tier_bytes=plan.tiers.host_bytes,
             host_tier_policy=settings.prefix_cache.host_tier_policy,
             disk_tier_path=plan.tiers.disk_path,

@@ -228,7 +228,7 @@ class TieredRun:
         sampled = batch.sampled_requests
         for request, count in zip(batch.requests, batch.new_tokens, strict=True):
             request.num_computed += count
-        self.scheduler.prompts_computed(batch)
+        self.scheduler.step_computed(batch)
         ended = []
         for request in sampled:
             request.num_computed = request.num_tokens

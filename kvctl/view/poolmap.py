@@ -1,11 +1,12 @@
 """The pool map as a heat strip: every page's state, shrunk to the width of a terminal.
 
 Each cell stands for an equal slice of the page ids. Its glyph grows with how full the slice is
-(used + cached pages): a bar rising for a slice mostly in use, a shade darkening for one mostly
-cached, `·` for an empty one. So holes between live pages, the cached prefix pages and an empty
-tail all stay visible at any pool size, without colour too (NO_COLOR); the colour repeats the
-state. A ruler under the strip
-marks where each segment (the unit the pool grows and shrinks by) begins.
+(used + cached pages): a bar rising for a slice mostly in use, a bar filling from the left for
+one mostly in sliding windows (pages a sliding-window layer group holds, which it gives back as
+its window moves on), a shade darkening for one mostly cached, `·` for an empty one. So holes
+between live pages, the cached prefix pages and an empty tail all stay visible at any pool size,
+without colour too (NO_COLOR); the colour repeats the state. A ruler under the strip marks where
+each segment (the unit the pool grows and shrinks by) begins.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ GLYPHS = " ▁▂▃▄▅▆▇█"
 """A slice mostly in use, by eighths full."""
 SHADES = " ░░░▒▒▒▓▓"
 """A slice mostly cached, by eighths full: never a bar, so it reads apart without colour."""
+WINDOW_GLYPHS = " ▏▎▍▌▋▊▉█"
+"""A slice mostly in sliding windows, by eighths full: a bar from the left, not from below."""
 EMPTY = "·"
-LEGEND_GLYPH = {"used": GLYPHS[-1], "cached": SHADES[-1], "free": EMPTY}
-STATE_STYLE = {"used": "magenta", "cached": "cyan", "free": "bright_black"}
+LEGEND_GLYPH = {"used": GLYPHS[-1], "window": "▌", "cached": SHADES[-1], "free": EMPTY}
+STATE_STYLE = {"used": "magenta", "window": "blue", "cached": "cyan", "free": "bright_black"}
+STATE_GLYPHS = {"used": GLYPHS, "window": WINDOW_GLYPHS, "cached": SHADES, "free": GLYPHS}
 
 
 @dataclass
@@ -36,20 +40,22 @@ class Cell:
     used: int = 0
     cached: int = 0
     free: int = 0
+    window: int = 0  # used, by sliding-window groups
 
     @property
     def total(self) -> int:
-        return self.used + self.cached + self.free
+        return self.used + self.window + self.cached + self.free
 
     @property
     def fill(self) -> float:
-        return 0.0 if self.total == 0 else (self.used + self.cached) / self.total
+        return 0.0 if self.total == 0 else (self.used + self.window + self.cached) / self.total
 
     @property
     def state(self) -> str:
-        if self.used == self.cached == 0:
+        if self.used == self.window == self.cached == 0:
             return "free"
-        return "used" if self.used >= self.cached else "cached"
+        most = max(self.used, self.window, self.cached)
+        return "used" if self.used == most else "window" if self.window == most else "cached"
 
 
 def _bounds(capacity: int, width: int) -> list[int]:
@@ -88,7 +94,7 @@ def strip(pool_map: PoolMap, width: int) -> Text:
     text = Text()
     for cell in cells(pool_map, width):
         level = round(cell.fill * (len(GLYPHS) - 1))
-        glyphs = SHADES if cell.state == "cached" else GLYPHS
+        glyphs = STATE_GLYPHS[cell.state]
         text.append(glyphs[level] if level else EMPTY, style=STATE_STYLE[cell.state])
     return text
 
@@ -102,11 +108,13 @@ def ruler(pool_map: PoolMap, width: int) -> Text:
 def legend(pool_map: PoolMap) -> Text:
     """Page counts per state, each after the glyph of a full slice of it, coloured like the
     strip."""
-    counts: dict[str, int] = {"used": 0, "cached": 0, "free": 0}
+    counts: dict[str, int] = {"used": 0, "window": 0, "cached": 0, "free": 0}
     for state, _start, length in pool_map.runs:
         counts[state] += length
     text = Text()
     for name, count in counts.items():
+        if name == "window" and not count:
+            continue  # a model whose layers all share every page has none
         text.append(f"{LEGEND_GLYPH[name]} ", style=STATE_STYLE[name])
         text.append(f"{name} {count:,}   ")
     segments = -(-pool_map.capacity_pages // max(1, pool_map.segment_pages))

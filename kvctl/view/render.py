@@ -84,6 +84,9 @@ def pool_table(pool: PoolSnapshot) -> Table:
         f"{pool.requests_running} running, {pool.requests_waiting} waiting, "
         f"{pool.preemptions_total:,} preemptions",
     )
+    window = window_summary(pool)
+    if window is not None:
+        table.add_row("windows", window)
     table.add_row("defrag", Text(defrag_summary(pool)))
     grows, shrinks = pool.resizes_total.get("grow", 0), pool.resizes_total.get("shrink", 0)
     table.add_row("resizes", f"{grows} grows, {shrinks} shrinks")
@@ -94,6 +97,19 @@ def pool_table(pool: PoolSnapshot) -> Table:
     for label, text in budget.share_rows(pool):
         table.add_row(label, text)
     return table
+
+
+def window_summary(pool: PoolSnapshot) -> str | None:
+    """The sliding-window pages apart from the others, for a model whose windows give pages
+    back (None for one whose layers all share every page)."""
+    if pool.page_groups <= 1 and not pool.window_released_pages_total:
+        return None
+    held = pool.window_pages
+    return (
+        f"{pool.page_groups} page tables per request; {held:,} used pages in sliding windows "
+        f"({format_bytes(held * pool.bytes_per_page)}), {pool.window_released_pages_total:,} "
+        "given back as windows moved on"
+    )
 
 
 BUDGET_BAR = 60
@@ -525,7 +541,9 @@ def sizing_table(pool: PoolSnapshot, context: int | None, requests: int = 8) -> 
     for `requests` at once: `kvctl simulate`'s question, answered from one snapshot."""
     from kvctl.sizing import PoolFit
 
-    fit = PoolFit(pool.page_size, pool.bytes_per_page, pool.capacity_pages, context)
+    fit = PoolFit(
+        pool.page_size, pool.bytes_per_page, pool.capacity_pages, context, pool.page_groups
+    )
     table = _pairs()
     finished = sum(pool.requests_finished_total.values())
     mean = (pool.prompt_tokens_total + pool.generation_tokens_total) // finished if finished else 0

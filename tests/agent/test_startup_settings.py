@@ -55,6 +55,7 @@ FLAGS_BEFORE = [
     "--prefix-cache",
     "--no-prefix-cache",
     "--prefix-isolation",
+    "--window-pages",
     "--eviction-policy",
     "--host-tier-memory",
     "--host-tier-policy",
@@ -221,6 +222,7 @@ SAMPLES: dict[str, tuple[list[str], str, dict[str, Any]]] = {
     "max_pool_pages": (["--max-pool-pages", "4096"], "max_pool_pages = 4096", {}),
     "prefix_cache": (["--no-prefix-cache"], "prefix_cache = false", {}),
     "prefix_isolation": (["--prefix-isolation", "sampling"], 'prefix_isolation = "sampling"', {}),
+    "window_pages": (["--window-pages", "keep"], 'window_pages = "keep"', {}),
     "host_tier_memory": (["--host-tier-memory", "8GiB"], 'host_tier_memory = "8GiB"', {}),
     "disk_tier_path": (["--disk-tier-path", "/tmp/kv"], 'disk_tier_path = "/tmp/kv"', {}),
     "disk_tier_size": (

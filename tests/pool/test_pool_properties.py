@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import event, settings
 from hypothesis import strategies as st
@@ -29,6 +30,7 @@ from kvctl.agent.pool import (
     Defragmenter,
     DefragTrigger,
     PagePool,
+    PoolError,
     PoolExhausted,
     PoolResizer,
     ResizeRefused,
@@ -63,7 +65,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _write(self, seq: int, first: int, count: int) -> None:
         """Write fresh tags into tokens [first, first + count) of `seq`."""
-        pages = self.pool.table(seq).pages
+        pages = self.pool.table(seq).positional()
         positions = range(first, first + count)
         tags = [float(next(self.next_tag)) for _ in positions]
         slot_pages = torch.tensor([pages[t // PAGE_SIZE] for t in positions])
@@ -132,7 +134,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(target=sequences, seq=sequences, data=st.data())
     def adopt(self, seq, data):
         """A prefix hit: a new sequence starts on pages the cache holds, then writes its own."""
-        if seq is None or seq not in self.tags:
+        if seq is None or seq not in self.tags or self.pool.table(seq).dropped:
             return None
         prefix = []
         for page in self.pool.table(seq).pages:
@@ -157,6 +159,24 @@ class PoolMachine(RuleBasedStateMachine):
         self.tags[child] = self.tags[seq][:shared]
         self._write(child, shared, extra)
         return child
+
+    @rule(seq=sequences, data=st.data())
+    def release_front(self, seq, data) -> None:
+        """A sliding window moved on: the sequence gives back front pages and keeps the rest
+        (the tokens of those pages are no longer read through it)."""
+        if seq is None or seq not in self.tags:
+            return
+        held = len(self.pool.table(seq).pages)
+        if held < 2:
+            with pytest.raises(PoolError):
+                self.pool.release_front(seq, held)
+            return
+        count = data.draw(st.integers(1, held - 1))
+        free, used = self.pool.free_pages, self.pool.used_pages
+        self.pool.release_front(seq, count)
+        event("front pages given back")
+        assert self.pool.free_pages + self.pool.cached_pages >= free
+        assert self.pool.used_pages <= used
 
     @rule()
     def release_reservations(self) -> None:
@@ -245,8 +265,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert table.num_tokens == len(expected)
             if not expected:
                 continue
+            kept = expected[table.dropped * PAGE_SIZE :]  # the tokens it still holds
             pages = self.storage.read_pages(table.pages)[:, 0, 0, :, 0, 0].reshape(-1)
-            assert pages[: len(expected)].tolist() == expected, f"sequence {seq} lost tokens"
+            assert pages[: len(kept)].tolist() == kept, f"sequence {seq} lost tokens"
         for page, contents in self.held.items():
             assert self.pool.state(page).value in ("used", "cached")
             assert torch.equal(self.storage.read_pages([page])[0], contents), f"page {page}"

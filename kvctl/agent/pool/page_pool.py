@@ -396,7 +396,7 @@ class PagePool:
             starts.extend(base + i for i in new_starts[1:])
             table.run_starts = starts
         pages.extend(new_pages)
-        table.room = len(pages) * self.page_size
+        table.room = (table.dropped + len(pages)) * self.page_size
         table.num_tokens += num_tokens
         table.writable = True  # the last page is a fresh one now
 
@@ -406,27 +406,36 @@ class PagePool:
         if child_id in self._tables:
             raise PoolError(f"sequence {child_id!r} already has a page table")
         child = PageTable(child_id, list(parent.pages), parent.num_tokens, parent.room, True)
+        child.dropped = parent.dropped
         self._acquire(parent.pages, child)
         self._tables[child_id] = child
         return child
 
     def adopt(
-        self, seq_id: SeqId, shared_pages: Sequence[int], shared_tokens: int, num_tokens: int
+        self,
+        seq_id: SeqId,
+        shared_pages: Sequence[int],
+        shared_tokens: int,
+        num_tokens: int,
+        dropped: int = 0,
     ) -> tuple[PageTable, list[CopyOnWrite]]:
         """Start a sequence whose first `shared_tokens` tokens are in existing pages (prefix hit).
 
         The shared pages gain a reference; room for the rest of `num_tokens` is made as by
         `append`, so a partly matched last page is copied before the sequence writes into it.
         Returns the table and the copies to apply. Raises `PoolExhausted` with nothing changed
-        when the rest does not fit.
+        when the rest does not fit. `dropped`: the shared pages start after that many pages the
+        sequence will never read (a sliding window's), which it starts without.
         """
         if seq_id in self._tables:
             raise PoolError(f"sequence {seq_id!r} already has a page table")
-        if self.pages_for(shared_tokens) != len(shared_pages) or shared_tokens > num_tokens:
+        places = dropped + len(shared_pages)
+        if self.pages_for(shared_tokens) != places or shared_tokens > num_tokens:
             raise PoolError("adopt: shared pages do not match the shared token count")
-        table = PageTable(
-            seq_id, list(shared_pages), shared_tokens, len(shared_pages) * self.page_size, True
-        )
+        if dropped and not shared_pages:
+            raise PoolError("adopt: a sequence cannot start without any page")
+        table = PageTable(seq_id, list(shared_pages), shared_tokens, places * self.page_size, True)
+        table.dropped = dropped
         self._acquire(shared_pages, table)
         self._tables[seq_id] = table
         try:
@@ -469,6 +478,26 @@ class PagePool:
                 start = pages[lo]
                 ref[start : start + length] = self._zeros[length] if length <= 64 else [0] * length
                 give(start, length)
+
+    def release_front(self, seq_id: SeqId, num_pages: int) -> None:
+        """Give back a running sequence's first `num_pages` pages (those a sliding window has
+        left): free, or cached while the prefix cache holds them. Its last page stays, so it
+        can always grow; asking for more is a PoolError and changes nothing."""
+        table = self.table(seq_id)
+        if not 0 <= num_pages < len(table.pages):
+            raise PoolError(
+                f"sequence {seq_id!r} holds {len(table.pages)} pages; cannot give back "
+                f"{num_pages} of them and keep its last"
+            )
+        if not num_pages:
+            return
+        front = table.pages[:num_pages]
+        self._release(front, table)
+        del table.pages[:num_pages]
+        table.dropped += num_pages
+        table.private = False  # its recorded runs no longer start at 0: free page by page
+        if table.loose_from >= 0:
+            table.loose_from = max(0, table.loose_from - num_pages)
 
     # ---- prefix-cache holds -------------------------------------------------------------
 
@@ -650,7 +679,7 @@ class PagePool:
     # ---- internals ----------------------------------------------------------------------
 
     def _pages_to_append(self, table: PageTable, num_tokens: int) -> int:
-        needed = self.pages_for(table.num_tokens + num_tokens) - len(table.pages)
+        needed = self.pages_for(table.num_tokens + num_tokens) - table.dropped - len(table.pages)
         if num_tokens and self._last_page_is_shared(table):
             needed += 1
         return needed

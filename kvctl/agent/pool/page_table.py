@@ -22,10 +22,13 @@ class PageTable:
     `run_starts` holds the index in `pages` of each run's first page. `reserve_next` and
     `reserve_end` bound the pages reserved for this sequence's growth, which follow its last page.
     Pages from `loose_from` on came one at a time from the loose pages and go back there.
+    `dropped` counts the front pages given back while the sequence runs (those a sliding window
+    has left): `pages[i]` holds the tokens of page `dropped + i`.
     (A plain slotted class: one is built per request, on the allocation fast path.)
     """
 
     __slots__ = (
+        "dropped",
         "loose_from",
         "num_tokens",
         "pages",
@@ -50,11 +53,19 @@ class PageTable:
         self.seq_id = seq_id
         self.pages = pages
         self.num_tokens = num_tokens
-        self.room = room  # tokens the pages can hold: len(pages) * page_size
+        self.room = room  # tokens the pages can hold: (dropped + len(pages)) * page_size
         self.writable = self.private = not shared
         self.run_starts = run_starts  # a tuple until a second run begins
         self.reserve_next = self.reserve_end = 0
         self.loose_from = -1  # pages from this index on were taken one by one (-1: none)
+        self.dropped = 0
+
+    def positional(self) -> list[int]:
+        """The pages by token position: a dropped page's place repeats the first page held
+        (readers skip the positions a window has left, but a page table has no holes)."""
+        if not self.dropped:
+            return self.pages
+        return self.pages[:1] * self.dropped + self.pages
 
     def __repr__(self) -> str:
         return f"PageTable({self.seq_id!r}, pages={self.pages}, num_tokens={self.num_tokens})"

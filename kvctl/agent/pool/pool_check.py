@@ -131,9 +131,11 @@ def check_table(pool: PagePool, table: PageTable) -> None:
     pages = table.pages
     if len(set(pages)) != len(pages):
         raise PoolCorrupted(f"{name} holds a page twice")
-    if len(pages) != pool.pages_for(table.num_tokens):
+    if table.dropped + len(pages) != pool.pages_for(table.num_tokens):
         raise PoolCorrupted(f"{name}: pages do not match its tokens")
-    if table.room != len(pages) * pool.page_size:
+    if table.dropped and not pages:
+        raise PoolCorrupted(f"{name} gave back every page")
+    if table.room != (table.dropped + len(pages)) * pool.page_size:
         raise PoolCorrupted(f"{name}: its room is miscounted")
     check_table_flags(pool, table, name)
     if table.reserve_next < table.reserve_end and (

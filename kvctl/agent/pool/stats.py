@@ -85,6 +85,7 @@ class PageState(StrEnum):
     FREE = "free"
     USED = "used"  # held by at least one running sequence
     CACHED = "cached"  # held only by the prefix cache, evictable
+    WINDOW = "window"  # used, by a sliding-window layer group (a map's view of used pages)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class PageRun:
     length: int
 
 
-_STATE_NAMES = (PageState.FREE, PageState.USED, PageState.CACHED)
+_STATE_NAMES = (PageState.FREE, PageState.USED, PageState.CACHED, PageState.WINDOW)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class PageStates:
     segment_pages: int
     refcounts: list[int]  # per page: how many page tables hold it
     cached: bytes  # per page: 1 when the prefix cache holds it
+    window: bytes = b""  # per page: 1 when a sliding-window group's table holds it (or empty)
 
     def runs(self) -> list[PageRun]:
         """The states run-length encoded, in page order."""
@@ -117,6 +119,8 @@ class PageStates:
         used = np.array(self.refcounts, dtype=np.int64) > 0
         cached = np.frombuffer(self.cached, dtype=np.uint8) > 0
         states = np.where(used, 1, np.where(cached, 2, 0))
+        if self.window:
+            states = np.where(used & (np.frombuffer(self.window, dtype=np.uint8) > 0), 3, states)
         starts = np.concatenate(([0], np.flatnonzero(np.diff(states)) + 1))
         lengths = np.diff(np.append(starts, self.capacity))
         return [

@@ -32,6 +32,7 @@ from kvctl.agent.pool import PagePool, PageState
 from kvctl.agent.pool.errors import PoolCorrupted
 from kvctl.agent.prefix.eviction import EVICTION_POLICIES, EvictionOrder, make_policy
 from kvctl.agent.prefix.radix_tree import PageOwners, RadixNode, RadixTree, relocate_pages
+from kvctl.agent.prefix.window_pages import WindowPages
 
 
 class PrefixIsolation(StrEnum):
@@ -43,11 +44,14 @@ class PrefixIsolation(StrEnum):
 
 @dataclass(frozen=True)
 class IsolationKey:
-    """The partition a request may match in: pages never match across different keys."""
+    """The partition a request may match in: pages never match across different keys.
+    `group` is the layer group whose pages the partition holds (`layer_groups`: a model whose
+    sliding and full layers keep separate pages has a partition per group)."""
 
     model: str
     salt: str | None = None
     sampling: Hashable | None = None
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,12 @@ class PrefixMatch:
     pages: list[int]
     page_size: int
     nodes: list[RadixNode] = field(repr=False)
+    dropped: int = 0  # a sliding group's pages before its window: neither held nor needed
 
     @property
     def full_pages(self) -> int:
-        """Pages adopted as they are; a partly matched page still needs a page for its copy."""
+        """Page places the match fills (adopted, or before a window: never allocated); a partly
+        matched page still needs a page for its copy."""
         return self.tokens // self.page_size
 
 
@@ -130,8 +136,13 @@ class PrefixCache:
         policy: str = "lru",
         model: str = "",
         isolation: PrefixIsolation | str = PrefixIsolation.SALT,
+        windows: Sequence[int | None] = (),
     ) -> None:
+        """`windows[g]`: the window of page group g's layers (None: full attention); the
+        partitions of sliding groups keep their pages in `WindowPages`, the others in trees."""
         self.pool = pool
+        self._windows = tuple(windows)
+        self._window_pages = WindowPages(pool)
         self.page_size = pool.page_size
         self.model = model
         self.isolation = PrefixIsolation(isolation)
@@ -172,9 +183,18 @@ class PrefixCache:
 
     # ---- lookups --------------------------------------------------------------------------
 
+    def window_of(self, key: IsolationKey) -> int | None:
+        """The window of the layers whose pages `key`'s partition holds (None: all keys)."""
+        return self._windows[key.group] if key.group < len(self._windows) else None
+
     def match(self, key: IsolationKey, tokens: Sequence[int]) -> PrefixMatch:
         """The longest cached prefix of `tokens` in `key`'s partition, leaving at least the last
-        token to compute (its logits give the next token). Changes nothing."""
+        token to compute (its logits give the next token). Changes nothing. In a sliding
+        group's partition, a prefix of whole pages whose window is held (`WindowPages`)."""
+        window = self.window_of(key)
+        if window is not None:
+            hit = self._window_pages.match(key, tokens, len(tokens) - 1, window)
+            return PrefixMatch(key, hit.tokens, hit.pages, self.page_size, [], hit.first_page)
         tree = self._trees.get(key)
         if tree is None or len(tokens) < 2:
             return PrefixMatch(key, 0, [], self.page_size, [])
@@ -186,26 +206,45 @@ class PrefixCache:
         right after adopting the match, before anything else changes the tree)."""
         self.queries_tokens += query_tokens
         self.hits_tokens += match.tokens
+        self.mark_used(match)
+
+    def mark_used(self, match: PrefixMatch) -> None:
+        """Mark the prefix `match` found as used now (another page group's part of a lookup
+        `record` counted)."""
+        if self.window_of(match.key) is not None:
+            self._window_pages.touch(match.pages)
+            return
         tree = self._trees.get(match.key)
         if match.nodes and tree is not None:
             self._clock += 1
             tree.mark_used(match.nodes, match.tokens, self._clock)
 
-    def evictable_pages(self, match: PrefixMatch | None = None) -> int:
-        """Cached pages eviction can free now, or once `match` is adopted (adoption makes its
-        pages used, and a pinned page waits for its copy)."""
+    def evictable_pages(self, *matches: PrefixMatch) -> int:
+        """Cached pages eviction can free now, or once `matches` are adopted (adoption makes
+        their pages used, and a pinned page waits for its copy)."""
         refcount = self.pool.refcount
         blocked = {p for p in self._pinned if not refcount(p)}
-        if match is not None:
+        for match in matches:
             blocked.update(p for p in match.pages if not refcount(p))
         return self.pool.cached_pages - len(blocked)
 
     # ---- inserting ------------------------------------------------------------------------
 
-    def insert(self, key: IsolationKey, tokens: Sequence[int], pages: Sequence[int]) -> int:
+    def insert(
+        self, key: IsolationKey, tokens: Sequence[int], pages: Sequence[int], first: int = 0
+    ) -> int:
         """Add a sequence's whole pages (those `tokens` fill) to `key`'s partition and hold the
         ones the tree did not have. Call it while the sequence still holds its pages. Returns
-        the number of pages newly held."""
+        the number of pages newly held. `first`: in a sliding group's partition, the pages
+        before it are gone from the sequence (`pages` by token position)."""
+        if self.window_of(key) is not None:
+            ranges = self._window_pages.insert(key, tokens, pages, first)
+            held = sum(end - start for start, end in ranges)
+            self._held_pages += held
+            if self.events is not None and key.group == 0:
+                for start, end in ranges:
+                    self.events.stored(key, tokens, start, end)
+            return held
         page_size = self.page_size
         whole = min(len(tokens) // page_size, len(pages))
         if not whole:
@@ -219,7 +258,7 @@ class PrefixCache:
         if taken:
             self.pool.hold_cached(taken)
             self._held_pages += len(taken)
-            if self.events is not None:  # the tree took the last pages of the `whole`
+            if self.events is not None and key.group == 0:  # the last pages of the `whole`
                 self.events.stored(key, tokens, whole - len(taken), whole)
         return len(taken)
 
@@ -241,6 +280,10 @@ class PrefixCache:
         set_aside: list[tuple[RadixNode, RadixTree]] = []
         spilled: list[Spilled] = []
         freed = 0
+        if len(self._window_pages):  # sliding groups' pages first: any of them can go
+            for key, tokens, index, page in self._window_pages.evict(num_pages, self._pinned):
+                spilled.append(Spilled(key, tokens, index, [page]))
+            freed = len(spilled)
         while freed < num_pages:
             first = order.pop()
             if first is None:
@@ -266,7 +309,7 @@ class PrefixCache:
         if spilled and self.spill is not None:  # freed pages keep their K/V until reallocated
             self.spill(spilled)
         if spilled and self.events is not None:  # after the spill: the tiers hold them first
-            self.events.removed(spilled)
+            self.events.removed([s for s in spilled if s.key.group == 0])
         self.evictions[self._policy.name] += freed
         self._held_pages -= freed
         return freed
@@ -321,6 +364,7 @@ class PrefixCache:
 
     def _follow_moves(self, moves: dict[int, int]) -> None:
         relocate_pages(self._owners, moves)
+        self._window_pages.follow_moves(moves)
         if self._pinned:
             self._pinned = {moves.get(p, p) for p in self._pinned}
 
@@ -374,6 +418,10 @@ class PrefixCache:
                 problems.append(f"{key}: an empty partition is kept")
             tree_pages.extend(tree.pages())
             problems.extend(self._used_prefix_problems(tree))
+        if set(tree_pages) != set(self._owners):
+            problems.append("the page index differs from the trees")
+        problems.extend(self._window_pages.problems())
+        tree_pages.extend(self._window_pages.pages())
         held = set(tree_pages)
         if len(held) != len(tree_pages):
             problems.append("a page is owned by two nodes")
@@ -381,8 +429,6 @@ class PrefixCache:
             problems.append(
                 f"{self._held_pages} pages counted as held, the trees own {len(tree_pages)}"
             )
-        if held != set(self._owners):
-            problems.append("the page index differs from the trees")
         problems.extend(
             f"page {p} is in a tree but free in the pool"
             for p in sorted(held)

@@ -14,6 +14,7 @@ needed around them; readers use the immutable `EngineStats` snapshot.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import Counter
@@ -41,10 +42,13 @@ from kvctl.agent.pool import (
     PoolOccupancy,
     PoolResizer,
 )
+from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.pool.storage import KVStorage
 from kvctl.agent.prefix import EVICTION_POLICIES, PrefixCache, PrefixIsolation
 from kvctl.agent.runtime.choices import DeferredChoices
 from kvctl.agent.runtime.detokenizer import IncrementalDetokenizer, OutputText
+from kvctl.agent.runtime.grouped_cache import GroupedKVCache
+from kvctl.agent.runtime.layer_groups import page_groups
 from kvctl.agent.runtime.paged_cache import PagedKVCache, ReadPath
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
 from kvctl.agent.runtime.scheduler import (
@@ -86,6 +90,8 @@ class EngineConfig:
     eviction_policy: str = "lru"
     prefix_isolation: str = "salt"
     decode_read_path: ReadPath = "auto"  # see `PagedKVCache`
+    # sliding-window layers keep pages of their own and give back those their window left
+    release_window_pages: bool = True
     cpu_kernels: bool = True  # the project's CPU kernels where they run (`kvctl.agent.kernels`)
     # tiers below the pool for evicted prefix pages (both need the prefix cache)
     host_tier_bytes: int = 0
@@ -212,6 +218,9 @@ class EngineStats:
     finished: Mapping[str, int] = field(default_factory=dict)  # requests, by finish reason
     oldest_queued_at: float | None = None  # engine clock; None when nothing waits
     last_progress_at: float = 0.0  # last step that admitted, produced or ended anything
+    page_groups: int = 1  # page tables per request (`layer_groups`)
+    window_pages: int = 0  # pages running requests' sliding-window groups hold
+    window_released_pages: int = 0  # pages sliding windows gave back while requests ran
 
     @property
     def prefix_hit_ratio(self) -> float | None:
@@ -251,11 +260,12 @@ class Engine:
         self.device = torch.device(config.device)
         dtype = config.dtype or next(model.parameters()).dtype
         segments = -(-config.pool_pages // config.segment_pages)
+        self.groups = groups = page_groups(mc, config.release_window_pages)
         self.storage = KVStorage(
             segments,
             config.segment_pages,
             config.page_size,
-            mc.num_layers,
+            groups.size,
             mc.num_kv_heads,
             mc.head_dim,
             dtype,
@@ -277,16 +287,35 @@ class Engine:
             max_pages=config.max_pool_pages,
             promised=self.pages_promised,
         )
-        self.cache = PagedKVCache(
-            self.pool,
-            self.storage,
-            config.decode_read_path,
-            num_heads=mc.num_heads,
-            kernels=config.cpu_kernels,
-            layers=layer_attentions(mc, model.attention_sinks()),
-        )
+        self.cache: PagedKVCache | GroupedKVCache
+        layers = layer_attentions(mc, model.attention_sinks())
+        if groups.split:
+            self.cache = GroupedKVCache(
+                groups,
+                self.pool,
+                self.storage,
+                config.decode_read_path,
+                num_heads=mc.num_heads,
+                kernels=config.cpu_kernels,
+                layers=layers,
+            )
+        else:
+            self.cache = PagedKVCache(
+                self.pool,
+                self.storage,
+                config.decode_read_path,
+                num_heads=mc.num_heads,
+                kernels=config.cpu_kernels,
+                layers=layers,
+            )
         self.prefix_cache = (
-            PrefixCache(self.pool, config.eviction_policy, mc.name, config.prefix_isolation)
+            PrefixCache(
+                self.pool,
+                config.eviction_policy,
+                mc.name,
+                config.prefix_isolation,
+                groups.windows if groups.releases else (),
+            )
             if config.prefix_cache
             else None
         )
@@ -313,6 +342,7 @@ class Engine:
             prefill_while_decoding=config.max_prefill_while_decoding,
             long_prompt_tokens=config.long_prompt_tokens,
             tiers=self.tiers,
+            groups=groups,
         )
         self.prefill_rate = PrefillRate()
         self.clock = clock
@@ -393,7 +423,7 @@ class Engine:
                 f"{what} exceeds the model's context of {limit} tokens",
                 "shorten the prompt or lower max_tokens",
             )
-        pool, needed = self.pool, self.pool.pages_for(total)
+        pool, needed = self.pool, self.scheduler.pages.pages_for(total)
         if needed > self.scheduler.most_pages():
             problem = (
                 f"{what} needs {needed} pages of {pool.page_size} tokens and the pool holds "
@@ -422,7 +452,7 @@ class Engine:
     def pages_promised(self) -> int:
         """The most pages any unfinished request may need to reach its `max_tokens`: the
         pool must not shrink below it (every admitted request can then always finish)."""
-        pages_for = self.pool.pages_for
+        pages_for = self.scheduler.pages.pages_for
         return max(
             (pages_for(len(r.prompt_ids) + r.params.max_tokens) for r in self.requests.values()),
             default=0,
@@ -521,7 +551,7 @@ class Engine:
         )
         for request, count in zip(requests, new, strict=True):
             request.num_computed += count
-        self.scheduler.prompts_computed(batch)
+        self.scheduler.step_computed(batch)
         if not sampled:
             return []  # only chunks short of their prompt's end: nothing to sample
         if not decode or len(sampled) != len(requests):
@@ -627,7 +657,21 @@ class Engine:
             finished=dict(self.finished),
             oldest_queued_at=self.scheduler.oldest_queued_at(),
             last_progress_at=self.last_progress_at,
+            page_groups=self.groups.count,
+            window_pages=self.scheduler.window_pages(),
+            window_released_pages=self.scheduler.window_released,
         )
+
+    def page_states(self) -> PageStates:
+        """The pool's page states, the pages of sliding-window groups marked apart."""
+        states = self.pool.page_states()
+        pages = self.scheduler.window_page_ids()
+        if not pages:
+            return states
+        window = bytearray(states.capacity)
+        for page in pages:
+            window[page] = 1
+        return dataclasses.replace(states, window=bytes(window))
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None

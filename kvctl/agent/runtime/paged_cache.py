@@ -199,7 +199,7 @@ class PagedKVCache:
         """
         page_size = self.pool.page_size
         table = self.pool.table
-        tables = [table(s).pages for s in layout.seq_ids]
+        tables = [table(s).positional() for s in layout.seq_ids]
         if layout.is_decode:
             self._step = self._decode_step(layout, tables)
             return

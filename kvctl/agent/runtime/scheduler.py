@@ -42,6 +42,7 @@ before the step's forward, `ScheduledBatch.loads`) and count as computed.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -53,7 +54,9 @@ from kvctl.agent.config import DEFAULT_MAX_BATCHED_TOKENS
 from kvctl.agent.pool import PagePool, PoolExhausted
 from kvctl.agent.pool.page_pool import CopyOnWrite
 from kvctl.agent.prefix import IsolationKey, PrefixCache, PrefixMatch
+from kvctl.agent.runtime.layer_groups import LayerGroups
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
+from kvctl.agent.runtime.request_pages import RequestPages
 from kvctl.agent.tiers import TieredStore, TierHit
 
 
@@ -149,6 +152,7 @@ class Scheduler:
         prefill_while_decoding: int = 0,
         tiers: TieredStore | None = None,
         long_prompt_tokens: int | None = None,
+        groups: LayerGroups | None = None,
     ):
         check_batch_limits(max_batch_seqs, max_batched_tokens)
         if prefill_while_decoding < 0:
@@ -160,6 +164,7 @@ class Scheduler:
         # in a step always is
         self.long_prompt_tokens = min(long_prompt_tokens or max_batched_tokens, max_batched_tokens)
         self.pool = pool
+        self.pages = RequestPages(pool, groups)
         self.prefix_cache = prefix_cache
         self.tiers = tiers if prefix_cache is not None else None
         self.tier_min_load_tokens = 0  # shorter hits below the device are computed instead
@@ -168,6 +173,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the youngest is last
         self.preemptions = 0
+        self.window_released = 0  # pages sliding windows gave back while their requests ran
         self.clock = clock
         # The most pages a shared KV budget may still give the pool (None: its capacity is all)
         self.reachable_pages: Callable[[], int] | None = None
@@ -206,7 +212,7 @@ class Scheduler:
     def _end_unfittable(self) -> list[Request]:
         """Stop waiting requests that could not fit even in an empty pool."""
         ended = []
-        while self.waiting and self.pool.pages_for(self.waiting[0].num_tokens + 1) > (
+        while self.waiting and self.pages.pages_for(self.waiting[0].num_tokens + 1) > (
             self.most_pages()
         ):
             request = self.waiting.popleft()
@@ -218,7 +224,7 @@ class Scheduler:
     def _end_for_capacity(self, request: Request) -> None:
         request.finish_reason = FinishReason.CAPACITY
         request.finish_detail = (
-            f"the request needs {self.pool.pages_for(request.num_tokens + 1)} pages to go on "
+            f"the request needs {self.pages.pages_for(request.num_tokens + 1)} pages to go on "
             f"and the pool holds {self.pool.capacity}; it ended after "
             f"{len(request.output_ids)} tokens"
         )
@@ -236,29 +242,45 @@ class Scheduler:
         ):
             request = self.waiting[passed]
             tokens = request.num_tokens
-            match, below = self._match(request)
-            if match is not None and not self._fits(tokens, match):
-                match = self._whole_pages_match(request, match)
-            if not self._fits(tokens, match):
+            matches, below = self._match(request)
+            if matches is not None and not self._fits(tokens, matches):
+                matches = self._whole_pages_match(request, matches)
+            if not self._fits(tokens, matches):
                 if self._waits_for_growth(request):
                     passed += 1
                     continue
                 break
-            cached = 0 if match is None else match.tokens  # what `_chunk` will count from
+            cached = 0 if matches is None else matches[0].tokens  # what `_chunk` counts from
             if self._is_long(tokens - cached) and step.long_budget <= 0:
                 break  # a long prompt waits for a step with room for it (arrival order kept)
             del self.waiting[passed]
-            step.copies.extend(self._place(request, match))
+            step.copies.extend(self._place(request, matches))
             if below is not None:
                 self._load(request, below, step)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.add(request, self._chunk(request, tokens - request.num_computed, step))
 
+    def window_pages(self) -> int:
+        """Pages the running requests' sliding-window groups hold now."""
+        return len(self.window_page_ids())
+
+    def window_page_ids(self) -> set[int]:
+        """The pages the running requests' sliding-window groups hold now."""
+        sliding = self.pages.groups.sliding
+        if not sliding:
+            return set()
+        return {
+            page
+            for tables in (self.pages.tables(r.seq_id) for r in self.running)
+            for g in sliding
+            for page in tables[g].pages
+        }
+
     def _waits_for_growth(self, request: Request) -> bool:
         """Whether the request needs more pages than the pool holds, so that nothing finishing
         in it could make room: only a larger pool can."""
-        return self.pool.pages_for(request.num_tokens + 1) > self.pool.capacity
+        return self.pages.pages_for(request.num_tokens + 1) > self.pool.capacity
 
     def preempt_to_fit(self, pages: int) -> int:
         """Preempt the youngest running requests until at most `pages` pages are in use, for a
@@ -269,76 +291,102 @@ class Scheduler:
             preempted += 1
         return preempted
 
-    def _match(self, request: Request) -> tuple[PrefixMatch | None, TierHit | None]:
-        """The device's longest cached prefix, and the whole pages after it that a lower tier
-        holds (the device match then ends on a page boundary: those pages come next)."""
+    def _match(self, request: Request) -> tuple[list[PrefixMatch] | None, list[TierHit] | None]:
+        """The device's longest cached prefix, in each page group's partition (as long in
+        each: what all of them hold), and the whole pages after it that a lower tier holds for
+        every group (the device match then ends on a page boundary: those pages come next)."""
         if self.prefix_cache is None:
             return None, None
-        key, tokens = self._cache_key(request), request.token_ids
-        match = self.prefix_cache.match(key, tokens)
+        keys, tokens = self._cache_keys(request), request.token_ids
+        matches = self._common(request, [self.prefix_cache.match(k, tokens) for k in keys])
         if self.tiers is None:
-            return match, None
-        below = self.tiers.lookup(
-            key, tokens, match.full_pages, (len(tokens) - 1) // self.pool.page_size
-        )
-        if below is not None and below.pages * self.pool.page_size < self.tier_min_load_tokens:
-            below = None
-        if below is not None:
-            match = self._whole_pages_match(request, match)
-        return match, below
+            return matches, None
+        last = (len(tokens) - 1) // self.pool.page_size
+        hits = [
+            self.tiers.lookup(key, tokens, match.full_pages, last)
+            for key, match in zip(keys, matches, strict=True)
+        ]
+        found = min((0 if hit is None else hit.pages) for hit in hits)
+        if not found or found * self.pool.page_size < self.tier_min_load_tokens:
+            return matches, None
+        below = [TierHit(hit.first_page, hit.digests[:found]) for hit in hits if hit is not None]
+        return self._whole_pages_match(request, matches), below
 
-    def _load(self, request: Request, below: TierHit, step: _Step) -> None:
+    def _common(self, request: Request, matches: list[PrefixMatch]) -> list[PrefixMatch]:
+        """Each group's match cut to one length that all of them hold. A sliding group's match
+        cut shorter may be shorter still (the window of the shorter prefix reaches pages of its
+        own), so this goes on until the lengths agree."""
+        cache = self.prefix_cache
+        assert cache is not None
+        while True:
+            tokens = min(match.tokens for match in matches)
+            if all(match.tokens == tokens for match in matches):
+                return matches
+            cut = request.token_ids[: tokens + 1]
+            matches = [m if m.tokens == tokens else cache.match(m.key, cut) for m in matches]
+
+    def _load(self, request: Request, below: list[TierHit], step: _Step) -> None:
         """Fetch a lower tier's pages of an admitted request into its own pages (written before
         the forward): those tokens count as computed, and as reused from their tier."""
         assert self.tiers is not None
-        load = self.tiers.fetch(below)
-        if load is None:
+        loads = [self.tiers.fetch(hit, count_tokens=not g) for g, hit in enumerate(below)]
+        count = min((0 if load is None else load.pages) for load in loads)
+        if not count:
             return
-        pages = self.pool.table(request.seq_id).pages
-        step.loads.append(
-            TierPages(pages[load.first_page : load.first_page + load.pages], load.data)
-        )
-        loaded = load.pages * self.pool.page_size
+        for table, load in zip(self.pages.tables(request.seq_id), loads, strict=True):
+            assert load is not None
+            first = load.first_page
+            pages = table.positional()[first : first + count]
+            step.loads.append(TierPages(pages, load.data[:count]))
+        loaded = count * self.pool.page_size
         request.num_computed += loaded
         request.admitted_computed += loaded
         if not request.preemptions:
             request.cached_tokens += loaded
 
-    def _whole_pages_match(self, request: Request, match: PrefixMatch) -> PrefixMatch:
-        """The match without its partly matched last page, whose copy needs a page more."""
+    def _whole_pages_match(self, request: Request, matches: list[PrefixMatch]) -> list[PrefixMatch]:
+        """The matches without their partly matched last page, whose copy needs a page more."""
         assert self.prefix_cache is not None
-        whole = match.full_pages * self.pool.page_size
-        if whole == match.tokens:
-            return match
-        return self.prefix_cache.match(self._cache_key(request), request.token_ids[: whole + 1])
+        whole = matches[0].full_pages * self.pool.page_size
+        if whole == matches[0].tokens:
+            return matches
+        cut = request.token_ids[: whole + 1]
+        return [self.prefix_cache.match(match.key, cut) for match in matches]
 
-    def _fits(self, tokens: int, match: PrefixMatch | None) -> bool:
-        """Whether the pages a request needs are there, keeping one page per running request for
-        its next token so that admitting does not immediately force a preemption."""
-        reserve = len(self.running)
-        if match is None:
-            return self.pool.pages_for(tokens) + reserve <= self.pool.available_pages()
+    def _fits(self, tokens: int, matches: list[PrefixMatch] | None) -> bool:
+        """Whether the pages a request needs are there, keeping a page per running request and
+        page table for its next token so that admitting does not immediately force a
+        preemption."""
+        reserve = len(self.running) * self.pages.count
+        if matches is None:
+            return self.pages.pages_for(tokens) + reserve <= self.pool.available_pages()
         assert self.prefix_cache is not None
-        needed = self.pool.pages_for(tokens) - match.full_pages
-        return needed + reserve <= self.pool.free_pages + self.prefix_cache.evictable_pages(match)
+        needed = self.pages.pages_for(tokens) - sum(match.full_pages for match in matches)
+        evictable = self.prefix_cache.evictable_pages(*matches)
+        return needed + reserve <= self.pool.free_pages + evictable
 
-    def _place(self, request: Request, match: PrefixMatch | None) -> list[CopyOnWrite]:
-        """Give an admitted request its page table: adopted cached pages, then fresh ones."""
+    def _place(self, request: Request, matches: list[PrefixMatch] | None) -> list[CopyOnWrite]:
+        """Give an admitted request its page tables: adopted cached pages, then fresh ones."""
         tokens = request.num_tokens
-        if match is None or not match.tokens:
-            self.pool.allocate(request.seq_id, tokens)
-            copies: list[CopyOnWrite] = []
+        hit = 0 if matches is None else matches[0].tokens
+        copies: list[CopyOnWrite] = []
+        if not hit:
+            self.pages.allocate(request.seq_id, tokens)
         else:
-            _, copies = self.pool.adopt(request.seq_id, match.pages, match.tokens, tokens)
-        request.num_computed = request.admitted_computed = match.tokens if match else 0
+            assert matches is not None
+            shared = [(match.pages, match.tokens, match.dropped) for match in matches]
+            copies = self.pages.adopt(request.seq_id, shared, tokens)
+        request.num_computed = request.admitted_computed = hit
         if request.first_admitted_at is None:
             request.first_admitted_at = self.clock()
-        if match is not None:
+        if matches is not None:
             assert self.prefix_cache is not None
             self.prefix_cache.pin([c.src for c in copies])
-            self.prefix_cache.record(match, tokens)
+            self.prefix_cache.record(matches[0], tokens)
+            for match in matches[1:]:
+                self.prefix_cache.mark_used(match)
             if not request.preemptions:
-                request.cached_tokens = match.tokens
+                request.cached_tokens = hit
         return copies
 
     def copies_applied(self) -> None:
@@ -352,16 +400,33 @@ class Scheduler:
         sampling = (params.temperature, params.top_p, params.top_k, params.seed)
         return self.prefix_cache.key_for(request.cache_salt, sampling)
 
-    def _cache_computed(self, request: Request) -> None:
+    def _cache_keys(self, request: Request) -> list[IsolationKey]:
+        """The request's partition in each page group (one group: its own key)."""
+        key = self._cache_key(request)
+        if not self.pages.groups.split:
+            return [key]
+        return [dataclasses.replace(key, group=g) for g in range(self.pages.count)]
+
+    def _cache_computed(self, request: Request, own_only: bool = False) -> None:
         """Offer a running request's computed whole pages to the prefix cache (before they are
-        freed, so the cache can hold them)."""
+        freed, so the cache can hold them). `own_only`: in a tree, only where the cache's pages
+        for those tokens, if any, are the request's own (see `step_computed`); a sliding
+        group's pages are held one by one, so none of them can hang above another."""
         if self.prefix_cache is None:
             return
-        table = self.pool.table(request.seq_id)
-        computed = min(request.num_computed, table.num_tokens)
-        self.prefix_cache.insert(
-            self._cache_key(request), request.token_ids[:computed], table.pages
-        )
+        cache = self.prefix_cache
+        tables = self.pages.tables(request.seq_id)
+        for key, table in zip(self._cache_keys(request), tables, strict=True):
+            tokens = request.token_ids[: min(request.num_computed, table.num_tokens)]
+            if cache.window_of(key) is not None:
+                cache.insert(key, tokens, table.positional(), table.dropped)
+                continue
+            if own_only:
+                match = cache.match(key, tokens)
+                whole = match.full_pages
+                if match.pages[:whole] != table.pages[:whole]:
+                    continue
+            cache.insert(key, tokens, table.pages)
 
     def _decode(self, step: _Step, ended: list[Request]) -> None:
         """One token for every running request whose prompt is computed: the page for its last
@@ -371,7 +436,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or still computing its prompt
             while True:
                 try:
-                    step.copies.extend(self.pool.append(request.seq_id, 1))
+                    step.copies.extend(self.pages.grow_to(request.seq_id, request.num_tokens))
                 except PoolExhausted:  # counted as a failed allocation by the pool
                     if self._make_room(request, ended):
                         continue
@@ -382,7 +447,7 @@ class Scheduler:
     def _decoding(self, request: Request) -> bool:
         """Whether the request's last token (just sampled) has no slot yet: it decodes. A prompt
         being computed holds the slots of all its tokens since admission."""
-        return self.pool.table(request.seq_id).num_tokens < request.num_tokens
+        return self.pages.tokens_held(request.seq_id) < request.num_tokens
 
     def _continue_prefills(self, step: _Step) -> None:
         """The next chunk of every partly computed prompt, oldest first, as the budget allows."""
@@ -417,7 +482,7 @@ class Scheduler:
         """Preempt the youngest running request so `request` can grow; False when `request`
         itself was preempted, or ended because it cannot fit even alone."""
         if self.running == [request]:  # alone and still no room: the pool is too small
-            if self.pool.pages_for(request.num_tokens + 1) <= self.most_pages():
+            if self.pages.pages_for(request.num_tokens + 1) <= self.most_pages():
                 self.preempt(request)  # its pool may yet grow: wait for the memory
                 return False
             self.finish(request)
@@ -428,33 +493,30 @@ class Scheduler:
         self.preempt(victim)
         return victim is not request
 
-    def prompts_computed(self, batch: ScheduledBatch) -> None:
-        """Offer the whole pages that this step's prompt chunks completed to the prefix cache
-        at once, not when their requests end: requests admitted in the next steps with the same
-        prefix (a shared system prompt arriving in a burst) adopt them instead of computing
-        them again."""
-        if self.prefix_cache is None:
-            return
-        page = self.pool.page_size
-        for request, start, count in zip(
-            batch.requests, batch.computed, batch.new_tokens, strict=True
-        ):
-            prompt = len(request.prompt_ids)
-            crossed = start < prompt and min(start + count, prompt) // page > start // page
-            if crossed and self._cached_prefix_is_own(request):
-                self._cache_computed(request)
+    def step_computed(self, batch: ScheduledBatch) -> None:
+        """After a step's forward: offer the whole pages that its prompt chunks completed to the
+        prefix cache at once, not when their requests end (requests admitted in the next steps
+        with the same prefix, a shared system prompt arriving in a burst, adopt them instead of
+        computing them again); then the sliding groups give back the pages their window has
+        left, so a prompt's pages enter the cache before they go.
 
-    def _cached_prefix_is_own(self, request: Request) -> bool:
-        """Whether the cache's pages for the request's computed tokens, if any, are its own. If
-        another request computed the same prefix at the same time, offering these pages now
-        would hang them in use below that one's (an unused cached page above a used one, which
-        leaf-first eviction cannot reach); they are offered when the request ends instead."""
-        assert self.prefix_cache is not None
-        table = self.pool.table(request.seq_id)
-        computed = min(request.num_computed, table.num_tokens)
-        match = self.prefix_cache.match(self._cache_key(request), request.token_ids[:computed])
-        whole = match.full_pages
-        return match.pages[:whole] == table.pages[:whole]
+        Pages are offered only in the groups where the cache's pages for the request's computed
+        tokens, if any, are its own. If another request computed the same prefix at the same
+        time, offering these pages now would hang them in use below that one's (an unused
+        cached page above a used one, which leaf-first eviction cannot reach); they are offered
+        when the request ends instead."""
+        if self.prefix_cache is not None:
+            page = self.pool.page_size
+            for request, start, count in zip(
+                batch.requests, batch.computed, batch.new_tokens, strict=True
+            ):
+                prompt = len(request.prompt_ids)
+                if start < prompt and min(start + count, prompt) // page > start // page:
+                    self._cache_computed(request, own_only=True)
+        if self.pages.groups.releases:
+            for request in batch.requests:
+                released = self.pages.release_window(request.seq_id, request.num_computed)
+                self.window_released += released
 
     def share_computed(self, request: Request) -> None:
         """Offer a running request's computed whole pages to the prefix cache now, so that
@@ -466,7 +528,7 @@ class Scheduler:
         """Free a running request's pages and queue it first for recomputation."""
         self.running.remove(request)
         self._cache_computed(request)
-        self.pool.free(request.seq_id)
+        self.pages.free(request.seq_id)
         request.status = RequestStatus.WAITING
         request.num_computed = 0
         request.preemptions += 1
@@ -479,7 +541,7 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self._cache_computed(request)
-            self.pool.free(request.seq_id)
+            self.pages.free(request.seq_id)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED

@@ -22,7 +22,8 @@ DIGEST_BYTES = 16
 
 def root_digest(key: IsolationKey, layout: str) -> bytes:
     """The chain's start for one partition of one storage layout (see `layout_of`)."""
-    text = repr((key.model, key.salt, key.sampling, layout)).encode()
+    parts = (key.model, key.salt, key.sampling, layout)
+    text = repr((*parts, key.group) if key.group else parts).encode()
     return hashlib.blake2b(text, digest_size=DIGEST_BYTES, person=b"kvctl-root").digest()
 
 

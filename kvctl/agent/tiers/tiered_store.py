@@ -366,9 +366,10 @@ class TieredStore:
             found.append(digest)
         return TierHit(first_page, found) if found else None
 
-    def fetch(self, hit: TierHit) -> TierLoad | None:
+    def fetch(self, hit: TierHit, count_tokens: bool = True) -> TierLoad | None:
         """The hit's pages as one device tensor, up to the first page that is gone or fails
-        its check (None when that is the first). Counts each page's tokens to its tier."""
+        its check (None when that is the first). Counts each page's tokens to its tier, unless
+        `count_tokens` is False (another page group's pages of tokens already counted)."""
         self._reap()
         device = self.storage.device
         plan: list[tuple[_Tier, TierEntry]] = []
@@ -412,15 +413,18 @@ class TieredStore:
             out[position].copy_(page)
         for tier in self.tiers:
             entries = [e for t, e in plan if t is tier]
-            if not entries:
-                continue
-            tier.index.touch(entries)
-            counters = tier.counters
-            counters.loaded_pages += len(entries)
-            counters.loaded_bytes += len(entries) * tier.slots.page_bytes
-            counters.hits_tokens += len(entries) * self.page_size
-            by_tier[tier.name] = len(entries)
+            if entries:
+                self._count_load(tier, entries, count_tokens)
+                by_tier[tier.name] = len(entries)
         return TierLoad(hit.first_page, out, dict(by_tier))
+
+    def _count_load(self, tier: _Tier, entries: list[TierEntry], count_tokens: bool) -> None:
+        tier.index.touch(entries)
+        counters = tier.counters
+        counters.loaded_pages += len(entries)
+        counters.loaded_bytes += len(entries) * tier.slots.page_bytes
+        if count_tokens:
+            counters.hits_tokens += len(entries) * self.page_size
 
     # ---- changing -------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""Scheduler and memory: requests running and waiting, preemptions, pool geometry, its share of
-a budget where the agent's pools share one, GPU memory."""
+"""Scheduler and memory: requests running and waiting, preemptions, pool geometry, the pages in
+sliding windows apart from the others, its share of a budget where the agent's pools share one,
+GPU memory."""
 
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ class RequestsPanel(Widget):
             ),
             Text(f"used {format_bytes(pool.used_bytes)}; defrag {render.defrag_summary(pool)}"),
         ]
+        window = render.window_summary(pool)
+        if window is not None:
+            lines.append(Text(f"windows: {window}"))
         share = share_line(pool, self.size.width)
         if share is not None:
             lines.append(share)
