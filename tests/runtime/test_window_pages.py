@@ -75,8 +75,8 @@ def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, 128, (length,), generator=gen).tolist() for _ in range(count)]
 
 
-def _run(engine: Engine, prompts, disturb: bool = False) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+def _run(engine: Engine, prompts, disturb: bool = False, new: int = NEW) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     requests = [engine.add_request(p, params) for p in prompts]
     while engine.has_work():
         engine.step()
@@ -136,13 +136,14 @@ def test_a_prefix_hit_after_the_window_moved_reuses_what_is_still_valid(gemma3) 
 
 
 def test_a_tiny_pool_preempts_and_still_gives_transformers_tokens(gemma3) -> None:
-    """Four requests on 40 pages: they do not all fit with three tables each, so some are
-    preempted and computed again; released pages make room for the others meanwhile."""
+    """Four requests of 10 prompt tokens and 40 more on 40 pages: admitted with 9 pages each,
+    their full group grows to 13 pages while their windows give pages back, and together they
+    outgrow the pool, so some are preempted and computed again."""
     reference, path = gemma3
-    prompts = _prompts(4, 22, seed=3)
-    expected = [hf_greedy(reference, p, NEW) for p in prompts]
+    prompts = _prompts(4, 10, seed=3)
+    expected = [hf_greedy(reference, p, 40) for p in prompts]
     engine = _engine(path, pool_pages=40, segment_pages=8, prefix_cache=False)
-    assert _run(engine, prompts) == expected
+    assert _run(engine, prompts, new=40) == expected
     assert engine.scheduler.preemptions > 0 and engine.scheduler.window_released > 0
 
 

@@ -287,27 +287,11 @@ class Engine:
             max_pages=config.max_pool_pages,
             promised=self.pages_promised,
         )
-        self.cache: PagedKVCache | GroupedKVCache
+        reads = (self.pool, self.storage, config.decode_read_path, mc.num_heads, config.cpu_kernels)
         layers = layer_attentions(mc, model.attention_sinks())
-        if groups.split:
-            self.cache = GroupedKVCache(
-                groups,
-                self.pool,
-                self.storage,
-                config.decode_read_path,
-                num_heads=mc.num_heads,
-                kernels=config.cpu_kernels,
-                layers=layers,
-            )
-        else:
-            self.cache = PagedKVCache(
-                self.pool,
-                self.storage,
-                config.decode_read_path,
-                num_heads=mc.num_heads,
-                kernels=config.cpu_kernels,
-                layers=layers,
-            )
+        self.cache: PagedKVCache | GroupedKVCache = (
+            GroupedKVCache(groups, *reads, layers) if groups.split else PagedKVCache(*reads, layers)
+        )
         self.prefix_cache = (
             PrefixCache(
                 self.pool,

@@ -47,15 +47,7 @@ class RequestPages:
     def allocate(self, seq_id: Hashable, tokens: int) -> None:
         """Tables with room for `tokens` tokens in every group; PoolExhausted with nothing
         taken when they do not all fit."""
-        done: list[Hashable] = []
-        try:
-            for sub in self.ids(seq_id):
-                self.pool.allocate(sub, tokens)
-                done.append(sub)
-        except PoolExhausted:
-            for sub in done:
-                self.pool.free(sub)
-            raise
+        self.adopt(seq_id, [((), 0, 0)] * self.count, tokens)
 
     def adopt(
         self, seq_id: Hashable, shared: Sequence[tuple[Sequence[int], int, int]], tokens: int
