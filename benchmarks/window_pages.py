@@ -15,12 +15,23 @@ group and six sliding ones, a block table per group, sliding blocks freed once o
 window): `vllm design` is that rule computed for the same page size, not a measurement.
 
     python benchmarks/window_pages.py [--contexts 2048,8192] [--page-size 16]
+
+`--step-time DIR` times decode steps instead, on a checkpoint (Gemma-3-1B's whole shape from
+`benchmarks/shape_checkpoints.py`): 8 requests of 512-token prompts decoding together, the
+engine at its defaults but for the pages (release against keep), rounds paired and alternated,
+the median step of 32 after the prompts. What giving pages back costs a step: a page table per
+group to read, front pages to release.
+
+    python benchmarks/window_pages.py --step-time ~/.cache/kvctl-bench/gemma-3-1b [--rounds 3]
+        [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -107,13 +118,48 @@ def vllm_design(path: Path, context: int, page_size: int) -> int:
     return blocks * block
 
 
+def step_ms(path: Path, release: bool, dtype: torch.dtype, batch: int = 8) -> float:
+    """The median decode step (ms) of `batch` requests of 512-token prompts."""
+    _, model, tokenizer = load_checkpoint(path, "cpu", dtype)
+    engine = Engine(model, tokenizer, EngineConfig(pool_pages=4096, release_window_pages=release))
+    gen = torch.Generator().manual_seed(2)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(3, 30000, (512,), generator=gen).tolist(), params)
+    while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):
+        engine.step()
+    times = []
+    for _ in range(32):
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def step_times(path: Path, rounds: int, dtype: torch.dtype) -> None:
+    ratios = []
+    for i in range(rounds):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        ms = {release: step_ms(path, release, dtype) for release in order}
+        ratios.append(ms[True] / ms[False])
+        print(f"round {i}: release {ms[True]:.1f} ms, keep {ms[False]:.1f} ms", flush=True)
+    middle, low, high = statistics.median(ratios), min(ratios), max(ratios)
+    print(f"release ÷ keep: median {middle:.3f} ({low:.3f}-{high:.3f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="2048,8192")
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--step-time", type=Path, default=None, help="checkpoint directory")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     print(command_line())
     print(environment())
+    if args.step_time is not None:
+        step_times(args.step_time.expanduser(), args.rounds, getattr(torch, args.dtype))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path = gemma3_kv_shaped(Path(tmp))
         print("| context | keep: admission, end | release: admission, end | end ÷ keep's |", end="")
