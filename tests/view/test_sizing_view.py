@@ -31,6 +31,14 @@ def test_pool_fit_is_the_smaller_of_pool_and_context() -> None:
     assert PoolFit(16, MIB, 64).largest_request == 1024  # context unknown: the pool
 
 
+def test_a_pool_of_page_groups_holds_a_block_of_tokens_in_every_group() -> None:
+    """A model whose sliding layers keep pages of their own takes a page per group for each
+    block of tokens at admission: 7 groups, 448 pages hold 64 blocks, 1,024 tokens."""
+    fit = PoolFit(16, MIB, 448, 4096, groups=7)
+    assert fit.tokens == 1024 and fit.short_of_context
+    assert fit.pages_for(4096) == 256 * 7 and fit.concurrent(100) == 9
+
+
 def test_pool_show_says_what_the_pool_holds() -> None:
     pool = pool_snapshot(
         page_size=16, bytes_per_page=MIB, capacity_pages=512, segment_pages=64,
