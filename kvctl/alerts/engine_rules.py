@@ -286,7 +286,9 @@ VLLM_PROFILE = EngineProfile(
         "KvCachePressureHigh": (
             "vllm:kv_cache_usage_perc counts cached prefix blocks that no request uses as "
             "free (they are reclaimable), so it is the share running requests hold, as "
-            "kvctl's pressure is; a node full of reusable prefixes reads low, not full"
+            "kvctl's pressure is; a node full of reusable prefixes reads low, not full, and "
+            "clearing the prefix cache (`kvctl --agent vllm+http://{instance} prefix clear`) "
+            "frees none of it"
         ),
         "PreemptionStorm": (
             "vLLM releases before the fix of vLLM issue 25780 count the recomputed tokens of "
@@ -356,7 +358,8 @@ SGLANG_PROFILE = EngineProfile(
     notes={
         "KvCachePressureHigh": (
             "sglang:token_usage counts the radix cache's evictable tokens as free, so it is "
-            "the share running requests hold, as kvctl's pressure is"
+            "the share running requests hold, as kvctl's pressure is, and flushing the cache "
+            "(`kvctl --agent sglang+http://{instance} prefix clear`) frees none of it"
         ),
         "PreemptionStorm": (
             "SGLang frees a retracted request's KV without caching it and evicts radix-cache "

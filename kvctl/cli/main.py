@@ -18,6 +18,7 @@ from kvctl.cli.agent import agent_app
 from kvctl.cli.alerts import alerts_app
 from kvctl.cli.config import config_app
 from kvctl.cli.defrag import defrag
+from kvctl.cli.levers import sleep, wake
 from kvctl.cli.load import load
 from kvctl.cli.options import (
     DEFAULT_TIMEOUT,
@@ -79,6 +80,8 @@ def _root(
 app.command("status")(status)
 app.command("top")(top)
 app.command("defrag")(defrag)
+app.command("sleep")(sleep)
+app.command("wake")(wake)
 app.add_typer(pool_app, name="pool")
 app.add_typer(alerts_app, name="alerts")
 app.add_typer(config_app, name="config")
