@@ -62,6 +62,8 @@ POOL_REQUIRED = "pool_required"
 """The error `type` of a single-pool route on an agent serving several models (409): how a
 command without `--pool` learns the agent's pools."""
 UNKNOWN_POOL = "unknown_pool"
+UNKNOWN_PREFIX_ITEM = "unknown_prefix_item"
+"""404: no pin with that id, or nothing cached under that cache salt."""
 """The error `type` of a named pool's route for a pool the agent does not have (404), as
 against a route that does not exist."""
 INVALID_TEXT = "invalid_text"
@@ -465,6 +467,12 @@ class PoolSnapshot(PoolOccupancy):
     their window's and the next token's, the rest given back."""
     window_released_pages_total: int = 0
     """Pages sliding windows gave back while their requests ran: free (or cached) at once."""
+    prefix_pins: int = 0
+    """Prefixes pinned on the device (`kvctl prefix pin`)."""
+    prefix_pinned_pages: int = 0
+    """Pages the pins hold (part of `used_pages`: never evicted while pinned)."""
+    prefix_pin_cap_pages: int = 0
+    """The most pages pins may hold (`prefix_cache.max_pinned_share` of the pool)."""
     alert_notifications_dropped_total: int = 0
     """Alertmanager notifications given up after their retries."""
     gpus: list[GpuMemory]
@@ -894,7 +902,17 @@ RejectReason = Literal["queue_full", "too_large", "invalid", "shutting_down"]
 or the model's context; `invalid`, a limit on the input (prompt bytes or tokens, `max_tokens`);
 `shutting_down`, 503 while the agent drains."""
 
-AdminAction = Literal["defrag", "resize", "release", "config", "alert_test"]
+AdminAction = Literal[
+    "defrag",
+    "resize",
+    "release",
+    "config",
+    "alert_test",
+    "prefix_pin",
+    "prefix_unpin",
+    "prefix_clear",
+    "prefix_move",
+]
 """The audited mutations (`admin_actions_total`)."""
 
 FinishReasonName = Literal["stop", "length", "abort", "capacity"]
@@ -1012,3 +1030,120 @@ class TokenizeResponse(Response):
     """The model's context: prompt plus max_tokens of one request."""
     results: list[TokenizedText]
     """One per text, in the order given."""
+
+
+# ---- prefix operations ----------------------------------------------------------------------
+
+PrefixPlace = Literal["all", "device", "host", "disk"]
+MAX_PREFIX_TOKEN_IDS = 1 << 20
+MAX_PREFIX_TTL_S = 366 * 86400.0
+
+
+class PrefixQuery(Strict):
+    """A prompt to look up or pin, in one of three forms: text (`prompt`, tokenized as a
+    completion's prompt is), a chat (`messages`, rendered with the model's template without the
+    generation prompt: a system prompt as a conversation starts with it) or `token_ids`; and the
+    partition it is in (`cache_salt`) on `model` (optional when the agent serves one)."""
+
+    model: Annotated[str, Field(max_length=256)] | None = None
+    prompt: Annotated[str, Field(min_length=1, max_length=4 * MAX_PREFIX_TOKEN_IDS)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
+        None
+    )
+    token_ids: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PREFIX_TOKEN_IDS)] | None
+    ) = None
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> PrefixQuery:
+        given = [f for f in ("prompt", "messages", "token_ids") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of `prompt`, `messages` or `token_ids`")
+        return self
+
+
+class PrefixPinRequest(PrefixQuery):
+    """POST /v1/prefix/pins: pin what the device holds of the prompt, for `ttl_s` seconds
+    (none: until unpinned)."""
+
+    ttl_s: Annotated[float, Field(gt=0, le=MAX_PREFIX_TTL_S)] | None = None
+    warm: bool = False
+    """Compute the prompt first when the device does not hold all of its whole pages (a
+    one-token request in the same partition, queued like any other), then pin."""
+
+
+class PrefixMoveRequest(PrefixQuery):
+    """POST /v1/prefix/move: bring the prompt's prefix to the device (computed, or loaded from a
+    tier that holds it, as a one-token request would) before a known burst, or store a copy of
+    the device's pages in the host tier (`to` "host")."""
+
+    to: Literal["device", "host", "disk"]
+
+
+class PrefixLookupResult(Response):
+    """How much of a prompt an agent holds, in whole pages of its partition."""
+
+    model: str
+    cache_salt: str | None
+    prompt_tokens: int
+    device_tokens: int
+    """Tokens of the prompt's start on the device (what the next request reuses, less its last
+    token, which is always computed)."""
+    device_pages: int
+    tier_tokens: dict[str, int]
+    """Tokens of the prompt's start each tier below the device holds (host, disk)."""
+    last_used_at: float | None
+    """When the device's prefix was last used or stored (Unix seconds, to a second)."""
+    pins: list[str]
+    """The pins holding any of its pages."""
+
+
+class PrefixPinView(Response):
+    id: str
+    model: str
+    cache_salt: str | None
+    tokens: int
+    pages: int
+    created_at: float
+    expires_at: float | None
+    preview: str
+    """The prefix's first tokens as text."""
+
+
+class CachedPrefixView(Response):
+    model: str
+    cache_salt: str | None
+    tokens: int
+    pages: int
+    last_used_at: float | None
+    preview: str
+
+
+class PrefixListing(Response):
+    """GET /v1/prefix: the pins and the largest cached prefixes of every pool (or one)."""
+
+    pins: list[PrefixPinView]
+    prefixes: list[CachedPrefixView]
+    pinned_pages: int
+    pin_cap_pages: int
+    capacity_pages: int
+
+
+class PrefixClearRequest(Strict):
+    """POST /v1/prefix/clear: forget cached prefixes (and their pins) of one model or every
+    model, one cache salt or every salt, in one place or all."""
+
+    model: Annotated[str, Field(max_length=256)] | None = None
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None
+    tier: PrefixPlace = "all"
+
+
+class PrefixClearResult(Response):
+    models: list[str]
+    pages_freed: dict[str, int]
+    """Pages let go, per place (device, host, disk)."""
+    pins_removed: list[str]
+    pages_in_use: int
+    """Pages of the cleared partitions that running requests still use: they stay until those
+    requests end, and are cached again then."""

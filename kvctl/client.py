@@ -32,6 +32,7 @@ from kvctl.api import (
     DEFAULT_PORT,
     POOL_REQUIRED,
     UNKNOWN_POOL,
+    UNKNOWN_PREFIX_ITEM,
     AlertList,
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,6 +46,14 @@ from kvctl.api import (
     PoolMap,
     PoolRelease,
     PoolSnapshot,
+    PrefixClearRequest,
+    PrefixClearResult,
+    PrefixListing,
+    PrefixLookupResult,
+    PrefixMoveRequest,
+    PrefixPinRequest,
+    PrefixPinView,
+    PrefixQuery,
     ResizeRequest,
     ResizeResult,
     RuntimeSettings,
@@ -183,6 +192,12 @@ MODELS = Endpoint("GET", "/v1/models", ModelList, "models read")
 COMPLETION = Endpoint("POST", "/v1/completions", CompletionResponse, "completion")
 CHAT = Endpoint("POST", "/v1/chat/completions", BaseModel, "chat completion")
 TOKENIZE = Endpoint("POST", "/v1/tokenize", TokenizeResponse, "tokenize")
+PREFIX_LOOKUP = Endpoint("POST", "/v1/prefix/lookup", PrefixLookupResult, "prefix lookup")
+PREFIX_LIST = Endpoint("GET", "/v1/prefix", PrefixListing, "prefix listing")
+PREFIX_PIN = Endpoint("POST", "/v1/prefix/pins", PrefixPinView, "prefix pin")
+PREFIX_UNPIN = Endpoint("DELETE", "/v1/prefix/pins/{name}", PrefixPinView, "prefix unpin")
+PREFIX_MOVE = Endpoint("POST", "/v1/prefix/move", PrefixLookupResult, "prefix move")
+PREFIX_CLEAR = Endpoint("POST", "/v1/prefix/clear", PrefixClearResult, "prefix clear")
 METRICS = Endpoint("GET", "/metrics", BaseModel, "metrics read")
 """Text, not JSON: read by `AsyncAgentClient.metrics_text` for an engine's figures."""
 
@@ -307,6 +322,8 @@ def status_error(
         return not_an_agent(agent, f"{code} {response.reason_phrase or ''}".strip())
     if code == 404 and kind == UNKNOWN_POOL:
         return AgentNoSuchPool(agent, f"agent {agent}: {message}")
+    if code == 404 and kind == UNKNOWN_PREFIX_ITEM:
+        return AgentRequestError(agent, f"agent {agent}: {message}")
     if code == 404:
         return AgentRouteMissing(
             agent,
@@ -478,6 +495,26 @@ class AgentClient:
 
     def complete(self, request: CompletionRequest) -> CompletionResponse:
         return self._call(COMPLETION, request.model_copy(update={"stream": False}))
+
+    def prefix_lookup(self, query: PrefixQuery) -> PrefixLookupResult:
+        return self._call(PREFIX_LOOKUP, query)
+
+    def prefix_listing(self, model: str | None = None) -> PrefixListing:
+        if model is None:
+            return self._call(PREFIX_LIST)
+        return self._call(replace(PREFIX_LIST, path=f"/v1/prefix?model={quote(model, safe='')}"))
+
+    def prefix_pin(self, request: PrefixPinRequest) -> PrefixPinView:
+        return self._call(PREFIX_PIN, request)
+
+    def prefix_unpin(self, pin_id: str) -> PrefixPinView:
+        return self._call(replace(PREFIX_UNPIN, path=f"/v1/prefix/pins/{quote(pin_id, safe='')}"))
+
+    def prefix_move(self, request: PrefixMoveRequest) -> PrefixLookupResult:
+        return self._call(PREFIX_MOVE, request)
+
+    def prefix_clear(self, request: PrefixClearRequest) -> PrefixClearResult:
+        return self._call(PREFIX_CLEAR, request)
 
     def send_test_alert(self) -> dict[str, Any]:
         """POST /v1/alerts/test: the agent sends a test alert to its Alertmanager with its own

@@ -1,10 +1,10 @@
 """The audit trail: one structured log line per mutation of the agent, and a count per action.
 
-Defrag, resize, a settings change and a test alert change what the node does, so each attempt
-is written to the log (logger `kvctl.audit`) as one logfmt line: the action, the outcome, the
-caller's address, whether it presented the token, and what changed (JSON). Refused and
-unauthorized attempts are written too: they are what an investigation looks for. Accepted
-actions are counted in `kvctl_admin_actions_total{action}`.
+Defrag, resize, a settings change, a test alert and prefix pins and clears change what the node
+does, so each attempt is written to the log (logger `kvctl.audit`) as one logfmt line: the
+action, the outcome, the caller's address, whether it presented the token, and what changed
+(JSON). Refused and unauthorized attempts are written too: they are what an investigation looks
+for. Accepted actions are counted in `kvctl_admin_actions_total{action}`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ ACTION_ROUTES: dict[tuple[str, str], Action] = {
     ("POST", "/v1/pool/resize"): "resize",
     ("PATCH", "/v1/config"): "config",
     ("POST", "/v1/alerts/test"): "alert_test",
+    ("POST", "/v1/prefix/pins"): "prefix_pin",
+    ("POST", "/v1/prefix/clear"): "prefix_clear",
+    ("POST", "/v1/prefix/move"): "prefix_move",
 }
 """The mutating routes and the action each one is audited as."""
 POOL_ACTIONS: dict[str, Action] = {"defrag": "defrag", "resize": "resize", "release": "release"}
@@ -38,6 +41,8 @@ def action_of(method: str, path: str) -> Action | None:
     action = ACTION_ROUTES.get((method, path))
     if action is None and method == "POST" and path.startswith("/v1/pools/"):
         action = POOL_ACTIONS.get(path.rsplit("/", 1)[-1])
+    if action is None and method == "DELETE" and path.startswith("/v1/prefix/pins/"):
+        action = "prefix_unpin"
     return action
 
 

@@ -510,6 +510,25 @@ METRICS: tuple[MetricDef, ...] = (
         "Pages sliding windows gave back while their requests ran (free, or cached, at once).",
         _field("window_released_pages_total"),
     ),
+    # ---- prefix pins
+    MetricDef(
+        "kvctl_prefix_pins",
+        "gauge",
+        "Prefixes pinned on the device (kvctl prefix pin): never evicted while pinned.",
+        _field("prefix_pins"),
+    ),
+    MetricDef(
+        "kvctl_prefix_pinned_pages",
+        "gauge",
+        "Pages pinned prefixes hold (part of the used pages).",
+        _field("prefix_pinned_pages"),
+    ),
+    MetricDef(
+        "kvctl_prefix_pin_cap_pages",
+        "gauge",
+        "The most pages pins may hold (prefix_cache.max_pinned_share of the pool).",
+        _field("prefix_pin_cap_pages"),
+    ),
     # ---- allocation
     MetricDef(
         "kvctl_alloc_attempts_total",

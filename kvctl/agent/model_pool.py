@@ -104,6 +104,8 @@ class ModelPool:
             resizer.min_pages = settings.resize.min_pages or self.limits.segment_pages
         if engine.config.prefix_cache:
             engine.set_eviction_policy(settings.prefix_cache.eviction_policy)
+        if engine.prefix_ops is not None:
+            engine.prefix_ops.max_pinned_share = settings.prefix_cache.max_pinned_share
         engine.scheduler.tier_min_load_tokens = settings.prefix_cache.tier_min_load_tokens
         tiers = engine.tiers
         if tiers is not None:
@@ -280,6 +282,9 @@ class ModelPool:
             page_groups=stats.page_groups,
             window_pages=stats.window_pages,
             window_released_pages_total=stats.window_released_pages,
+            prefix_pins=len(engine.scheduler.pins),
+            prefix_pinned_pages=engine.scheduler.pins.pinned_pages,
+            prefix_pin_cap_pages=engine.prefix_ops.cap_pages if engine.prefix_ops else 0,
             alert_notifications_dropped_total=agent.alert_notifications_dropped_total,
             gpus=agent.gpus,
             max_waiting=self.max_waiting,

@@ -42,6 +42,7 @@ from kvctl.agent.routes import (
     metrics,
     models,
     pools,
+    prefix,
     runbook,
     settings,
     tokenize,
@@ -66,6 +67,7 @@ _ERROR_TYPES = {
 ROUTERS = (
     health.router,
     pools.router,
+    prefix.router,
     alerts.router,
     settings.router,
     models.router,

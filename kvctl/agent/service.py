@@ -41,6 +41,7 @@ from kvctl.agent.memory import IdleTrim, release_free_memory
 from kvctl.agent.metrics import KvEventCounters
 from kvctl.agent.model_pool import AgentReadings, ModelPool
 from kvctl.agent.pool.stats import PageStates
+from kvctl.agent.prefix_admin import PrefixAdmin
 from kvctl.agent.runtime import Engine, Request, RequestRefused, RequestSummary, TokenEvent
 from kvctl.agent.tally import Tally
 from kvctl.api import (
@@ -168,6 +169,7 @@ class AgentService:
         self._refill: tuple[int, float] | None = None
         self._ended = 0  # requests ended since the engines were last idle
         self._idle_trim = IdleTrim(clock())  # returns a burst's freed heap (kvctl.agent.memory)
+        self.prefix = PrefixAdmin(self.pools, self.pool)  # lookups, pins and clears
         for pool in pools:
             if pool.name in self.pools:
                 raise ValueError(f"two models are named {pool.name!r}")
@@ -292,6 +294,7 @@ class AgentService:
                     pool.maybe_auto_resize(self._spare_device_bytes(pool.engine))
                 next_resize_check = now + RESIZE_CHECK_INTERVAL_S
             if now >= next_publish:
+                self.prefix.expire()
                 self._publish_all()
                 next_publish = now + PUBLISH_INTERVAL_S
 

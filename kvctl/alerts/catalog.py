@@ -77,6 +77,8 @@ FACTS: dict[str, Fact] = {
     "budget": Fact(lambda s: s.share.budget_bytes if s.share else 0, "size"),
     "budget_unassigned": Fact(lambda s: s.share.unassigned_bytes if s.share else 0, "size"),
     "budget_pools": Fact(lambda s: s.share.pools_total if s.share else 0, "count"),
+    "prefix_pins": Fact(lambda s: s.prefix_pins, "count"),
+    "pinned_pages": Fact(lambda s: s.prefix_pinned_pages, "count"),
 }
 
 
@@ -137,6 +139,15 @@ def _prefix_hit(o: Observation) -> list[Reading]:
     if not s.prefix_cache_enabled or s.prefix_hit_ratio is None:
         return []
     return [Reading(s.prefix_hit_ratio)]
+
+
+def _pinned(o: Observation) -> list[Reading]:
+    """The share of the pool pins hold, only while requests wait: pins crowd a pool when
+    others need its room, not when it has room to spare."""
+    s = o.snapshot
+    if not s.prefix_pins or not s.requests_waiting or not s.capacity_pages:
+        return []
+    return [Reading(s.prefix_pinned_pages / s.capacity_pages)]
 
 
 def _preemptions(o: Observation) -> list[Reading]:
@@ -339,6 +350,19 @@ DEFINITIONS: tuple[AlertDefinition, ...] = (
         headline="the prefix cache found {value} of the prompt tokens looked up recently",
         causes=causes.PREFIX_HIT_RATE_LOW,
         for_scale=10.0,
+    ),
+    AlertDefinition(
+        name="KvctlPrefixPinsCrowdPool",
+        severity="warning",
+        summary="Pinned prefixes crowd pool {pool} at {instance}",
+        threshold=Threshold("pinned_share_max", above=True, margin=0.05),
+        measure=_pinned,
+        value_format="percent",
+        headline=(
+            "{prefix_pins} pinned prefixes hold {value} of the pool ({pinned_pages} pages) while "
+            "{requests_waiting} requests wait for room"
+        ),
+        causes=causes.PINS_CROWD_POOL,
     ),
     AlertDefinition(
         name="KvctlPreemptionStorm",

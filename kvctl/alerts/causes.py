@@ -480,6 +480,22 @@ PREFIX_HIT_RATE_LOW = (
     ),
 )
 
+PINS_CROWD_POOL = (
+    Cause(
+        always,
+        lambda sit: (
+            f"{sit.snapshot.prefix_pins} pinned prefixes keep {sit.snapshot.prefix_pinned_pages} "
+            f"of the pool's {sit.snapshot.capacity_pages} pages from eviction, so waiting "
+            "requests get only the rest"
+        ),
+        lambda sit: (
+            f"See which pins hold most with {text.command(sit.agent_url, 'prefix ls')} and let "
+            f"the least needed go with {text.command(sit.agent_url, 'prefix unpin ID')}; pin "
+            f"with `--ttl` so pins end by themselves, or give the pool room: {grow(sit)}"
+        ),
+    ),
+)
+
 PREEMPTION_STORM = (
     Cause(
         _at_limit,

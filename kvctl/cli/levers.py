@@ -88,7 +88,7 @@ def sleep(
         level = level or 1
         confirm(_question(target), yes)
     outcomes = [
-        _pull(target, url, lever, level if engine.name == "vllm" and not show else None)
+        pull_outcome(target, url, lever, level if engine.name == "vllm" and not show else None)
         for url, engine in engines.items()
     ]
     finish(target, outcomes, render_result, as_json=lambda result: result.as_json())
@@ -106,7 +106,7 @@ def wake(
     from kvctl.engine_levers import WAKE
 
     target = resolve(ctx, agent, token, json_out, timeout)
-    outcomes = [_pull(target, url, WAKE) for url in _engines(target, WAKE)]
+    outcomes = [pull_outcome(target, url, WAKE) for url in _engines(target, WAKE)]
     finish(target, outcomes, render_result, as_json=lambda result: result.as_json())
 
 
@@ -136,7 +136,9 @@ def _question(target: Target) -> str:
     )
 
 
-def _pull(target: Target, agent: str, lever: str, level: int | None = None) -> Outcome[LeverResult]:
+def pull_outcome(
+    target: Target, agent: str, lever: str, level: int | None = None
+) -> Outcome[LeverResult]:
     """One server's lever, its error kept for `finish`."""
     from kvctl.client import AgentError
     from kvctl.engine_levers import pull

@@ -28,6 +28,7 @@ from kvctl.cli.options import (
     TokenOption,
 )
 from kvctl.cli.pool import pool_app
+from kvctl.cli.prefix import prefix_app
 from kvctl.cli.simulate import simulate
 from kvctl.cli.status import status
 from kvctl.cli.top import top
@@ -83,6 +84,7 @@ app.command("defrag")(defrag)
 app.command("sleep")(sleep)
 app.command("wake")(wake)
 app.add_typer(pool_app, name="pool")
+app.add_typer(prefix_app, name="prefix")
 app.add_typer(alerts_app, name="alerts")
 app.add_typer(config_app, name="config")
 app.command("load")(load)

@@ -156,6 +156,15 @@ class PrefixSettings(Section):
         "Which page files the disk tier deletes first when it needs room.",
         flag="--disk-tier-policy",
     )
+    max_pinned_share: float = setting(
+        0.25,
+        "The most of the pool pinned prefixes may hold (kvctl prefix pin); a pin past it is "
+        "refused, so pins never starve the requests they are meant to speed up.",
+        ge=0.0,
+        le=0.9,
+        unit="ratio",
+        flag="--max-pinned-share",
+    )
     tier_min_load_tokens: int = setting(
         0,
         "Prefixes found below the device that are shorter than this are computed, not loaded "
@@ -236,6 +245,13 @@ class AlertSettings(Section):
     prefix_hit_min: float = setting(
         0.1,
         "Alert when the prefix hit rate over the window is below this.",
+        ge=0.0,
+        le=1.0,
+        unit="ratio",
+    )
+    pinned_share_max: float = setting(
+        0.2,
+        "Alert when pinned prefixes hold more than this share of the pool while requests wait.",
         ge=0.0,
         le=1.0,
         unit="ratio",

@@ -87,6 +87,9 @@ def pool_table(pool: PoolSnapshot) -> Table:
     window = window_summary(pool)
     if window is not None:
         table.add_row("windows", window)
+    pins = pin_summary(pool)
+    if pins is not None:
+        table.add_row("pins", pins)
     table.add_row("defrag", Text(defrag_summary(pool)))
     grows, shrinks = pool.resizes_total.get("grow", 0), pool.resizes_total.get("shrink", 0)
     table.add_row("resizes", f"{grows} grows, {shrinks} shrinks")
@@ -109,6 +112,20 @@ def window_summary(pool: PoolSnapshot) -> str | None:
         f"{pool.page_groups} page tables per request; {held:,} used pages in sliding windows "
         f"({format_bytes(held * pool.bytes_per_page)}), {pool.window_released_pages_total:,} "
         "given back as windows moved on"
+    )
+
+
+def pin_summary(pool: PoolSnapshot) -> str | None:
+    """The pinned prefixes and what they hold of the pool and of their cap (None without
+    pins)."""
+    if not pool.prefix_pins:
+        return None
+    held = pool.prefix_pinned_pages
+    share = held / pool.capacity_pages if pool.capacity_pages else 0.0
+    return (
+        f"{pool.prefix_pins} pinned prefixes hold {held:,} pages ({share:.0%} of the pool, "
+        f"{format_bytes(held * pool.bytes_per_page)}); the cap is "
+        f"{pool.prefix_pin_cap_pages:,} (kvctl prefix ls)"
     )
 
 

@@ -52,6 +52,7 @@ FLAGS_BEFORE = [
     "--kv-budget",
     "--segment-pages",
     "--max-pool-pages",
+    "--max-pinned-share",
     "--prefix-cache",
     "--no-prefix-cache",
     "--prefix-isolation",

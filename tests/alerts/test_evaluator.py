@@ -328,6 +328,7 @@ TRIGGERS = {
         ),
     ),
     "KvctlPrefixHitRateLow": dict(prefix_hit_ratio=0.02),
+    "KvctlPrefixPinsCrowdPool": dict(prefix_pins=2, prefix_pinned_pages=300, requests_waiting=4),
     "KvctlPreemptionStorm": dict(preemptions_total=1000),
     "KvctlGpuMemoryNearCapacity": dict(
         gpus=[api.GpuMemory(index=0, name="L4", used_bytes=23 << 30, total_bytes=24 << 30)]

@@ -64,6 +64,7 @@ class PoolResizer:
         self.pool = pool
         self.room = room  # bytes a shared budget lets the pool grow by (None: no budget)
         self.promised = promised
+        self.pinned: Callable[[], int] | None = None  # pages pinned prefixes hold
         self.defragmenter = defragmenter
         self.storage = storage
         self.min_pages = min_pages or pool.segment_pages
@@ -114,8 +115,14 @@ class PoolResizer:
                 f"or choose a size of at least {self.round_to_segments(promised):,} pages"
             )
         if target < pool.used_pages:
+            pinned = self.pinned() if self.pinned is not None else 0
+            held = (
+                f", {pinned:,} of them by pinned prefixes (kvctl prefix ls; kvctl prefix unpin)"
+                if pinned
+                else ""
+            )
             raise ResizeRefused(
-                f"{pool.used_pages:,} pages in use above the new size {target:,}; "
+                f"{pool.used_pages:,} pages in use above the new size {target:,}{held}; "
                 "wait for requests to finish or choose a size of at least "
                 f"{self.round_to_segments(pool.used_pages):,} pages"
             )

@@ -22,8 +22,12 @@ A leaf a request still uses comes out of the order, is set aside for the call an
 
 from __future__ import annotations
 
+import heapq
+import time
+from array import array
+from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple, Protocol
@@ -119,6 +123,46 @@ class PageEvents(Protocol):
         """One eviction's pages left the device (after `spill` has kept them)."""
 
 
+@dataclass(frozen=True)
+class CachedPrefix:
+    """One cached prefix as a listing shows it: the tokens from the partition's root to the end
+    of a tree leaf (whole pages), the pages holding them and when it was last used."""
+
+    key: IsolationKey
+    tokens: list[int]
+    pages: int
+    last_used_at: float | None
+
+
+class TickTimes:
+    """The wall-clock time of the cache's logical ticks, to a second: a mark (tick, time) when a
+    second has passed since the last one, so a tick happened within a second after the time of
+    the last mark at or before it. Old marks go when there are `keep` of them (ticks before the
+    oldest mark read as its time)."""
+
+    def __init__(self, wall: Callable[[], float] = time.time, keep: int = 100_000) -> None:
+        self._wall = wall
+        self._keep = keep
+        self._ticks = array("q")
+        self._times = array("d")
+
+    def mark(self, tick: int) -> None:
+        now = self._wall()
+        if self._times and now - self._times[-1] < 1.0:
+            return
+        if len(self._ticks) >= self._keep:
+            del self._ticks[: self._keep // 2], self._times[: self._keep // 2]
+        self._ticks.append(tick)
+        self._times.append(now)
+
+    def time_of(self, tick: int) -> float | None:
+        """When `tick` happened, None before the first mark."""
+        i = bisect_right(self._ticks, tick) - 1
+        if i < 0:
+            return self._times[0] if self._times and tick > 0 else None
+        return self._times[i]
+
+
 class PrefixCacheCorrupted(PoolCorrupted):
     """The trees disagree with the pool's holds: a bug, never a user error."""
 
@@ -137,9 +181,11 @@ class PrefixCache:
         model: str = "",
         isolation: PrefixIsolation | str = PrefixIsolation.SALT,
         windows: Sequence[int | None] = (),
+        wall: Callable[[], float] = time.time,
     ) -> None:
         """`windows[g]`: the window of page group g's layers (None: full attention); the
-        partitions of sliding groups keep their pages in `WindowPages`, the others in trees."""
+        partitions of sliding groups keep their pages in `WindowPages`, the others in trees.
+        `wall` tells the time a listing shows as a prefix's last use."""
         self.pool = pool
         self._windows = tuple(windows)
         self._window_pages = WindowPages(pool)
@@ -154,6 +200,7 @@ class PrefixCache:
         self._held_pages = 0
         self._pinned: set[int] = set()
         self._clock = 0
+        self._tick_times = TickTimes(wall)
         self.queries_tokens = 0
         self.hits_tokens = 0
         self.evictions: Counter[str] = Counter({name: 0 for name in EVICTION_POLICIES})
@@ -187,18 +234,22 @@ class PrefixCache:
         """The window of the layers whose pages `key`'s partition holds (None: all keys)."""
         return self._windows[key.group] if key.group < len(self._windows) else None
 
-    def match(self, key: IsolationKey, tokens: Sequence[int]) -> PrefixMatch:
-        """The longest cached prefix of `tokens` in `key`'s partition, leaving at least the last
-        token to compute (its logits give the next token). Changes nothing. In a sliding
-        group's partition, a prefix of whole pages whose window is held (`WindowPages`)."""
+    def match(
+        self, key: IsolationKey, tokens: Sequence[int], limit: int | None = None
+    ) -> PrefixMatch:
+        """The longest cached prefix of `tokens` in `key`'s partition, of at most `limit` tokens
+        (default: leaving the last token to compute, whose logits give the next token).
+        Changes nothing. In a sliding group's partition, a prefix of whole pages whose window
+        is held (`WindowPages`)."""
+        limit = len(tokens) - 1 if limit is None else min(limit, len(tokens))
         window = self.window_of(key)
         if window is not None:
-            hit = self._window_pages.match(key, tokens, len(tokens) - 1, window)
+            hit = self._window_pages.match(key, tokens, limit, window)
             return PrefixMatch(key, hit.tokens, hit.pages, self.page_size, [], hit.first_page)
         tree = self._trees.get(key)
-        if tree is None or len(tokens) < 2:
+        if tree is None or limit < 1:
             return PrefixMatch(key, 0, [], self.page_size, [])
-        found = tree.match(tokens, len(tokens) - 1)
+        found = tree.match(tokens, limit)
         return PrefixMatch(key, found.tokens, found.pages, self.page_size, found.nodes)
 
     def record(self, match: PrefixMatch, query_tokens: int) -> None:
@@ -217,7 +268,15 @@ class PrefixCache:
         tree = self._trees.get(match.key)
         if match.nodes and tree is not None:
             self._clock += 1
+            self._tick_times.mark(self._clock)
             tree.mark_used(match.nodes, match.tokens, self._clock)
+
+    def last_used_at(self, match: PrefixMatch) -> float | None:
+        """When the prefix `match` found was last used or stored (wall clock, to a second);
+        None for a sliding group's match or no match."""
+        if not match.nodes:
+            return None
+        return self._tick_times.time_of(match.nodes[-1].last_access)
 
     def evictable_pages(self, *matches: PrefixMatch) -> int:
         """Cached pages eviction can free now, or once `matches` are adopted (adoption makes
@@ -254,6 +313,7 @@ class PrefixCache:
             tree = self._trees[key] = RadixTree(page_size, self._owners, self._order.add)
             self._tree_keys[id(tree)] = key
         self._clock += 1
+        self._tick_times.mark(self._clock)
         taken = tree.insert(tokens, pages, self._clock, whole)
         if taken:
             self.pool.hold_cached(taken)
@@ -360,6 +420,58 @@ class PrefixCache:
         """Evict every page no request uses; return how many were freed."""
         return self.evict(self.pool.cached_pages)
 
+    def drop(self, keys: Collection[IsolationKey]) -> int:
+        """Free every page of `keys`' partitions that no request uses, without handing them to
+        the tiers (a purge: what is dropped must be gone); return how many were freed. Pages
+        requests use stay, and enter the cache again when those requests end."""
+        gone = self._window_pages.evict(len(self._window_pages), self._pinned, set(keys))
+        dropped = [Spilled(key, tokens, index, [page]) for key, tokens, index, page in gone]
+        freed = len(gone)
+        for key in keys:
+            tree = self._trees.get(key)
+            if tree is None:
+                continue
+            freed += self._drop_tree(key, tree, dropped)
+            if tree.is_empty:
+                self._drop_partition(tree)
+        if dropped and self.events is not None:
+            self.events.removed([s for s in dropped if s.key.group == 0])
+        self._held_pages -= freed
+        return freed
+
+    def _drop_tree(self, key: IsolationKey, tree: RadixTree, dropped: list[Spilled]) -> int:
+        """Free every page of one tree that no request uses, leaf by leaf until none can go."""
+        freed, progress = 0, True
+        while progress:
+            progress = False
+            for leaf in list(tree.leaves):
+                count = self._evictable_tail(leaf) if leaf.parent is not None else 0
+                if not count:
+                    continue
+                start = leaf.end // self.page_size - count
+                dropped.append(Spilled(key, _path_tokens(leaf), start, leaf.pages[-count:]))
+                pages, _ = tree.drop_last_pages(leaf, count)
+                self.pool.release_cached(pages)
+                freed += count
+                progress = True
+        return freed
+
+    def largest(self, count: int) -> list[CachedPrefix]:
+        """The `count` longest cached prefixes (the paths to the trees' leaves), longest first."""
+        leaves = [
+            (leaf.end, key, leaf) for key, tree in self._trees.items() for leaf in tree.leaves
+        ]
+        out: list[CachedPrefix] = []
+        for _, key, leaf in heapq.nlargest(count, leaves, key=lambda item: item[0]):
+            pages = 0
+            node: RadixNode | None = leaf
+            while node is not None:
+                pages += len(node.pages)
+                node = node.parent
+            used = self._tick_times.time_of(leaf.last_access)
+            out.append(CachedPrefix(key, _path_tokens(leaf), pages, used))
+        return out
+
     # ---- page moves -----------------------------------------------------------------------
 
     def _follow_moves(self, moves: dict[int, int]) -> None:
@@ -382,6 +494,15 @@ class PrefixCache:
 
     def partitions(self) -> list[IsolationKey]:
         return list(self._trees)
+
+    def window_partitions(self) -> list[IsolationKey]:
+        """The partitions of sliding groups that hold pages."""
+        return self._window_pages.keys()
+
+    def pages_of(self, keys: Collection[IsolationKey]) -> int:
+        """Pages the partitions `keys` hold (in use or cached)."""
+        held = sum(len(list(tree.pages())) for key, tree in self._trees.items() if key in keys)
+        return held + self._window_pages.count_of(keys)
 
     def tree(self, key: IsolationKey) -> RadixTree | None:
         """The partition's tree, for reading (None when nothing is cached under `key`)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,6 +64,14 @@ class WindowPages:
 
     def pages(self) -> list[int]:
         return list(self._entries)
+
+    def keys(self) -> list[IsolationKey]:
+        """The partitions holding pages."""
+        return list({entry.key: None for entry in self._entries.values()})
+
+    def count_of(self, keys: Collection[IsolationKey]) -> int:
+        """Pages the partitions `keys` hold."""
+        return sum(entry.key in keys for entry in self._entries.values())
 
     def _digests(self, key: IsolationKey, tokens: Sequence[int], pages: int) -> list[bytes]:
         root = self._roots.get(key)
@@ -131,15 +139,19 @@ class WindowPages:
             self.pool.hold_cached(taken)
         return ranges
 
-    def evict(self, num_pages: int, pinned: set[int]) -> list[Evicted]:
+    def evict(
+        self, num_pages: int, pinned: set[int], keys: Collection[IsolationKey] | None = None
+    ) -> list[Evicted]:
         """Free up to `num_pages` held pages no request uses and no copy waits for, least
-        recently used first; (key, tokens up to the page, its index, page) of each, whose K/V
-        stay in place until the page is taken again."""
+        recently used first (only of `keys`' partitions when given); (key, tokens up to the
+        page, its index, page) of each, whose K/V stay in place until the page is taken again."""
         refcount = self.pool.refcount
         victims: list[int] = []
-        for page in self._entries:
+        for page, entry in self._entries.items():
             if len(victims) == num_pages:
                 break
+            if keys is not None and entry.key not in keys:
+                continue
             if not refcount(page) and page not in pinned:
                 victims.append(page)
         if not victims:

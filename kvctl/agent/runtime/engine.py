@@ -50,6 +50,7 @@ from kvctl.agent.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kvctl.agent.runtime.grouped_cache import GroupedKVCache
 from kvctl.agent.runtime.layer_groups import page_groups
 from kvctl.agent.runtime.paged_cache import PagedKVCache, ReadPath
+from kvctl.agent.runtime.prefix_ops import PrefixOperations
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
 from kvctl.agent.runtime.scheduler import (
     DEFAULT_MAX_BATCHED_TOKENS,
@@ -328,6 +329,12 @@ class Engine:
             tiers=self.tiers,
             groups=groups,
         )
+        self.resizer.pinned = self._pinned_pages
+        self.prefix_ops = (
+            PrefixOperations(self.scheduler, self.prefix_cache, self.tiers)
+            if self.prefix_cache is not None
+            else None
+        )
         self.prefill_rate = PrefillRate()
         self.clock = clock
         self.finished: Counter[str] = Counter()
@@ -411,8 +418,9 @@ class Engine:
         if needed > self.scheduler.most_pages():
             problem = (
                 f"{what} needs {needed} pages of {pool.page_size} tokens and the pool holds "
-                f"{pool.capacity}"
+                f"{pool.capacity}{self.scheduler.pinned_note()}"
             )
+            needed += self.scheduler.pins.pinned_pages
             if self.scheduler.reachable_pages is not None:  # a pool in a budget shared
                 raise RequestTooLarge(
                     f"{problem}, at most {self.scheduler.most_pages()} within the KV budget it "
@@ -432,6 +440,9 @@ class Engine:
                 "shorten the prompt or lower max_tokens",
                 self.resizer.round_to_segments(needed),
             )
+
+    def _pinned_pages(self) -> int:
+        return self.scheduler.pins.pinned_pages
 
     def pages_promised(self) -> int:
         """The most pages any unfinished request may need to reach its `max_tokens`: the

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -55,6 +55,7 @@ from kvctl.agent.pool import PagePool, PoolExhausted
 from kvctl.agent.pool.page_pool import CopyOnWrite
 from kvctl.agent.prefix import IsolationKey, PrefixCache, PrefixMatch
 from kvctl.agent.runtime.layer_groups import LayerGroups
+from kvctl.agent.runtime.prefix_pins import PrefixPins
 from kvctl.agent.runtime.request import FinishReason, Request, RequestStatus
 from kvctl.agent.runtime.request_pages import RequestPages
 from kvctl.agent.tiers import TieredStore, TierHit
@@ -165,6 +166,7 @@ class Scheduler:
         self.long_prompt_tokens = min(long_prompt_tokens or max_batched_tokens, max_batched_tokens)
         self.pool = pool
         self.pages = RequestPages(pool, groups)
+        self.pins = PrefixPins(self.pages)  # pinned prefixes hold pages as requests do
         self.prefix_cache = prefix_cache
         self.tiers = tiers if prefix_cache is not None else None
         self.tier_min_load_tokens = 0  # shorter hits below the device are computed instead
@@ -181,9 +183,11 @@ class Scheduler:
     def most_pages(self) -> int:
         """The most pages a request may count on: the pool's capacity, or more when it shares
         a budget whose other pools could give it memory (the request then waits while the
-        agent moves it, instead of being refused or ended)."""
+        agent moves it, instead of being refused or ended), less the pages pins hold."""
         capacity = self.pool.capacity
-        return capacity if self.reachable_pages is None else max(capacity, self.reachable_pages())
+        if self.reachable_pages is not None:
+            capacity = max(capacity, self.reachable_pages())
+        return capacity - self.pins.pinned_pages
 
     def add(self, request: Request) -> None:
         request.queued_at = request.arrived_at = self.clock()
@@ -225,9 +229,14 @@ class Scheduler:
         request.finish_reason = FinishReason.CAPACITY
         request.finish_detail = (
             f"the request needs {self.pages.pages_for(request.num_tokens + 1)} pages to go on "
-            f"and the pool holds {self.pool.capacity}; it ended after "
+            f"and the pool holds {self.pool.capacity}{self.pinned_note()}; it ended after "
             f"{len(request.output_ids)} tokens"
         )
+
+    def pinned_note(self) -> str:
+        """', N of them pinned prefixes' after a pool size, when pins hold pages."""
+        pinned = self.pins.pinned_pages
+        return f", {pinned} of them pinned prefixes (kvctl prefix ls)" if pinned else ""
 
     def _admit(self, step: _Step) -> None:
         """Admit waiting requests in arrival order while they fit, each computing as much of its
@@ -298,7 +307,7 @@ class Scheduler:
         if self.prefix_cache is None:
             return None, None
         keys, tokens = self._cache_keys(request), request.token_ids
-        matches = self._common(request, [self.prefix_cache.match(k, tokens) for k in keys])
+        matches = self._common(tokens, [self.prefix_cache.match(k, tokens) for k in keys])
         if self.tiers is None:
             return matches, None
         last = (len(tokens) - 1) // self.pool.page_size
@@ -312,7 +321,18 @@ class Scheduler:
         below = [TierHit(hit.first_page, hit.digests[:found]) for hit in hits if hit is not None]
         return self._whole_pages_match(request, matches), below
 
-    def _common(self, request: Request, matches: list[PrefixMatch]) -> list[PrefixMatch]:
+    def prefix_matches(
+        self, salt: str | None, token_ids: Sequence[int], limit: int
+    ) -> list[PrefixMatch]:
+        """The device's longest cached prefix of `token_ids`, at most `limit` tokens, in the
+        partitions of cache salt `salt` (one per page group, as long in each): what a lookup
+        reports and a pin holds. Partitions with sampling settings are not looked up."""
+        cache = self.prefix_cache
+        assert cache is not None
+        keys = self._group_keys(cache.key_for(salt))
+        return self._common(token_ids, [cache.match(k, token_ids, limit) for k in keys])
+
+    def _common(self, token_ids: Sequence[int], matches: list[PrefixMatch]) -> list[PrefixMatch]:
         """Each group's match cut to one length that all of them hold. A sliding group's match
         cut shorter may be shorter still (the window of the shorter prefix reaches pages of its
         own), so this goes on until the lengths agree."""
@@ -322,8 +342,9 @@ class Scheduler:
             tokens = min(match.tokens for match in matches)
             if all(match.tokens == tokens for match in matches):
                 return matches
-            cut = request.token_ids[: tokens + 1]
-            matches = [m if m.tokens == tokens else cache.match(m.key, cut) for m in matches]
+            matches = [
+                m if m.tokens == tokens else cache.match(m.key, token_ids, tokens) for m in matches
+            ]
 
     def _load(self, request: Request, below: list[TierHit], step: _Step) -> None:
         """Fetch a lower tier's pages of an admitted request into its own pages (written before
@@ -402,7 +423,10 @@ class Scheduler:
 
     def _cache_keys(self, request: Request) -> list[IsolationKey]:
         """The request's partition in each page group (one group: its own key)."""
-        key = self._cache_key(request)
+        return self._group_keys(self._cache_key(request))
+
+    def _group_keys(self, key: IsolationKey) -> list[IsolationKey]:
+        """`key`'s partition in each page group (one group: `key` itself)."""
         if not self.pages.groups.split:
             return [key]
         return [dataclasses.replace(key, group=g) for g in range(self.pages.count)]

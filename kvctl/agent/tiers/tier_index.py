@@ -36,6 +36,7 @@ class TierEntry:
     last_access: int
     hits: int = 0
     version: int = 0
+    root: bytes = b""  # the digest of the partition the page belongs to (a purge's filter)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -250,6 +250,11 @@ class TieredStore:
             return
         started = self.clock()
         rows: dict[bytes, int] = {}
+        origins = {
+            digest: self._root(run.key)
+            for run, (digests, _) in zip((r for r in spilled if r.pages), runs, strict=True)
+            for digest in digests
+        }
         wanted: list[int] = []
         for digests, pages in runs:
             self._wanted(top, digests, pages, rows, wanted)
@@ -260,7 +265,7 @@ class TieredStore:
             if len(wanted) > known:
                 more = self.storage.read_pages(wanted[known:])
                 data = more if data is None else torch.cat([data, more])
-            self._put(0, digests, data, rows, started)
+            self._put(0, digests, data, rows, origins, started)
             started = self.clock()
 
     @staticmethod
@@ -284,6 +289,7 @@ class TieredStore:
         digests: list[bytes],
         data: Tensor | None,
         rows: dict[bytes, int],
+        origins: dict[bytes, bytes],
         started: float,
     ) -> None:
         """Store pages into tier `level`, the first the most wanted (a chain's pages from the
@@ -297,7 +303,7 @@ class TieredStore:
         tier = self.tiers[level]
         index = tier.index
         if not index.capacity:
-            self._put(level + 1, digests, data, rows, started)
+            self._put(level + 1, digests, data, rows, origins, started)
             return
         kept, over = digests[: index.capacity], digests[index.capacity :]
         held = [e for e in map(index.get, kept) if e is not None]
@@ -307,6 +313,8 @@ class TieredStore:
         if fresh:
             assert data is not None
             entries = index.add(fresh)
+            for entry in entries:
+                entry.root = origins.get(entry.digest, b"")
             picked = data[[rows[d] for d in fresh]]
             if isinstance(tier.slots, DiskSlots):
                 written = tier.slots.write(fresh, picked)
@@ -328,7 +336,7 @@ class TieredStore:
         if not down:
             return
         if any(t.index.capacity for t in self.tiers[level + 1 :]):
-            self._put(level + 1, down, data, rows, self.clock())
+            self._put(level + 1, down, data, rows, origins, self.clock())
         else:
             tier.counters.store_failures["full"] += len(down)
 
@@ -346,7 +354,8 @@ class TieredStore:
             order = victims[::-1]  # the last to go first: the order they had here is kept below
             data = tier.slots.read([v.slot for v in order], torch.device("cpu"))
             digests = [v.digest for v in order]
-            self._put(level + 1, digests, data, {d: i for i, d in enumerate(digests)}, started)
+            rows = {d: i for i, d in enumerate(digests)}
+            self._put(level + 1, digests, data, rows, {v.digest: v.root for v in order}, started)
 
     # ---- finding and loading --------------------------------------------------------------
 
@@ -365,6 +374,48 @@ class TieredStore:
                 break
             found.append(digest)
         return TierHit(first_page, found) if found else None
+
+    def prefix_pages(
+        self, key: IsolationKey, tokens: Sequence[int], last_page: int
+    ) -> dict[str, int]:
+        """How many whole pages from the first of `tokens` (below `last_page`) each tier holds
+        in a row, by tier name (a lookup's answer; reads the index only)."""
+        digests = page_digests(self._root(key), tokens, self.page_size, last_page)
+        held = {}
+        for tier in self.tiers:
+            count = 0
+            while count < len(digests) and digests[count] in tier.index:
+                count += 1
+            held[tier.name] = count
+        return held
+
+    def knows_salt(self, salt: str) -> bool:
+        """Whether a tier holds a page of a partition of cache salt `salt`."""
+        roots = {root for key, root in self._roots.items() if key.salt == salt}
+        return bool(roots) and any(
+            e.root in roots for tier in self.tiers for e in tier.index.entries.values()
+        )
+
+    def drop(self, salts: Collection[str | None] | None, names: Collection[str]) -> dict[str, int]:
+        """Forget the pages of the partitions of cache salts `salts` (every page when None) in
+        the tiers named; how many pages each tier let go (a purge: nothing moves down)."""
+        roots = (
+            None
+            if salts is None
+            else {root for key, root in self._roots.items() if key.salt in salts}
+        )
+        dropped = {}
+        for tier in self.tiers:
+            if tier.name not in names:
+                continue
+            index = tier.index
+            victims = [e for e in index.entries.values() if roots is None or e.root in roots]
+            for entry in victims:
+                index.remove(entry)
+            if isinstance(tier.slots, DiskSlots) and victims:
+                tier.slots.remove([e.digest for e in victims])
+            dropped[tier.name] = len(victims)
+        return dropped
 
     def fetch(self, hit: TierHit, count_tokens: bool = True) -> TierLoad | None:
         """The hit's pages as one device tensor, up to the first page that is gone or fails

@@ -54,6 +54,9 @@ class RequestsPanel(Widget):
         window = render.window_summary(pool)
         if window is not None:
             lines.append(Text(f"windows: {window}"))
+        pins = render.pin_summary(pool)
+        if pins is not None:
+            lines.append(Text(f"pins: {pins}"))
         share = share_line(pool, self.size.width)
         if share is not None:
             lines.append(share)
