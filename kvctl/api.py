@@ -473,6 +473,18 @@ class PoolSnapshot(PoolOccupancy):
     """Pages the pins hold (part of `used_pages`: never evicted while pinned)."""
     prefix_pin_cap_pages: int = 0
     """The most pages pins may hold (`prefix_cache.max_pinned_share` of the pool)."""
+    token_slots_used: int | None = None
+    """Token slots of the used pages that hold a token's K/V (a partly filled last page, and
+    pages taken ahead of the tokens, hold fewer than their page size); null from an agent that
+    does not count them."""
+    preemptions_by_reason_total: dict[str, int] = {}
+    """Preemptions by reason: `growth` (a running request needed a page), `pool_too_small`
+    (alone, waiting for the pool to grow), `shrink` (the pool gave memory back)."""
+    prefix_evictions_by_reason_total: dict[str, int] = {}
+    """Prefix pages evicted, by what needed the room: `allocation`, `shrink`, `clear`."""
+    prefix_residency: dict[str, DurationBuckets] = {}
+    """The prefix cache's residency histograms (`lifetime`, `idle_before_eviction`,
+    `reuse_gap`), as `/metrics` serves them; empty without a prefix cache."""
     alert_notifications_dropped_total: int = 0
     """Alertmanager notifications given up after their retries."""
     gpus: list[GpuMemory]
@@ -495,6 +507,25 @@ class PoolSnapshot(PoolOccupancy):
     share: PoolShare | None = None
     """Where the pool stands in the budget it shares with the agent's other pools; null when
     the agent serves one model (its `--kv-budget` is then its ceiling, `max_pool_pages`)."""
+
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
+    @property
+    def token_usage_ratio(self) -> float | None:
+        """Token slots holding K/V ÷ the pool's token slots: usage counted in tokens, beside
+        `pressure_ratio` counted in pages (docs/metrics.md, "Token usage and page usage")."""
+        slots = self.capacity_pages * self.page_size
+        if self.token_slots_used is None or not slots:
+            return None
+        return self.token_slots_used / slots
+
+
+class DurationBuckets(Response):
+    """A histogram: `cumulative[i]` observations at or below `bounds[i]` seconds, the last entry
+    all of them (+Inf), and their sum."""
+
+    bounds: list[float]
+    cumulative: list[int]
+    sum: float
 
 
 class PoolList(Response):

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvctl import api
 from kvctl.agent.pool import DefragReport, PoolOccupancy
+from kvctl.agent.prefix.residency import Residency
 from kvctl.agent.tiers import TierStats
 
 _TIER_NAMES: dict[str, api.TierName] = {"host": "host", "disk": "disk"}
@@ -70,6 +71,22 @@ def tier_view(stats: TierStats) -> api.TierReading:
         filesystem_free_bytes=free,
         filesystem_size_bytes=size,
     )
+
+
+def residency_view(residency: Residency) -> dict[str, api.DurationBuckets]:
+    """The prefix cache's residency counts as the snapshot's histograms."""
+    named = {
+        "lifetime": residency.lifetime,
+        "idle_before_eviction": residency.idle_before_evict,
+        "reuse_gap": residency.reuse_gap,
+    }
+    views = {}
+    for name, counts in named.items():
+        cumulative, total = counts.cumulative()
+        views[name] = api.DurationBuckets(
+            bounds=list(counts.bounds), cumulative=list(cumulative), sum=total
+        )
+    return views
 
 
 def resize_direction(old_pages: int, new_pages: int) -> api.ResizeDirection:

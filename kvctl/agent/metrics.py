@@ -38,6 +38,9 @@ from prometheus_client.utils import floatToGoString
 
 from kvctl import __version__
 from kvctl.agent.pool.defrag import DefragTrigger
+from kvctl.agent.prefix.prefix_cache import EVICTION_REASONS
+from kvctl.agent.prefix.residency import DurationCounts, Residency
+from kvctl.agent.runtime.scheduler import PREEMPTION_REASONS
 from kvctl.agent.tiers import LOAD_FAILURES, STORE_FAILURES, TIER_NAMES
 from kvctl.api import (
     AdminAction,
@@ -152,6 +155,9 @@ class HistogramReadings:
     inter_token: HistogramReading
     request: HistogramReading
     queue: HistogramReading
+    page_lifetime: HistogramReading
+    idle_before_evict: HistogramReading
+    reuse_gap: HistogramReading
 
 
 @dataclass(frozen=True)
@@ -169,15 +175,26 @@ class Histograms:
     )
     request: DurationHistogram = field(default_factory=lambda: DurationHistogram(REQUEST_BUCKETS))
     queue: DurationHistogram = field(default_factory=lambda: DurationHistogram(QUEUE_BUCKETS))
+    residency: Residency = field(default_factory=Residency)
+    """The prefix cache's own counts (`kvctl.agent.prefix.residency`), read at each scrape."""
 
     def read(self) -> HistogramReadings:
+        residency = self.residency
         return HistogramReadings(
             self.defrag.read(),
             self.time_to_first_token.read(),
             self.inter_token.read(),
             self.request.read(),
             self.queue.read(),
+            _counts_reading(residency.lifetime),
+            _counts_reading(residency.idle_before_evict),
+            _counts_reading(residency.reuse_gap),
         )
+
+
+def _counts_reading(counts: DurationCounts) -> HistogramReading:
+    cumulative, total = counts.cumulative()
+    return HistogramReading(counts.bounds, cumulative, total)
 
 
 # ---- the table --------------------------------------------------------------------------------
@@ -712,6 +729,54 @@ METRICS: tuple[MetricDef, ...] = (
         "histogram",
         "Wall time of one defragmentation run, from its first batch to its last.",
         attrgetter("histograms.defrag"),
+    ),
+    # ---- residency of cached pages
+    MetricDef(
+        "kvctl_prefix_page_lifetime_seconds",
+        "histogram",
+        "From a page entering the prefix cache to its eviction, per page evicted.",
+        attrgetter("histograms.page_lifetime"),
+    ),
+    MetricDef(
+        "kvctl_prefix_page_idle_before_eviction_seconds",
+        "histogram",
+        "From a cached page's last use (a hit, or its insert) to its eviction, per page evicted: "
+        "short idle times mean pages go before they could be reused.",
+        attrgetter("histograms.idle_before_evict"),
+    ),
+    MetricDef(
+        "kvctl_prefix_reuse_gap_seconds",
+        "histogram",
+        "From a cached prefix's last use to a hit on it, per hit.",
+        attrgetter("histograms.reuse_gap"),
+    ),
+    MetricDef(
+        "kvctl_prefix_evicted_pages_by_reason_total",
+        "counter",
+        f"Prefix pages evicted, by what needed the room ({', '.join(EVICTION_REASONS)}).",
+        _by("prefix_evictions_by_reason_total", EVICTION_REASONS),
+        labels=("reason",),
+    ),
+    MetricDef(
+        "kvctl_preemptions_by_reason_total",
+        "counter",
+        f"Preempted requests, by reason ({', '.join(PREEMPTION_REASONS)}).",
+        _by("preemptions_by_reason_total", PREEMPTION_REASONS),
+        labels=("reason",),
+    ),
+    MetricDef(
+        "kvctl_pool_token_slots_used",
+        "gauge",
+        "Token slots of the used pages that hold a token's K/V (page slots times page size, less "
+        "partly filled last pages and pages taken ahead).",
+        _field("token_slots_used"),
+    ),
+    MetricDef(
+        "kvctl_pool_token_usage_ratio",
+        "gauge",
+        "Token slots holding K/V / the pool's token slots: usage in tokens, beside the page "
+        "usage of kvctl_pool_pressure_ratio.",
+        _field("token_usage_ratio"),
     ),
     MetricDef(
         "kvctl_pool_resizes_total",

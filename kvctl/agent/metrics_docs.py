@@ -13,6 +13,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvctl.agent.metrics import DEFRAG_DURATION_BUCKETS, METRICS, RESIZE_DIRECTIONS, MetricDef
 from kvctl.agent.pool.defrag import DefragTrigger
+from kvctl.agent.prefix.residency import RESIDENCY_BUCKETS
 from kvctl.agent.tiers import LOAD_FAILURES, STORE_FAILURES
 
 _INTRO = """\
@@ -52,6 +53,37 @@ pool size (see docs/performance.md).
   hit tokens' rate, recorded as `kvctl:tier_load_seconds_per_token:rate5m`, to compare with
   `kvctl_prefill_seconds_per_token`.
 - Names use base units: pages, bytes, seconds, and ratios in 0..1 (never percent).
+"""
+
+_USAGE = """\
+## Token usage and page usage
+
+`kvctl_pool_pressure_ratio` counts pages: a page is used when a request (or a pin) holds it,
+however many of its token slots hold K/V. `kvctl_pool_token_usage_ratio` counts tokens: the
+slots of the used pages that hold a token's K/V (`kvctl_pool_token_slots_used`) over all the
+pool's slots. They differ by each request's partly filled last page (up to page size - 1 slots)
+and the pages taken ahead of the tokens (a prompt chunk's room, the next decode token), so the
+gap grows with many short requests and large pages: 64 requests of 100 tokens in 16-token pages
+hold 448 pages for 6,400 tokens, 7,168 slots, 89 % of the slots. A pool near full in pages and
+far from full in tokens is one to run with smaller pages, not a larger pool; vLLM reports only
+the page figure (its issue 57336: 66.7 % of blocks while 36.5 % of slots held tokens). Shared
+prefix pages are counted once; cached pages (no request holds them) are in neither figure.
+
+## Residency: how long pages stay and how soon they come back
+
+`kvctl_prefix_page_lifetime_seconds` (from a page entering the prefix cache to its eviction),
+`kvctl_prefix_page_idle_before_eviction_seconds` (from its last use, a hit or its insert, to its
+eviction; both per page evicted) and `kvctl_prefix_reuse_gap_seconds` (from a cached prefix's
+last use to a hit on it, per hit) are always on: they are timed at the granularity the cache
+keeps anyway (a tree node, the pages one insert made), at a cost measured in
+docs/performance.md. Read them together: reuse gaps longer than the idle times at eviction mean
+the cache evicts prefixes before they come back (a larger pool, or `lfu`, keeps them); idle
+times far longer than the reuse gaps mean the cache holds pages nobody reuses. Pages of
+sliding-window groups and purges (`kvctl prefix clear`) are not counted. Buckets (`le`,
+seconds): {residency}, +Inf. Preemptions and evicted pages also come by reason
+(`kvctl_preemptions_by_reason_total`: growth, pool_too_small, shrink;
+`kvctl_prefix_evicted_pages_by_reason_total`: allocation, shrink, clear), and `kvctl pool show`
+and the detail of `kvctl top` show all of them.
 """
 
 _PROCESS = """\
@@ -95,6 +127,7 @@ def metrics_markdown() -> str:
         "",
         f"`kvctl_defrag_duration_seconds` buckets (`le`, seconds): {bounds}, +Inf.",
         "",
+        _USAGE.format(residency=", ".join(floatToGoString(b) for b in RESIDENCY_BUCKETS)),
         _PROCESS,
     ]
     return "\n".join(lines)

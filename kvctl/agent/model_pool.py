@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvctl.agent.api_views import (
     defrag_view,
     occupancy_fields,
+    residency_view,
     resize_direction,
     resize_view,
     tier_view,
@@ -76,7 +77,8 @@ class ModelPool:
         self.window = window
         self.max_waiting = max_waiting
         self.member: BudgetedPool | None = None  # set when the pool shares a budget
-        self.histograms = Histograms()
+        cache = engine.prefix_cache
+        self.histograms = Histograms() if cache is None else Histograms(residency=cache.residency)
         self.rejected = Tally()
         self.resizes_total: Counter[str] = Counter({"grow": 0, "shrink": 0})
         self.auto_resize = AutoResize(RuntimeSettings().resize, self.clock)
@@ -285,6 +287,12 @@ class ModelPool:
             prefix_pins=len(engine.scheduler.pins),
             prefix_pinned_pages=engine.scheduler.pins.pinned_pages,
             prefix_pin_cap_pages=engine.prefix_ops.cap_pages if engine.prefix_ops else 0,
+            token_slots_used=stats.token_slots_used,
+            preemptions_by_reason_total=dict(stats.preemptions_by_reason),
+            prefix_evictions_by_reason_total=dict(stats.prefix_evictions_by_reason),
+            prefix_residency=residency_view(engine.prefix_cache.residency)
+            if engine.prefix_cache is not None
+            else {},
             alert_notifications_dropped_total=agent.alert_notifications_dropped_total,
             gpus=agent.gpus,
             max_waiting=self.max_waiting,

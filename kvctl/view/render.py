@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvctl.api import (
         Alert,
         DefragResult,
+        DurationBuckets,
         PoolRelease,
         PoolSnapshot,
         ResizeResult,
@@ -82,8 +83,12 @@ def pool_table(pool: PoolSnapshot) -> Table:
     table.add_row(
         "requests",
         f"{pool.requests_running} running, {pool.requests_waiting} waiting, "
-        f"{pool.preemptions_total:,} preemptions",
+        f"{pool.preemptions_total:,} preemptions{by_reason(pool.preemptions_by_reason_total)}",
     )
+    table.add_row("tokens", token_usage(pool))
+    residency = residency_summary(pool)
+    if residency is not None:
+        table.add_row("residency", residency)
     window = window_summary(pool)
     if window is not None:
         table.add_row("windows", window)
@@ -112,6 +117,49 @@ def window_summary(pool: PoolSnapshot) -> str | None:
         f"{pool.page_groups} page tables per request; {held:,} used pages in sliding windows "
         f"({format_bytes(held * pool.bytes_per_page)}), {pool.window_released_pages_total:,} "
         "given back as windows moved on"
+    )
+
+
+def by_reason(counts: dict[str, int]) -> str:
+    """' (growth 12, shrink 3)': the non-zero counts by reason, or nothing."""
+    found = [f"{clean(reason)} {n:,}" for reason, n in counts.items() if n]
+    return f" ({', '.join(found)})" if found else ""
+
+
+def token_usage(pool: PoolSnapshot) -> str:
+    """Usage counted in tokens beside usage counted in pages: they differ by the partly filled
+    last pages and the pages taken ahead of their tokens ("–" from an agent that does not
+    count tokens)."""
+    slots = "–" if pool.token_slots_used is None else f"{pool.token_slots_used:,}"
+    return (
+        f"{fmt.percent(pool.token_usage_ratio)} of the token slots hold K/V ({slots}); "
+        f"pages: {fmt.percent(pool.pressure_ratio)} used"
+    )
+
+
+def median_bucket(buckets: DurationBuckets | None) -> str:
+    """The bucket holding the median observation, as '≤ 15s' ('> 1d' past the last bound);
+    '–' with none."""
+    if buckets is None or not buckets.cumulative or not buckets.cumulative[-1]:
+        return "–"
+    half = buckets.cumulative[-1] / 2
+    for bound, count in zip(buckets.bounds, buckets.cumulative, strict=False):
+        if count >= half:
+            return f"≤ {fmt.seconds(bound)}"
+    return f"> {fmt.seconds(buckets.bounds[-1])}"
+
+
+def residency_summary(pool: PoolSnapshot) -> str | None:
+    """Median page lifetime and idle time at eviction, median reuse gap, evictions by reason
+    (None without a prefix cache)."""
+    residency = pool.prefix_residency
+    if not residency:
+        return None
+    evicted = by_reason(pool.prefix_evictions_by_reason_total)
+    return (
+        f"evicted pages lived {median_bucket(residency.get('lifetime'))} in the cache, idle "
+        f"{median_bucket(residency.get('idle_before_eviction'))} before eviction{evicted}; hits "
+        f"came {median_bucket(residency.get('reuse_gap'))} after the last use (medians)"
     )
 
 

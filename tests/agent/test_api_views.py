@@ -103,6 +103,10 @@ SNAPSHOT_KEYS = [
     "prefix_pins",
     "prefix_pinned_pages",
     "prefix_pin_cap_pages",
+    "token_slots_used",
+    "preemptions_by_reason_total",
+    "prefix_evictions_by_reason_total",
+    "prefix_residency",
     "alert_notifications_dropped_total",
     "gpus",
     "max_waiting",
@@ -115,6 +119,7 @@ SNAPSHOT_KEYS = [
     "admin_actions_total",
     "share",
     *DERIVED_KEYS,
+    "token_usage_ratio",
 ]
 
 

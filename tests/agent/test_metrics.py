@@ -34,6 +34,7 @@ from kvctl.agent.metrics import (
     render,
 )
 from kvctl.agent.metrics_docs import metrics_markdown
+from kvctl.agent.prefix.residency import RESIDENCY_BUCKETS
 from kvctl.api import Alert, GpuMemory, PoolShare, PoolSnapshot, TierReading
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,6 +127,9 @@ def make_snapshot(**overrides: Any) -> PoolSnapshot:
         prefix_pins=2,
         prefix_pinned_pages=40,
         prefix_pin_cap_pages=256,
+        token_slots_used=8192,
+        preemptions_by_reason_total={"growth": 15, "shrink": 2},
+        prefix_evictions_by_reason_total={"allocation": 9, "shrink": 2},
         alert_notifications_dropped_total=2,
         gpus=[
             GpuMemory(index=0, name="H200", used_bytes=70 * 2**30, total_bytes=141 * 2**30),
@@ -329,6 +333,14 @@ def expected_for_full_snapshot() -> Samples:
         series("kvctl_generation_tokens_total"): 1200,
         series("kvctl_prefix_cache_evicted_pages_total"): 11,
         series("kvctl_prefill_seconds_per_token"): 0.0004,
+        series("kvctl_pool_token_slots_used"): 8192,
+        series("kvctl_pool_token_usage_ratio"): 8192 / (1024 * 16),
+        series("kvctl_preemptions_by_reason_total", reason="growth"): 15,
+        series("kvctl_preemptions_by_reason_total", reason="pool_too_small"): 0,
+        series("kvctl_preemptions_by_reason_total", reason="shrink"): 2,
+        series("kvctl_prefix_evicted_pages_by_reason_total", reason="allocation"): 9,
+        series("kvctl_prefix_evicted_pages_by_reason_total", reason="shrink"): 2,
+        series("kvctl_prefix_evicted_pages_by_reason_total", reason="clear"): 0,
         **TIER_SERIES,
     }
     empty = (
@@ -337,6 +349,9 @@ def expected_for_full_snapshot() -> Samples:
         ("kvctl_inter_token_latency_seconds", INTER_TOKEN_BUCKETS),
         ("kvctl_request_latency_seconds", REQUEST_BUCKETS),
         ("kvctl_request_queue_time_seconds", QUEUE_BUCKETS),
+        ("kvctl_prefix_page_lifetime_seconds", RESIDENCY_BUCKETS),
+        ("kvctl_prefix_page_idle_before_eviction_seconds", RESIDENCY_BUCKETS),
+        ("kvctl_prefix_reuse_gap_seconds", RESIDENCY_BUCKETS),
     )
     for name, bounds in empty:
         expected[series(f"{name}_count")] = 0

@@ -77,6 +77,16 @@ def test_lookup_pin_flood_and_clear_over_http(start_agent, kvctl) -> None:
         assert again.json()["pins"] == [pin["id"]]
         reply = complete(http, SYSTEM + "Q2", salt="team-a")
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= pin["tokens"]
+        residency = {
+            line.split(" ")[0]: float(line.split(" ")[1])
+            for line in http.get("/metrics").text.splitlines()
+            if line.startswith(("kvctl_prefix_", "kvctl_pool_token")) and " " in line
+        }
+        assert residency['kvctl_prefix_page_lifetime_seconds_count{pool="demo"}'] > 0
+        assert residency['kvctl_prefix_page_idle_before_eviction_seconds_count{pool="demo"}'] > 0
+        assert residency['kvctl_prefix_reuse_gap_seconds_count{pool="demo"}'] >= 1
+        by_reason = 'kvctl_prefix_evicted_pages_by_reason_total{pool="demo",reason="allocation"}'
+        assert residency[by_reason] > 0
 
         listed = http.get("/v1/prefix").json()
         assert [p["id"] for p in listed["pins"]] == [pin["id"]]
@@ -152,6 +162,9 @@ def test_the_cli_looks_up_pins_with_warm_lists_and_clears(start_agent, kvctl) ->
     assert looked.exit_code == 0, looked.stderr
     result = json.loads(looked.stdout)
     assert result["device_tokens"] >= 16 and len(result["pins"]) == 1
+    shown = kvctl("pool", "show", *at)
+    assert shown.exit_code == 0, shown.stderr
+    assert "of the token slots hold K/V" in shown.stdout and "residency" in shown.stdout
     listed = kvctl("prefix", "ls", *at)
     assert result["pins"][0] in listed.stdout and "largest cached prefixes" in listed.stdout
     both = kvctl("prefix", "lookup", "x", "--token-ids", "1,2", *at)

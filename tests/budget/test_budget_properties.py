@@ -83,7 +83,7 @@ class Member:
     def page_bytes(self) -> int:
         return self.pool.bytes_per_page
 
-    def evict(self, pages: int) -> int:
+    def evict(self, pages: int, reason: str = "allocation") -> int:
         """The prefix cache's evictor: frees pages only it holds, lowest first."""
         victims = [p for p in sorted(self.held) if self.pool.state(p) is PageState.CACHED]
         victims = victims[:pages]

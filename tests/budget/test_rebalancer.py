@@ -56,7 +56,7 @@ def add(
         pool.free("done")
         if evictable:
 
-            def evict(n: int) -> int:
+            def evict(n: int, reason: str = "allocation") -> int:
                 victims, held[:] = held[:n], held[n:]
                 pool.release_cached(victims)
                 return len(victims)

@@ -108,7 +108,7 @@ def test_allocation_evicts_cached_pages_when_short() -> None:
     p.hold_cached([0, 1, 2, 3])
     p.free("a")
 
-    def evict(n: int) -> int:
+    def evict(n: int, reason: str = "allocation") -> int:
         p.release_cached([3, 2][:n] if n <= 2 else [3, 2, 1, 0][:n])
         return n
 

@@ -97,7 +97,7 @@ def test_shrink_evicts_cached_pages_that_do_not_fit() -> None:
     pool.free("a")
     order = list(range(9, -1, -1))
 
-    def evict(n: int) -> int:
+    def evict(n: int, reason: str = "allocation") -> int:
         victims, order[:] = order[:n], order[n:]
         pool.release_cached(victims)
         return len(victims)

@@ -158,10 +158,10 @@ def test_a_prompt_preempted_mid_prefill_resumes_from_its_cached_pages(make_engin
     mid_prefill: list[tuple[int, int]] = []
     preempt = engine.scheduler.preempt
 
-    def recording(request) -> None:
+    def recording(request, reason: str = "growth") -> None:
         if not request.output_ids:
             mid_prefill.append((request.num_computed, len(request.prompt_ids)))
-        preempt(request)
+        preempt(request, reason)
 
     engine.scheduler.preempt = recording  # type: ignore[method-assign]
     assert run(engine) == expected

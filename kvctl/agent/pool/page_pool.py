@@ -38,7 +38,7 @@ from kvctl.agent.pool.stats import PageRun, PageState, PageStates, PoolOccupancy
 
 __all__ = ["DEFAULT_RESERVE_PAGES", "CopyOnWrite", "PagePool", "PageTable", "SeqId"]
 
-Evictor = Callable[[int], int]
+Evictor = Callable[[int, str], int]
 """Frees at least the given number of cached pages if it can; returns how many it freed."""
 RelocationListener = Callable[[dict[int, int]], None]
 """Told `{old page: new page}` after pages moved, so holders outside page tables can follow."""
@@ -222,11 +222,12 @@ class PagePool:
         """Pages an allocation can get: free ones, plus cached ones if they can be evicted."""
         return self.free_pages + (self.cached_pages if self._evictor else 0)
 
-    def evict(self, num_pages: int) -> int:
-        """Ask the prefix cache to free at least `num_pages` cached pages; return how many."""
+    def evict(self, num_pages: int, reason: str = "allocation") -> int:
+        """Ask the prefix cache to free at least `num_pages` cached pages, because of `reason`
+        (what needs the room); return how many."""
         if self._evictor is None or not self.cached_pages:
             return 0
-        return self._evictor(num_pages)
+        return self._evictor(num_pages, reason)
 
     @property
     def can_evict(self) -> bool:

@@ -171,7 +171,7 @@ class PoolResizer:
 
     def _evict(self, pages: int) -> int:
         """Free cached pages so that what is occupied fits the new size."""
-        freed = self.pool.evict(pages)
+        freed = self.pool.evict(pages, "shrink")
         if freed < pages:
             raise ResizeRefused(f"could evict only {freed} of {pages} cached pages")
         return freed

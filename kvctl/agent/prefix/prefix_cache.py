@@ -36,7 +36,11 @@ from kvctl.agent.pool import PagePool, PageState
 from kvctl.agent.pool.errors import PoolCorrupted
 from kvctl.agent.prefix.eviction import EVICTION_POLICIES, EvictionOrder, make_policy
 from kvctl.agent.prefix.radix_tree import PageOwners, RadixNode, RadixTree, relocate_pages
+from kvctl.agent.prefix.residency import Residency
 from kvctl.agent.prefix.window_pages import WindowPages
+
+EVICTION_REASONS = ("allocation", "shrink", "clear")
+"""What needed the room: an allocation (a request's pages), a pool shrink, an explicit clear."""
 
 
 class PrefixIsolation(StrEnum):
@@ -182,10 +186,12 @@ class PrefixCache:
         isolation: PrefixIsolation | str = PrefixIsolation.SALT,
         windows: Sequence[int | None] = (),
         wall: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`windows[g]`: the window of page group g's layers (None: full attention); the
         partitions of sliding groups keep their pages in `WindowPages`, the others in trees.
-        `wall` tells the time a listing shows as a prefix's last use."""
+        `wall` tells the time a listing shows as a prefix's last use; `clock` times the
+        residency figures (`residency`)."""
         self.pool = pool
         self._windows = tuple(windows)
         self._window_pages = WindowPages(pool)
@@ -201,9 +207,12 @@ class PrefixCache:
         self._pinned: set[int] = set()
         self._clock = 0
         self._tick_times = TickTimes(wall)
+        self.clock = clock
+        self.residency = Residency()  # page lifetime, idle time before eviction, reuse gap
         self.queries_tokens = 0
         self.hits_tokens = 0
         self.evictions: Counter[str] = Counter({name: 0 for name in EVICTION_POLICIES})
+        self.evictions_by_reason: Counter[str] = Counter({r: 0 for r in EVICTION_REASONS})
         self.spill: Spill | None = None  # where evicted pages go instead of being dropped
         self.events: PageEvents | None = None  # told of pages taken and freed (KV events)
         pool.set_evictor(self.evict)
@@ -269,7 +278,11 @@ class PrefixCache:
         if match.nodes and tree is not None:
             self._clock += 1
             self._tick_times.mark(self._clock)
-            tree.mark_used(match.nodes, match.tokens, self._clock)
+            at = self.clock()
+            last = match.nodes[-1].used_at
+            if last:
+                self.residency.reuse_gap.observe(at - last)
+            tree.mark_used(match.nodes, match.tokens, self._clock, at)
 
     def last_used_at(self, match: PrefixMatch) -> float | None:
         """When the prefix `match` found was last used or stored (wall clock, to a second);
@@ -314,7 +327,7 @@ class PrefixCache:
             self._tree_keys[id(tree)] = key
         self._clock += 1
         self._tick_times.mark(self._clock)
-        taken = tree.insert(tokens, pages, self._clock, whole)
+        taken = tree.insert(tokens, pages, self._clock, whole, self.clock())
         if taken:
             self.pool.hold_cached(taken)
             self._held_pages += len(taken)
@@ -333,9 +346,10 @@ class PrefixCache:
 
     # ---- eviction -------------------------------------------------------------------------
 
-    def evict(self, num_pages: int) -> int:
+    def evict(self, num_pages: int, reason: str = "allocation") -> int:
         """Free at least `num_pages` cached pages if that many can go, leaf-first in policy order;
-        return how many were freed. Pages a request uses and pinned pages are never freed."""
+        return how many were freed. Pages a request uses and pinned pages are never freed.
+        `reason` (EVICTION_REASONS) is what needed the room, counted per page."""
         order, release = self._order, self.pool.release_cached
         set_aside: list[tuple[RadixNode, RadixTree]] = []
         spilled: list[Spilled] = []
@@ -353,10 +367,7 @@ class PrefixCache:
             if not count:
                 set_aside.append(first)
                 continue
-            if self.spill is not None or self.events is not None:
-                start = leaf.end // self.page_size - count
-                key = self._key_of(tree)
-                spilled.append(Spilled(key, _path_tokens(leaf), start, leaf.pages[-count:]))
+            self._leaving(leaf, tree, count, spilled)
             dropped, remaining = tree.drop_last_pages(leaf, count)
             release(dropped)
             freed += count
@@ -371,8 +382,23 @@ class PrefixCache:
         if spilled and self.events is not None:  # after the spill: the tiers hold them first
             self.events.removed([s for s in spilled if s.key.group == 0])
         self.evictions[self._policy.name] += freed
+        self.evictions_by_reason[reason] += freed
         self._held_pages -= freed
         return freed
+
+    def _leaving(
+        self, leaf: RadixNode, tree: RadixTree, count: int, spilled: list[Spilled]
+    ) -> None:
+        """The last `count` pages of `leaf` are about to be evicted: time them, and note them
+        for the tiers and the KV events."""
+        if leaf.stored_at:
+            at = self.clock()
+            self.residency.lifetime.observe(at - leaf.stored_at, count)
+            self.residency.idle_before_evict.observe(at - leaf.used_at, count)
+        if self.spill is not None or self.events is not None:
+            start = leaf.end // self.page_size - count
+            key = self._key_of(tree)
+            spilled.append(Spilled(key, _path_tokens(leaf), start, leaf.pages[-count:]))
 
     def _evictable_tail(self, leaf: RadixNode) -> int:
         """How many of the leaf's last pages eviction may free: those after its last page in use
@@ -418,7 +444,7 @@ class PrefixCache:
 
     def clear(self) -> int:
         """Evict every page no request uses; return how many were freed."""
-        return self.evict(self.pool.cached_pages)
+        return self.evict(self.pool.cached_pages, "clear")
 
     def drop(self, keys: Collection[IsolationKey]) -> int:
         """Free every page of `keys`' partitions that no request uses, without handing them to

@@ -69,6 +69,8 @@ class RadixNode:
     hits: int = 0
     children: dict[int, RadixNode] = field(default_factory=dict)
     queued: bool = False
+    stored_at: float = 0.0  # clock seconds of the insert that made it (0: not timed)
+    used_at: float = 0.0  # clock seconds of its last use or insert (residency figures)
 
     @property
     def end(self) -> int:
@@ -348,9 +350,9 @@ class RadixTree:
             node = next(iter(node.children.values()))
         return node
 
-    def mark_used(self, path: Sequence[RadixNode], tokens: int, now: int) -> None:
+    def mark_used(self, path: Sequence[RadixNode], tokens: int, now: int, at: float = 0.0) -> None:
         """Record that a request used the first `tokens` positions along `path` (a match's nodes)
-        at tick `now`.
+        at tick `now` (clock seconds `at`).
 
         A match that ends inside an edge first splits it there, so that the unmatched rest keeps
         its own, older use and is evicted before the part that was just used.
@@ -364,11 +366,17 @@ class RadixTree:
         for node in used:
             node.last_access = now
             node.hits += 1
+            node.used_at = at
 
     # ---- inserting ------------------------------------------------------------------------
 
     def insert(
-        self, tokens: Sequence[int], pages: Sequence[int], now: int, whole: int | None = None
+        self,
+        tokens: Sequence[int],
+        pages: Sequence[int],
+        now: int,
+        whole: int | None = None,
+        at: float = 0.0,
     ) -> list[int]:
         """Add a sequence of whole pages (`len(tokens) == len(pages) * page_size`), or only its
         first `whole` pages and the tokens they hold (sparing the caller a copy of a long
@@ -395,11 +403,13 @@ class RadixTree:
                     taken if type(taken) is list else list(taken),
                     now,
                 )
+                leaf.stored_at = leaf.used_at = at
                 return leaf.pages
             common = common_prefix_len(tokens, pos, child.tokens, n)
             if common < len(child.tokens) and pos + common < n:
                 child = self._split(child, common)
             child.last_access = now
+            child.used_at = at
             node, pos = child, pos + common
         return []
 
@@ -430,6 +440,8 @@ class RadixTree:
             created=node.created,
             last_access=node.last_access,
             hits=node.hits,
+            stored_at=node.stored_at,
+            used_at=node.used_at,
         )
         self._next_id += 1
         if node.parent is None:

@@ -222,6 +222,9 @@ class EngineStats:
     page_groups: int = 1  # page tables per request (`layer_groups`)
     window_pages: int = 0  # pages running requests' sliding-window groups hold
     window_released_pages: int = 0  # pages sliding windows gave back while requests ran
+    token_slots_used: int = 0  # token slots of used pages that hold a token's K/V
+    preemptions_by_reason: Mapping[str, int] = field(default_factory=dict)
+    prefix_evictions_by_reason: Mapping[str, int] = field(default_factory=dict)  # pages
 
     @property
     def prefix_hit_ratio(self) -> float | None:
@@ -655,7 +658,24 @@ class Engine:
             page_groups=self.groups.count,
             window_pages=self.scheduler.window_pages(),
             window_released_pages=self.scheduler.window_released,
+            token_slots_used=self._token_slots_used(),
+            preemptions_by_reason=dict(self.scheduler.preemptions_by_reason),
+            prefix_evictions_by_reason=(
+                dict(self.prefix_cache.evictions_by_reason) if self.prefix_cache else {}
+            ),
         )
+
+    def _token_slots_used(self) -> int:
+        """The used pages' token slots less the empty ones, which are all at the end of some
+        table (a partly filled last page, pages taken ahead of the tokens): shared pages are
+        whole, and a pin's pages are full."""
+        page_size, pages = self.pool.page_size, self.scheduler.pages
+        empty = 0
+        for request in self.scheduler.running:
+            for table in pages.tables(request.seq_id):
+                places = (table.dropped + len(table.pages)) * page_size
+                empty += places - min(request.num_computed, table.num_tokens, places)
+        return self.pool.used_pages * page_size - empty
 
     def page_states(self) -> PageStates:
         """The pool's page states, the pages of sliding-window groups marked apart."""

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -140,6 +140,12 @@ class _Step:
         )
 
 
+PREEMPTION_REASONS = ("growth", "pool_too_small", "shrink")
+"""Why a running request lost its pages: another running request needed a page to grow (the
+youngest goes); it was alone and the pool cannot hold it until the pool grows (a shared budget);
+the pool shrank (an operator's resize, or the budget moving memory to another pool)."""
+
+
 class Scheduler:
     """Owns the waiting queue and the running set, and the pages each running request holds."""
 
@@ -175,6 +181,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the youngest is last
         self.preemptions = 0
+        self.preemptions_by_reason: Counter[str] = Counter({r: 0 for r in PREEMPTION_REASONS})
         self.window_released = 0  # pages sliding windows gave back while their requests ran
         self.clock = clock
         # The most pages a shared KV budget may still give the pool (None: its capacity is all)
@@ -296,7 +303,7 @@ class Scheduler:
         shrink that must give memory back; how many were preempted."""
         preempted = 0
         while self.running and self.pool.used_pages > pages:
-            self.preempt(self.running[-1])
+            self.preempt(self.running[-1], "shrink")
             preempted += 1
         return preempted
 
@@ -507,14 +514,14 @@ class Scheduler:
         itself was preempted, or ended because it cannot fit even alone."""
         if self.running == [request]:  # alone and still no room: the pool is too small
             if self.pages.pages_for(request.num_tokens + 1) <= self.most_pages():
-                self.preempt(request)  # its pool may yet grow: wait for the memory
+                self.preempt(request, "pool_too_small")  # its pool may yet grow: wait for it
                 return False
             self.finish(request)
             self._end_for_capacity(request)
             ended.append(request)
             return False
         victim = self.running[-1]
-        self.preempt(victim)
+        self.preempt(victim, "growth")
         return victim is not request
 
     def step_computed(self, batch: ScheduledBatch) -> None:
@@ -548,8 +555,9 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self._cache_computed(request)
 
-    def preempt(self, request: Request) -> None:
-        """Free a running request's pages and queue it first for recomputation."""
+    def preempt(self, request: Request, reason: str = "growth") -> None:
+        """Free a running request's pages and queue it first for recomputation; `reason`
+        (PREEMPTION_REASONS) is counted."""
         self.running.remove(request)
         self._cache_computed(request)
         self.pages.free(request.seq_id)
@@ -558,6 +566,7 @@ class Scheduler:
         request.preemptions += 1
         request.queued_at = self.clock()
         self.preemptions += 1
+        self.preemptions_by_reason[reason] += 1
         self.waiting.appendleft(request)
 
     def finish(self, request: Request) -> None:

@@ -15,6 +15,9 @@ from kvctl.units import format_bytes
 from kvctl.view import fmt, render
 from kvctl.view.untrusted import clean
 
+WIDE = 60
+"""Columns from which the panel also shows token usage and residency (a 160-column screen)."""
+
 
 class RequestsPanel(Widget):
     """What the scheduler is doing with the pool, and the GPU memory around it."""
@@ -43,6 +46,7 @@ class RequestsPanel(Widget):
                 (f"{pool.requests_waiting}", fmt.WARN if pool.requests_waiting else "bold"),
                 ("   preemptions ", "dim"),
                 (f"{pool.preemptions_total:,}", "bold"),
+                (render.by_reason(pool.preemptions_by_reason_total), "dim"),
             ),
             Text(
                 f"pool {clean(pool.pool)} on {clean(pool.device)}: "
@@ -57,6 +61,11 @@ class RequestsPanel(Widget):
         pins = render.pin_summary(pool)
         if pins is not None:
             lines.append(Text(f"pins: {pins}"))
+        if self.size.width >= WIDE:  # on a narrow panel they would push the map off the screen
+            lines.append(Text(f"tokens: {render.token_usage(pool)}"))
+            residency = render.residency_summary(pool)
+            if residency is not None:
+                lines.append(Text(f"residency: {residency}"))
         share = share_line(pool, self.size.width)
         if share is not None:
             lines.append(share)
