@@ -178,3 +178,75 @@ def test_a_prefix_is_copied_into_the_host_tier_and_loaded_from_it(make_engine, d
         ops(engine).store_below(None, system, "disk")
     with pytest.raises(PrefixOpRefused, match="no host tier"):
         ops(make_engine()).store_below(None, system, "host")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pins_lookups_and_clears_at_random_moments_change_no_token(make_engine, demo, seed):
+    """Requests with shared prefixes in a small pool with a host tier, and at random moments
+    pins (with and without a TTL), unpins, expiries, lookups, copies to the host tier, clears,
+    defrag steps, evictions and resizes: every step keeps the pool's and the cache's
+    invariants, and every request gets the tokens it gets alone in a pool large enough."""
+    import contextlib
+    import random
+
+    rng = random.Random(seed)
+    bases = [demo[2].encode(text) for text in (SYSTEM, SYSTEM[:30] + "!", "Other tenant: ")]
+    prompts = [
+        rng.choice(bases)[: rng.randint(8, 30)] + [rng.randrange(40, 120)] * rng.randint(1, 4)
+        for _ in range(14)
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(2, 10), ignore_eos=True)
+        for _ in prompts
+    ]
+    salts = [rng.choice([None, "t1"]) for _ in prompts]
+    reference = make_engine(prefix_cache=False)
+    alone = [reference.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+    while reference.has_work():
+        reference.step()
+    expected = [r.output_ids for r in alone]
+
+    engine = make_engine(pool_pages=24, segment_pages=8, host_tier_bytes=16 << 20)
+    now = [0.0]
+    engine.scheduler.pins.wall = lambda: now[0]
+    requests: list = []
+    pinned = 0
+    while len(requests) < len(prompts) or engine.has_work():
+        action = rng.random()
+        now[0] += 1.0
+        if len(requests) < len(prompts) and action < 0.3:
+            i = len(requests)
+            requests.append(engine.add_request(prompts[i], params[i], cache_salt=salts[i]))
+        elif action < 0.6:
+            with contextlib.suppress(PrefixOpRefused, UnknownPin, ResizeRefused):
+                pinned += operate(engine, rng, rng.choice(bases), rng.choice([None, "t1"]))
+        elif engine.has_work():
+            engine.step()
+        check(engine)
+    assert [r.output_ids for r in requests] == expected
+    assert pinned > 0 and engine.stats.prefix_hits_tokens > 0
+
+
+def operate(engine: Engine, rng, base: list[int], salt: str | None) -> int:
+    """One operator's action, or a defrag, eviction or resize, chosen at random; 1 for a pin."""
+    choice = rng.randrange(9)
+    if choice == 0:
+        ops(engine).pin(salt, base, ttl_s=rng.choice([None, 5.0]))
+        return 1
+    if choice == 1 and engine.scheduler.pins.all():
+        ops(engine).unpin(rng.choice(engine.scheduler.pins.all()).pin_id)
+    elif choice == 2:
+        ops(engine).expire()
+    elif choice == 3:
+        assert ops(engine).lookup(salt, base).device_tokens <= len(base)
+    elif choice == 4:
+        ops(engine).store_below(salt, base, "host")
+    elif choice == 5:
+        ops(engine).clear({salt}, {"device", "host"})
+    elif choice == 6:
+        engine.defragmenter.step(rng.randint(1, 6))
+    elif choice == 7:
+        engine.pool.evict(rng.randint(1, 6))
+    else:
+        engine.resizer.resize(rng.choice([24, 32]))
+    return 0
