@@ -279,9 +279,15 @@ def test_large_text_prompts_are_refused_untokenized_and_memory_comes_back(start_
         assert {r.status_code for r in responses} == {400}
     message = responses[0].json()["error"]["message"]
     assert "the prompt is 1000000 bytes, over this agent's limit of 65536" in message
-    time.sleep(2.0)
-    grown = rss_bytes(agent.process.pid) - before
-    assert grown < 32 << 20, f"RSS grew by {grown >> 20} MiB after 150 one-megabyte prompts"
+    # The agent trims its heap after a second idle (kvctl.agent.memory). Measured on this VM:
+    # without the trim the three floods leave 64-112 MiB behind, with it -10 to 37 MiB (what is
+    # left varies with where the bodies fell in the arenas), so 48 MiB tells the two apart.
+    deadline = time.monotonic() + 10.0
+    while (grown := rss_bytes(agent.process.pid) - before) >= 48 << 20:
+        assert time.monotonic() < deadline, (
+            f"RSS still {grown >> 20} MiB higher 10 s after 150 one-megabyte prompts"
+        )
+        time.sleep(0.25)
     with client(agent) as http:
         wait_for(lambda: counters(http, "kvctl_requests_rejected_total")["invalid"] == 150)
 
