@@ -216,7 +216,8 @@ def tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def _headers(token: str | None) -> dict[str, str]:
+def request_headers(token: str | None) -> dict[str, str]:
+    """What kvctl sends with every request: who it is, JSON, and the token when given."""
     headers = {"User-Agent": f"kvctl/{__version__}", "Accept": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
@@ -419,7 +420,7 @@ class AgentClient:
         self.timeout = timeout
         self._http = httpx.Client(
             base_url=self.url,
-            headers=_headers(token),
+            headers=request_headers(token),
             timeout=timeout,
             transport=transport,
             verify=tls_context(),
@@ -565,7 +566,7 @@ class AsyncAgentClient:
         self.timeout = timeout
         self._http = httpx.AsyncClient(
             base_url=self.url,
-            headers=_headers(token),
+            headers=request_headers(token),
             timeout=timeout,
             transport=transport,
             verify=tls_context(),

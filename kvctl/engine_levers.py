@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from kvctl import __version__, bounded_read
+from kvctl import bounded_read
 from kvctl.bounded_read import MAX_JSON_BYTES, ReadLimit, check_depth
 from kvctl.client import (
     DEFAULT_TIMEOUT,
@@ -35,6 +35,7 @@ from kvctl.client import (
     AgentUnauthorized,
     AgentUnreachable,
     normalize_url,
+    request_headers,
     tls_context,
 )
 from kvctl.engines import KVCTL, SGLANG, TRTLLM, VLLM, Engine, engine_named, split_engine
@@ -297,12 +298,9 @@ class EngineServer:
         self.url = normalize_url(url)
         self.token = token
         self.timeout = timeout
-        headers = {"User-Agent": f"kvctl/{__version__}", "Accept": "application/json"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(
             base_url=self.url,
-            headers=headers,
+            headers=request_headers(token),
             timeout=timeout,
             transport=transport,
             verify=tls_context(),

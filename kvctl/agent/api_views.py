@@ -15,7 +15,10 @@ from typing import Any
 
 from kvctl import api
 from kvctl.agent.pool import DefragReport, PoolOccupancy
+from kvctl.agent.prefix.prefix_cache import CachedPrefix
 from kvctl.agent.prefix.residency import Residency
+from kvctl.agent.runtime.prefix_ops import PrefixLookup
+from kvctl.agent.runtime.prefix_pins import PrefixPin
 from kvctl.agent.tiers import TierStats
 
 _TIER_NAMES: dict[str, api.TierName] = {"host": "host", "disk": "disk"}
@@ -87,6 +90,43 @@ def residency_view(residency: Residency) -> dict[str, api.DurationBuckets]:
             bounds=list(counts.bounds), cumulative=list(cumulative), sum=total
         )
     return views
+
+
+def lookup_view(model: str, found: PrefixLookup) -> api.PrefixLookupResult:
+    return api.PrefixLookupResult(
+        model=model,
+        cache_salt=found.salt,
+        prompt_tokens=found.prompt_tokens,
+        device_tokens=found.device_tokens,
+        device_pages=found.device_pages,
+        tier_tokens=found.tier_tokens,
+        last_used_at=found.last_used_at,
+        pins=found.pins,
+    )
+
+
+def pin_view(model: str, pin: PrefixPin, preview: str) -> api.PrefixPinView:
+    return api.PrefixPinView(
+        id=pin.pin_id,
+        model=model,
+        cache_salt=pin.salt,
+        tokens=pin.tokens,
+        pages=pin.pages,
+        created_at=pin.created_at,
+        expires_at=pin.expires_at,
+        preview=preview,
+    )
+
+
+def cached_prefix_view(model: str, prefix: CachedPrefix, preview: str) -> api.CachedPrefixView:
+    return api.CachedPrefixView(
+        model=model,
+        cache_salt=prefix.key.salt,
+        tokens=len(prefix.tokens),
+        pages=prefix.pages,
+        last_used_at=prefix.last_used_at,
+        preview=preview,
+    )
 
 
 def resize_direction(old_pages: int, new_pages: int) -> api.ResizeDirection:

@@ -87,7 +87,7 @@ class ModelPool:
         self._last_defrag: DefragResult | None = None  # as the snapshot shows it
         self._last_defrag_at: float | None = None
         self._seen_failures = engine.pool.alloc_failures
-        self._seen_preemptions = engine.stats.preemptions
+        self._seen_preemptions = engine.scheduler.preemptions
         engine.auto_defrag.add_listener(self._note_defrag)
         self.snapshot: PoolSnapshot | None = None
 
@@ -208,7 +208,7 @@ class ModelPool:
         beyond free and evictable pages, failed allocations and preemptions."""
         engine = self.engine
         pool = engine.pool
-        failures, preemptions = pool.alloc_failures, engine.stats.preemptions
+        failures, preemptions = pool.alloc_failures, engine.scheduler.preemptions
         pressure = Pressure(
             short_pages=self.short_pages(),
             failures=failures - self._seen_failures,

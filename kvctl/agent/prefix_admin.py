@@ -1,5 +1,5 @@
 """The agent's prefix operations across its pools: which pool a command is for, the engine
-thread's check, and the wire models of what each returns.
+thread's check, and the previews of the prefixes the wire models show (`api_views`).
 
 Every method runs on the engine thread (`AgentService.call`), between two steps. A pool runs
 them through its engine's `PrefixOperations`; a pool without a prefix cache refuses them in one
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvctl import api
+from kvctl.agent.api_views import cached_prefix_view, lookup_view, pin_view
 from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.prefix.prefix_cache import CachedPrefix
 from kvctl.agent.runtime.prefix_ops import PrefixOperations
@@ -47,17 +48,7 @@ class PrefixAdmin:
         self, name: str | None, salt: str | None, token_ids: Sequence[int]
     ) -> api.PrefixLookupResult:
         pool, ops = self.ops(name)
-        found = ops.lookup(salt, token_ids)
-        return api.PrefixLookupResult(
-            model=pool.name,
-            cache_salt=salt,
-            prompt_tokens=found.prompt_tokens,
-            device_tokens=found.device_tokens,
-            device_pages=found.device_pages,
-            tier_tokens=found.tier_tokens,
-            last_used_at=found.last_used_at,
-            pins=found.pins,
-        )
+        return lookup_view(pool.name, ops.lookup(salt, token_ids))
 
     def pin(
         self, name: str | None, salt: str | None, token_ids: Sequence[int], ttl_s: float | None
@@ -156,24 +147,8 @@ def _preview(pool: ModelPool, token_ids: Sequence[int]) -> str:
 
 
 def _pin_view(pool: ModelPool, pin: PrefixPin) -> api.PrefixPinView:
-    return api.PrefixPinView(
-        id=pin.pin_id,
-        model=pool.name,
-        cache_salt=pin.salt,
-        tokens=pin.tokens,
-        pages=pin.pages,
-        created_at=pin.created_at,
-        expires_at=pin.expires_at,
-        preview=_preview(pool, pin.token_ids),
-    )
+    return pin_view(pool.name, pin, _preview(pool, pin.token_ids))
 
 
 def _prefix_view(pool: ModelPool, prefix: CachedPrefix) -> api.CachedPrefixView:
-    return api.CachedPrefixView(
-        model=pool.name,
-        cache_salt=prefix.key.salt,
-        tokens=len(prefix.tokens),
-        pages=prefix.pages,
-        last_used_at=prefix.last_used_at,
-        preview=_preview(pool, prefix.tokens),
-    )
+    return cached_prefix_view(pool.name, prefix, _preview(pool, prefix.tokens))

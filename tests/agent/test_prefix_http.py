@@ -221,3 +221,19 @@ def test_move_stores_a_copy_below_and_brings_a_prefix_back(start_agent, kvctl) -
         by_tier = snapshot(http)["prefix_hits_tokens_by_tier"]
         assert by_tier["host"] >= host  # the device got it back from the host tier
     assert "audit action=prefix_move outcome=ok" in "\n".join(agent.log)
+
+
+def test_a_warm_pin_whose_client_vanishes_aborts_its_request(start_agent) -> None:
+    agent = start_agent("--pool-pages", "256", "--segment-pages", "32")
+    long = "The system prompt of a tenant who leaves before it is computed. " * 40
+    with pytest.raises(httpx.TimeoutException), client(agent) as http:
+        http.post("/v1/prefix/pins", json={"prompt": long, "warm": True}, timeout=0.05)
+    with client(agent) as http:
+        deadline = time.monotonic() + 10
+        while True:
+            finished = snapshot(http)["requests_finished_total"]
+            if finished.get("abort") or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert finished.get("abort") == 1 and not finished.get("length"), finished
+        assert snapshot(http)["prefix_pins"] == 0

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import heapq
 import time
-from array import array
-from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -138,35 +136,6 @@ class CachedPrefix:
     last_used_at: float | None
 
 
-class TickTimes:
-    """The wall-clock time of the cache's logical ticks, to a second: a mark (tick, time) when a
-    second has passed since the last one, so a tick happened within a second after the time of
-    the last mark at or before it. Old marks go when there are `keep` of them (ticks before the
-    oldest mark read as its time)."""
-
-    def __init__(self, wall: Callable[[], float] = time.time, keep: int = 100_000) -> None:
-        self._wall = wall
-        self._keep = keep
-        self._ticks = array("q")
-        self._times = array("d")
-
-    def mark(self, tick: int) -> None:
-        now = self._wall()
-        if self._times and now - self._times[-1] < 1.0:
-            return
-        if len(self._ticks) >= self._keep:
-            del self._ticks[: self._keep // 2], self._times[: self._keep // 2]
-        self._ticks.append(tick)
-        self._times.append(now)
-
-    def time_of(self, tick: int) -> float | None:
-        """When `tick` happened, None before the first mark."""
-        i = bisect_right(self._ticks, tick) - 1
-        if i < 0:
-            return self._times[0] if self._times and tick > 0 else None
-        return self._times[i]
-
-
 class PrefixCacheCorrupted(PoolCorrupted):
     """The trees disagree with the pool's holds: a bug, never a user error."""
 
@@ -190,8 +159,8 @@ class PrefixCache:
     ) -> None:
         """`windows[g]`: the window of page group g's layers (None: full attention); the
         partitions of sliding groups keep their pages in `WindowPages`, the others in trees.
-        `wall` tells the time a listing shows as a prefix's last use; `clock` times the
-        residency figures (`residency`)."""
+        `clock` times the nodes' uses (the residency figures, `residency`); `wall` turns those
+        times into the wall-clock times a lookup or a listing shows."""
         self.pool = pool
         self._windows = tuple(windows)
         self._window_pages = WindowPages(pool)
@@ -206,7 +175,7 @@ class PrefixCache:
         self._held_pages = 0
         self._pinned: set[int] = set()
         self._clock = 0
-        self._tick_times = TickTimes(wall)
+        self.wall = wall
         self.clock = clock
         self.residency = Residency()  # page lifetime, idle time before eviction, reuse gap
         self.queries_tokens = 0
@@ -277,7 +246,6 @@ class PrefixCache:
         tree = self._trees.get(match.key)
         if match.nodes and tree is not None:
             self._clock += 1
-            self._tick_times.mark(self._clock)
             at = self.clock()
             last = match.nodes[-1].used_at
             if last:
@@ -285,11 +253,13 @@ class PrefixCache:
             tree.mark_used(match.nodes, match.tokens, self._clock, at)
 
     def last_used_at(self, match: PrefixMatch) -> float | None:
-        """When the prefix `match` found was last used or stored (wall clock, to a second);
-        None for a sliding group's match or no match."""
-        if not match.nodes:
-            return None
-        return self._tick_times.time_of(match.nodes[-1].last_access)
+        """When the prefix `match` found was last used or stored (wall clock); None for a
+        sliding group's match or no match."""
+        return self._wall_time(match.nodes[-1].used_at) if match.nodes else None
+
+    def _wall_time(self, at: float) -> float | None:
+        """The wall-clock time of clock time `at` (None for a node never timed)."""
+        return self.wall() - (self.clock() - at) if at else None
 
     def evictable_pages(self, *matches: PrefixMatch) -> int:
         """Cached pages eviction can free now, or once `matches` are adopted (adoption makes
@@ -326,7 +296,6 @@ class PrefixCache:
             tree = self._trees[key] = RadixTree(page_size, self._owners, self._order.add)
             self._tree_keys[id(tree)] = key
         self._clock += 1
-        self._tick_times.mark(self._clock)
         taken = tree.insert(tokens, pages, self._clock, whole, self.clock())
         if taken:
             self.pool.hold_cached(taken)
@@ -396,9 +365,12 @@ class PrefixCache:
             self.residency.lifetime.observe(at - leaf.stored_at, count)
             self.residency.idle_before_evict.observe(at - leaf.used_at, count)
         if self.spill is not None or self.events is not None:
-            start = leaf.end // self.page_size - count
-            key = self._key_of(tree)
-            spilled.append(Spilled(key, _path_tokens(leaf), start, leaf.pages[-count:]))
+            spilled.append(self._spilled(self._key_of(tree), leaf, count))
+
+    def _spilled(self, key: IsolationKey, leaf: RadixNode, count: int) -> Spilled:
+        """The last `count` pages of `leaf` as the tiers and the KV events take them."""
+        start = leaf.end // self.page_size - count
+        return Spilled(key, _path_tokens(leaf), start, leaf.pages[-count:])
 
     def _evictable_tail(self, leaf: RadixNode) -> int:
         """How many of the leaf's last pages eviction may free: those after its last page in use
@@ -474,8 +446,7 @@ class PrefixCache:
                 count = self._evictable_tail(leaf) if leaf.parent is not None else 0
                 if not count:
                     continue
-                start = leaf.end // self.page_size - count
-                dropped.append(Spilled(key, _path_tokens(leaf), start, leaf.pages[-count:]))
+                dropped.append(self._spilled(key, leaf, count))
                 pages, _ = tree.drop_last_pages(leaf, count)
                 self.pool.release_cached(pages)
                 freed += count
@@ -494,8 +465,7 @@ class PrefixCache:
             while node is not None:
                 pages += len(node.pages)
                 node = node.parent
-            used = self._tick_times.time_of(leaf.last_access)
-            out.append(CachedPrefix(key, _path_tokens(leaf), pages, used))
+            out.append(CachedPrefix(key, _path_tokens(leaf), pages, self._wall_time(leaf.used_at)))
         return out
 
     # ---- page moves -----------------------------------------------------------------------

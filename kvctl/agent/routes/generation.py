@@ -415,7 +415,7 @@ class Generation:
             return outputs
 
         collecting = asyncio.ensure_future(gather())
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(disconnected(request))
         await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not collecting.done():
             collecting.cancel()
@@ -448,7 +448,7 @@ class Generation:
         return tokenizer.decode([token_id])
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
     """Return when the client closes its connection (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass

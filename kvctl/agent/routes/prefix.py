@@ -26,7 +26,7 @@ from kvctl.agent.model.sampling import SamplingParams
 from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.prefix_admin import UnknownSalt
 from kvctl.agent.routes.chat import prompt_ids
-from kvctl.agent.routes.generation import Generation
+from kvctl.agent.routes.generation import Generation, disconnected
 from kvctl.agent.routes.pools import pool_of
 from kvctl.agent.runtime import Engine, RequestRefused
 from kvctl.agent.runtime import Request as EngineRequest
@@ -54,8 +54,8 @@ async def query_ids(ctx: ServerContext, pool: ModelPool, body: PrefixQuery) -> l
     gen = Generation(ctx, "prefix", pool)
     if body.token_ids is not None:
         gen.check_vocabulary(body.token_ids, "token_ids")
-        return list(body.token_ids)
-    if body.prompt is not None:
+        ids = list(body.token_ids)
+    elif body.prompt is not None:
         ids = await gen.tokenize(body.prompt)
     else:
         assert body.messages is not None
@@ -65,12 +65,16 @@ async def query_ids(ctx: ServerContext, pool: ModelPool, body: PrefixQuery) -> l
         ids = await prompt_ids(ctx, gen, chat)
     if not ids:
         raise ApiError(400, "the prompt has no tokens")
+    gen.check_length(ids)
     return ids
 
 
-async def warm(ctx: ServerContext, pool: ModelPool, ids: list[int], salt: str | None) -> None:
+async def warm(
+    ctx: ServerContext, request: Request, pool: ModelPool, ids: list[int], salt: str | None
+) -> None:
     """Compute the prompt as a one-token request in `salt`'s partition, so that its pages are
-    cached when it ends (a refusal, such as a full queue, as the generation routes answer)."""
+    cached when it ends (a refusal, such as a full queue, as the generation routes answer; a
+    client that leaves first has the request aborted, as they do)."""
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     loop = asyncio.get_running_loop()
 
@@ -81,8 +85,18 @@ async def warm(ctx: ServerContext, pool: ModelPool, ids: list[int], salt: str | 
         stream = await asyncio.wrap_future(ctx.service.open_stream(add, loop, pool))
     except RequestRefused as refused:
         raise ApiError(429 if refused.reason == "queue_full" else 409, str(refused)) from None
-    while (await stream.events.get()).finish_reason is None:
-        pass
+
+    async def finished() -> None:
+        while (await stream.events.get()).finish_reason is None:
+            pass
+
+    done, gone = asyncio.ensure_future(finished()), asyncio.ensure_future(disconnected(request))
+    await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not done.done():
+        done.cancel()
+        ctx.service.abort(stream.request_id)
+        raise ApiError(499, "the client left before the prompt was computed; nothing was pinned")
+    gone.cancel()
 
 
 async def on_engine_refusing(ctx: ServerContext, fn: Callable[[], T]) -> T:
@@ -126,7 +140,7 @@ async def pin(request: Request, body: PrefixPinRequest, ctx: Context) -> PrefixP
             found = await on_engine_refusing(ctx, lambda: admin.lookup(pool.name, salt, ids))
             whole = len(ids) // pool.engine.pool.page_size * pool.engine.pool.page_size
             if found.device_tokens < whole:
-                await warm(ctx, pool, ids, salt)
+                await warm(ctx, request, pool, ids, salt)
         view = await on_engine_refusing(ctx, lambda: admin.pin(pool.name, salt, ids, body.ttl_s))
     except ApiError as refused:
         ctx.audit_request(
@@ -157,7 +171,7 @@ async def move(request: Request, body: PrefixMoveRequest, ctx: Context) -> Prefi
     admin, salt = ctx.service.prefix, body.cache_salt
     try:
         if body.to == "device":
-            await warm(ctx, pool, ids, salt)
+            await warm(ctx, request, pool, ids, salt)
         else:
             await on_engine_refusing(ctx, lambda: admin.store_below(pool.name, salt, ids, body.to))
         found = await on_engine_refusing(ctx, lambda: admin.lookup(pool.name, salt, ids))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from kvctl.agent.prefix import PrefixCache
+from kvctl.agent.prefix import PrefixCache, PrefixMatch
 from kvctl.agent.prefix.prefix_cache import PrefixIsolation
 from kvctl.agent.runtime.prefix_pins import PrefixOpRefused, PrefixPin, PrefixPins
 from kvctl.agent.runtime.scheduler import Scheduler
@@ -88,13 +88,9 @@ class PrefixOperations:
         """Pin the whole pages of `token_ids` the device holds; `PinRefused` when none are
         cached or the cap would be passed."""
         self._check_isolation()
-        page_size = self.scheduler.pool.page_size
-        whole = len(token_ids) // page_size * page_size
-        matches = self.scheduler.prefix_matches(salt, token_ids, whole)
-        cut = matches[0].tokens // page_size * page_size
-        if cut != matches[0].tokens:
-            matches = self.scheduler.prefix_matches(salt, token_ids, cut)
-        return self.pins.add(salt, token_ids, matches, ttl_s, self.cap_pages)
+        return self.pins.add(
+            salt, token_ids, self._whole_pages(salt, token_ids), ttl_s, self.cap_pages
+        )
 
     def store_below(self, salt: str | None, token_ids: Sequence[int], tier: str) -> int:
         """Copy the device's whole pages of `token_ids` into tier `tier` (the first below the
@@ -109,17 +105,19 @@ class PrefixOperations:
                 "the next one as it evicts them"
             )
         page_size = self.scheduler.pool.page_size
-        whole = len(token_ids) // page_size * page_size
-        matches = self.scheduler.prefix_matches(salt, token_ids, whole)
-        cut = matches[0].tokens // page_size * page_size
-        if cut != matches[0].tokens:
-            matches = self.scheduler.prefix_matches(salt, token_ids, cut)
+        matches = self._whole_pages(salt, token_ids)
+        cut = matches[0].tokens
         if not cut:
             raise PrefixOpRefused("nothing of this prefix is cached on the device to store")
         for match in matches:
             tiers.store(match.key, token_ids[:cut], match.dropped, match.pages)
         held = [tiers.prefix_pages(m.key, token_ids, cut // page_size) for m in matches]
         return min(h[tier] for h in held) * page_size
+
+    def _whole_pages(self, salt: str | None, token_ids: Sequence[int]) -> list[PrefixMatch]:
+        """The device's whole pages of `token_ids` in salt `salt`'s partitions."""
+        matches = self.scheduler.prefix_matches(salt, token_ids, len(token_ids))
+        return self.scheduler.whole_pages(token_ids, matches)
 
     def unpin(self, pin_id: str) -> PrefixPin:
         return self.pins.remove(pin_id)

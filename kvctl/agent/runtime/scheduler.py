@@ -260,7 +260,7 @@ class Scheduler:
             tokens = request.num_tokens
             matches, below = self._match(request)
             if matches is not None and not self._fits(tokens, matches):
-                matches = self._whole_pages_match(request, matches)
+                matches = self.whole_pages(request.token_ids, matches)
             if not self._fits(tokens, matches):
                 if self._waits_for_growth(request):
                     passed += 1
@@ -326,7 +326,7 @@ class Scheduler:
         if not found or found * self.pool.page_size < self.tier_min_load_tokens:
             return matches, None
         below = [TierHit(hit.first_page, hit.digests[:found]) for hit in hits if hit is not None]
-        return self._whole_pages_match(request, matches), below
+        return self.whole_pages(request.token_ids, matches), below
 
     def prefix_matches(
         self, salt: str | None, token_ids: Sequence[int], limit: int
@@ -372,14 +372,16 @@ class Scheduler:
         if not request.preemptions:
             request.cached_tokens += loaded
 
-    def _whole_pages_match(self, request: Request, matches: list[PrefixMatch]) -> list[PrefixMatch]:
-        """The matches without their partly matched last page, whose copy needs a page more."""
+    def whole_pages(
+        self, token_ids: Sequence[int], matches: list[PrefixMatch]
+    ) -> list[PrefixMatch]:
+        """The matches without their partly matched last page (whose copy needs a page more;
+        a pin holds whole pages only)."""
         assert self.prefix_cache is not None
         whole = matches[0].full_pages * self.pool.page_size
         if whole == matches[0].tokens:
             return matches
-        cut = request.token_ids[: whole + 1]
-        return [self.prefix_cache.match(match.key, cut) for match in matches]
+        return [self.prefix_cache.match(match.key, token_ids, whole) for match in matches]
 
     def _fits(self, tokens: int, matches: list[PrefixMatch] | None) -> bool:
         """Whether the pages a request needs are there, keeping a page per running request and
