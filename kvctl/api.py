@@ -403,6 +403,77 @@ class PoolShare(Response):
         return self.budget_bytes - self.assigned_bytes
 
 
+# ---- sleeping models ------------------------------------------------------------------------
+
+SleepLevel = Literal[1, 2]
+"""1: the KV pool is released and the weights kept in host memory (moved there from a GPU);
+2: the weights are dropped too, and reloaded from the checkpoint on wake."""
+SleepStateName = Literal["awake", "asleep", "waking"]
+SleepTrigger = Literal["manual", "idle"]
+WakeTrigger = Literal["manual", "request"]
+
+
+class SleepRequest(Strict):
+    """POST /v1/pools/{name}/sleep: release the model's KV pool (and, at level 2, its
+    weights). `force` sleeps the agent's last awake model too (every request then waits for a
+    wake)."""
+
+    level: SleepLevel = 1
+    force: bool = False
+
+
+class SleepReading(Response):
+    """Where a model stands: awake, asleep or waking (its weights loading, requests waiting)."""
+
+    state: SleepStateName = "awake"
+    level: SleepLevel | None = None
+    """The level it sleeps (or slept, while waking) at; null when awake."""
+    asleep_seconds: float | None = None
+    """Since it fell asleep (null when awake)."""
+    released_bytes: int = 0
+    """Device memory the sleep gave back: the KV pool, and on a GPU the weights (0 when
+    awake). On the CPU, level 2's dropped weights are host memory: `weights_released_bytes`."""
+    weights_released_bytes: int = 0
+    """Bytes of weights dropped (level 2) or moved off the device (level 1 on a GPU)."""
+    sleeps_total: dict[str, int] = {}
+    """By trigger: manual (kvctl sleep), idle (sleep.idle_s)."""
+    wakes_total: dict[str, int] = {}
+    """By trigger: manual (kvctl wake), request (a request for the sleeping model)."""
+    last_wake_seconds: float | None = None
+    """How long the last wake took: from the wake to the model's first step."""
+    last_wake_error: str | None = None
+    """Why the last wake failed (its checkpoint could not be loaded), until one succeeds."""
+
+
+class SleepResult(Response):
+    """What a sleep released."""
+
+    pool: str
+    level: SleepLevel
+    trigger: SleepTrigger
+    kv_bytes: int
+    """The KV pool's memory given back (to the budget, or to the device)."""
+    weights_bytes: int
+    """Weights dropped (level 2) or moved to host memory (level 1 on a GPU; 0 on the CPU,
+    where they already are)."""
+    pages_evicted: int
+    """Cached prefix pages evicted (down a tier where a tier's policy keeps them)."""
+
+
+class WakeResult(Response):
+    """A wake carried out: how long it took and the pool it has now."""
+
+    pool: str
+    woke: bool
+    """False when the model was awake already (nothing done)."""
+    level: SleepLevel | None
+    """The level it slept at."""
+    trigger: WakeTrigger
+    wake_seconds: float
+    capacity_pages: int
+    weights_reloaded: bool
+
+
 class PoolSnapshot(PoolOccupancy):
     """GET /v1/pool: one consistent reading of the pool, the scheduler and the counters.
 
@@ -507,6 +578,9 @@ class PoolSnapshot(PoolOccupancy):
     share: PoolShare | None = None
     """Where the pool stands in the budget it shares with the agent's other pools; null when
     the agent serves one model (its `--kv-budget` is then its ceiling, `max_pool_pages`)."""
+    sleep: SleepReading = SleepReading()
+    """Whether the model sleeps (kvctl sleep; sleep.idle_s): asleep, its pool holds no pages
+    and its capacity reads 0."""
 
     @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
     @property
@@ -927,11 +1001,12 @@ class ChatCompletionRequest(GenerationFields):
         return value
 
 
-RejectReason = Literal["queue_full", "too_large", "invalid", "shutting_down"]
+RejectReason = Literal["queue_full", "too_large", "invalid", "shutting_down", "wake_failed"]
 """Why a request was refused before it was queued (`requests_rejected_total`): `queue_full`,
 429, the queue is at --max-waiting; `too_large`, its prompt plus max_tokens can never fit the pool
 or the model's context; `invalid`, a limit on the input (prompt bytes or tokens, `max_tokens`);
-`shutting_down`, 503 while the agent drains."""
+`shutting_down`, 503 while the agent drains; `wake_failed`, 503, its model sleeps and could not
+wake (no room for its pool)."""
 
 AdminAction = Literal[
     "defrag",
@@ -943,6 +1018,8 @@ AdminAction = Literal[
     "prefix_unpin",
     "prefix_clear",
     "prefix_move",
+    "sleep",
+    "wake",
 ]
 """The audited mutations (`admin_actions_total`)."""
 

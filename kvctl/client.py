@@ -58,8 +58,11 @@ from kvctl.api import (
     ResizeResult,
     RuntimeSettings,
     RuntimeSettingsPatch,
+    SleepRequest,
+    SleepResult,
     TokenizeRequest,
     TokenizeResponse,
+    WakeResult,
 )
 from kvctl.bounded_read import MAX_EXPOSITION_BYTES, MAX_JSON_BYTES, ReadLimit, Sink, check_depth
 from kvctl.exposition import Exposition, ExpositionReader
@@ -185,6 +188,8 @@ NAMED_POOL_MAP = Endpoint("GET", "/v1/pools/{name}/map", PoolMap, "pool map read
 NAMED_DEFRAG = Endpoint("POST", "/v1/pools/{name}/defrag", DefragResult, "defrag")
 NAMED_RESIZE = Endpoint("POST", "/v1/pools/{name}/resize", ResizeResult, "resize")
 RELEASE = Endpoint("POST", "/v1/pools/{name}/release", PoolRelease, "release")
+SLEEP = Endpoint("POST", "/v1/pools/{name}/sleep", SleepResult, "sleep")
+WAKE = Endpoint("POST", "/v1/pools/{name}/wake", WakeResult, "wake")
 ALERTS = Endpoint("GET", "/v1/alerts", AlertList, "alerts read")
 CONFIG = Endpoint("GET", "/v1/config", RuntimeSettings, "config read")
 CONFIG_PATCH = Endpoint("PATCH", "/v1/config", RuntimeSettings, "config change")
@@ -481,6 +486,14 @@ class AgentClient:
     def release(self, pool: str) -> PoolRelease:
         """Hand a pool pinned by a resize back to the agent's rebalancing."""
         return self._call(RELEASE.named(pool))
+
+    def sleep(self, pool: str, request: SleepRequest) -> SleepResult:
+        """Put model `pool` to sleep: its KV pool (and at level 2 its weights) released."""
+        return self._call(SLEEP.named(pool), request)
+
+    def wake(self, pool: str) -> WakeResult:
+        """Wake model `pool`; answers once it can serve."""
+        return self._call(WAKE.named(pool))
 
     def alerts(self) -> AlertList:
         return self._call(ALERTS)

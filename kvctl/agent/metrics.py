@@ -49,7 +49,9 @@ from kvctl.api import (
     PoolShare,
     PoolSnapshot,
     RejectReason,
+    SleepTrigger,
     TierReading,
+    WakeTrigger,
 )
 
 MetricType = Literal["gauge", "counter", "histogram"]
@@ -67,6 +69,8 @@ REBALANCE_DIRECTIONS: tuple[str, ...] = ("in", "out")
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReasonName)
 REJECT_REASONS: tuple[str, ...] = get_args(RejectReason)
 ADMIN_ACTIONS: tuple[str, ...] = get_args(AdminAction)
+SLEEP_TRIGGERS: tuple[str, ...] = get_args(SleepTrigger)
+WAKE_TRIGGERS: tuple[str, ...] = get_args(WakeTrigger)
 
 
 # ---- the defrag-duration accumulator ----------------------------------------------------------
@@ -143,6 +147,9 @@ QUEUE_BUCKETS: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
     300.0,
 )
+WAKE_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+)
 # fmt: on
 
 
@@ -158,6 +165,7 @@ class HistogramReadings:
     page_lifetime: HistogramReading
     idle_before_evict: HistogramReading
     reuse_gap: HistogramReading
+    wake: HistogramReading
 
 
 @dataclass(frozen=True)
@@ -175,6 +183,8 @@ class Histograms:
     )
     request: DurationHistogram = field(default_factory=lambda: DurationHistogram(REQUEST_BUCKETS))
     queue: DurationHistogram = field(default_factory=lambda: DurationHistogram(QUEUE_BUCKETS))
+    wake: DurationHistogram = field(default_factory=lambda: DurationHistogram(WAKE_BUCKETS))
+    """Wakes of the sleeping model, until it could step again (`kvctl.agent.model_sleep`)."""
     residency: Residency = field(default_factory=Residency)
     """The prefix cache's own counts (`kvctl.agent.prefix.residency`), read at each scrape."""
 
@@ -189,6 +199,7 @@ class Histograms:
             _counts_reading(residency.lifetime),
             _counts_reading(residency.idle_before_evict),
             _counts_reading(residency.reuse_gap),
+            self.wake.read(),
         )
 
 
@@ -306,10 +317,19 @@ def _by(name: str, keys: Sequence[str]) -> Callable[[Reading], LabelledValues]:
 
     def values(reading: Reading) -> LabelledValues:
         counts = dict.fromkeys(keys, 0)
-        counts.update(getattr(reading.snapshot, name))
+        counts.update(attrgetter(name)(reading.snapshot))
         return {(key,): n for key, n in counts.items()}
 
     return values
+
+
+def _sleep_level(reading: Reading) -> Value:
+    """0 awake; the level it sleeps (or, waking, slept) at."""
+    return reading.snapshot.sleep.level or 0
+
+
+def _waking(reading: Reading) -> Value:
+    return int(reading.snapshot.sleep.state == "waking")
 
 
 def _gpu_used(reading: Reading) -> LabelledValues:
@@ -545,6 +565,48 @@ METRICS: tuple[MetricDef, ...] = (
         "gauge",
         "The most pages pins may hold (prefix_cache.max_pinned_share of the pool).",
         _field("prefix_pin_cap_pages"),
+    ),
+    # ---- sleeping models
+    MetricDef(
+        "kvctl_model_sleep_level",
+        "gauge",
+        "0 while the model is awake; 1 or 2 while it sleeps (kvctl sleep, sleep.idle_s) or "
+        "wakes: 1 keeps its weights in host memory, 2 dropped them.",
+        _sleep_level,
+    ),
+    MetricDef(
+        "kvctl_model_waking",
+        "gauge",
+        "1 while the model wakes (its weights loading, its requests waiting).",
+        _waking,
+    ),
+    MetricDef(
+        "kvctl_model_sleep_released_bytes",
+        "gauge",
+        "Device memory the sleeping model gave back: its KV pool, and on a GPU its weights "
+        "(0 when awake).",
+        _field("sleep.released_bytes"),
+    ),
+    MetricDef(
+        "kvctl_model_sleeps_total",
+        "counter",
+        "Times the model fell asleep, by trigger (manual: kvctl sleep; idle: sleep.idle_s).",
+        _by("sleep.sleeps_total", SLEEP_TRIGGERS),
+        labels=("trigger",),
+    ),
+    MetricDef(
+        "kvctl_model_wakes_total",
+        "counter",
+        "Times the model woke, by trigger (manual: kvctl wake; request: a request for it).",
+        _by("sleep.wakes_total", WAKE_TRIGGERS),
+        labels=("trigger",),
+    ),
+    MetricDef(
+        "kvctl_model_wake_seconds",
+        "histogram",
+        "From a wake to the moment the model can step again: its pool allocated, its weights "
+        "back on the device or reloaded (requests waiting for it wait this long).",
+        attrgetter("histograms.wake"),
     ),
     # ---- allocation
     MetricDef(

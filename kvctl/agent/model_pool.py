@@ -25,6 +25,7 @@ from kvctl.agent.api_views import (
 from kvctl.agent.autoresize import AutoResize
 from kvctl.agent.budget import BudgetedPool, Pressure
 from kvctl.agent.metrics import Histograms
+from kvctl.agent.model_sleep import ModelSleep, Reload
 from kvctl.agent.pool import DefragReport, DefragTrigger, ResizeRefused
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.runtime import Engine
@@ -42,6 +43,16 @@ from kvctl.api import (
 from kvctl.settings import StartupLimits
 
 log = logging.getLogger(__name__)
+
+# What a sleeping pool reads as 0: its storage is parked, whatever its bookkeeping keeps
+_HELD_BY_AWAKE_POOLS = (
+    "segments",
+    "capacity_pages",
+    "free_pages",
+    "free_extents",
+    "largest_free_run",
+    "reserved_pages",
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,7 @@ class ModelPool:
         wall_clock: Callable[[], float] = time.time,
         window: float = 300.0,
         max_waiting: int = 256,
+        reload: Reload | None = None,
     ) -> None:
         self.engine = engine
         self.name = name
@@ -79,6 +91,7 @@ class ModelPool:
         self.member: BudgetedPool | None = None  # set when the pool shares a budget
         cache = engine.prefix_cache
         self.histograms = Histograms() if cache is None else Histograms(residency=cache.residency)
+        self.sleep = ModelSleep(engine, name, self.histograms.wake, reload, clock)
         self.rejected = Tally()
         self.resizes_total: Counter[str] = Counter({"grow": 0, "shrink": 0})
         self.auto_resize = AutoResize(RuntimeSettings().resize, self.clock)
@@ -128,8 +141,13 @@ class ModelPool:
         return defrag_view(self.engine.auto_defrag.run_now(DefragTrigger.MANUAL, max_pages))
 
     def resize(self, pages: int) -> ResizeResult:
-        """Resize to `pages`; `ResizeRefused` changes nothing."""
+        """Resize to `pages`; `ResizeRefused` changes nothing (and so does a sleeping pool)."""
         self.engine.owner.check("ModelPool.resize")
+        if not self.sleep.awake:
+            raise ResizeRefused(
+                f"model {self.name!r} sleeps and its pool holds no memory; wake it first "
+                f"(kvctl wake --model {self.name})"
+            )
         old = self.engine.pool.capacity
         result = self.engine.resizer.resize(pages)
         return self.record_resize(old, result.pages_evicted)
@@ -188,7 +206,7 @@ class ModelPool:
 
     def maybe_auto_resize(self, spare_bytes: int | None) -> None:
         """Grow or shrink on utilisation when `resize.enabled` (within the budget, if any)."""
-        if self.member is not None and self.member.pinned:
+        if (self.member is not None and self.member.pinned) or not self.sleep.awake:
             return
         engine = self.engine
         stats = engine.pool.stats()
@@ -253,8 +271,11 @@ class ModelPool:
         auto = engine.auto_defrag
         last_age = None if self._last_defrag_at is None else now - self._last_defrag_at
         runs = {trigger.value: auto.runs_total[trigger] for trigger in DefragTrigger}
+        occupancy = occupancy_fields(pool)  # the pool's own reading: pages, runs, counters
+        if not self.sleep.awake and engine.storage.parked:
+            occupancy |= dict.fromkeys(_HELD_BY_AWAKE_POOLS, 0)  # it holds no memory
         self.snapshot = PoolSnapshot(
-            **occupancy_fields(pool),  # the pool's own reading: pages, runs, allocation counters
+            **occupancy,
             pool=self.name,
             timestamp=self.wall_clock(),
             device=str(engine.device),
@@ -304,5 +325,6 @@ class ModelPool:
             requests_rejected_total=self.rejected.read(),
             admin_actions_total=agent.admin_actions_total,
             share=agent.share,
+            sleep=self.sleep.reading(),
         )
         return self.snapshot

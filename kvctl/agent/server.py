@@ -45,6 +45,7 @@ from kvctl.agent.routes import (
     prefix,
     runbook,
     settings,
+    sleep,
     tokenize,
 )
 from kvctl.agent.service import AgentService
@@ -68,6 +69,7 @@ ROUTERS = (
     health.router,
     pools.router,
     prefix.router,
+    sleep.router,
     alerts.router,
     settings.router,
     models.router,

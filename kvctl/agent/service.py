@@ -40,6 +40,7 @@ from kvctl.agent.gpu import GpuProbe
 from kvctl.agent.memory import IdleTrim, release_free_memory
 from kvctl.agent.metrics import KvEventCounters
 from kvctl.agent.model_pool import AgentReadings, ModelPool
+from kvctl.agent.model_sleep import MakeRoom, SleepRefused
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.prefix_admin import PrefixAdmin
 from kvctl.agent.runtime import Engine, Request, RequestRefused, RequestSummary, TokenEvent
@@ -52,6 +53,11 @@ from kvctl.api import (
     PoolSnapshot,
     ResizeResult,
     RuntimeSettings,
+    SleepLevel,
+    SleepResult,
+    SleepTrigger,
+    WakeResult,
+    WakeTrigger,
 )
 from kvctl.settings import StartupLimits, apply_changes
 
@@ -72,6 +78,7 @@ REFILL_WINDOW_S = 0.050
 PUBLISH_INTERVAL_S = 0.1  # snapshots are at most this old (and fresh after every command)
 RESIZE_CHECK_INTERVAL_S = 1.0  # automatic resize looks at windows of many seconds
 REBALANCE_CHECK_INTERVAL_S = 0.5  # pressure is read this often; moves need it to hold longer
+IDLE_SLEEP_CHECK_INTERVAL_S = 1.0  # sleep.idle_s is at least a second
 
 
 class UnknownPool(LookupError):
@@ -89,6 +96,12 @@ def queue_full(waiting: int, target: ModelPool) -> QueueFull:
         f"{waiting} requests are waiting, the most this agent queues for model "
         f"{target.name!r} (--max-waiting); retry later"
     )
+
+
+class WakeFailed(RequestRefused):
+    """The request's model sleeps and could not wake (503); the message says why."""
+
+    reason = "wake_failed"
 
 
 class ShuttingDown(RequestRefused):
@@ -115,6 +128,18 @@ class RequestStream:
     @property
     def request_id(self) -> str:
         return self.request.request_id  # set once at creation: safe from any thread
+
+
+def _settle(
+    target: Future[WakeResult], error: BaseException | None, done: Future[WakeResult] | None = None
+) -> None:
+    """Settle `target` with `error`, or else with `done`'s result (once; nothing when neither)."""
+    if target.done():
+        return
+    if error is not None:
+        target.set_exception(error)
+    elif done is not None:
+        target.set_result(done.result())
 
 
 def _deliver_all(deliveries: list[tuple[RequestStream, TokenEvent]]) -> None:
@@ -174,6 +199,7 @@ class AgentService:
             if pool.name in self.pools:
                 raise ValueError(f"two models are named {pool.name!r}")
             self.pools[pool.name] = pool
+            pool.sleep.notify = self._wake.set  # a loader thread's weights are ready
             pool.apply_settings(self.settings)
             self._publish(pool)
 
@@ -268,17 +294,19 @@ class AgentService:
     # ---- the engine thread --------------------------------------------------------------
 
     def _loop(self, done: Callable[[], bool]) -> None:
-        next_publish = next_resize_check = next_rebalance = 0.0
+        next_publish = next_resize_check = next_rebalance = next_idle_check = 0.0
         pools = list(self.pools.values())
         while not done():
             self._run_commands()
-            self._gather_arrivals(pools)
-            busy = self._step_all(pools)
+            self._finish_wakes(pools)
+            awake = [pool for pool in pools if pool.sleep.awake]
+            self._gather_arrivals(awake)
+            busy = self._step_all(awake)
             if not busy:
                 self._wake.wait(IDLE_TICK_S)
                 self._wake.clear()
             idle = True
-            for pool in pools:
+            for pool in awake:
                 if not pool.engine.has_work():
                     pool.engine.auto_defrag.tick()
                 else:
@@ -293,6 +321,9 @@ class AgentService:
                 for pool in pools:
                     pool.maybe_auto_resize(self._spare_device_bytes(pool.engine))
                 next_resize_check = now + RESIZE_CHECK_INTERVAL_S
+            if now >= next_idle_check:
+                self._sleep_idle(now)
+                next_idle_check = now + IDLE_SLEEP_CHECK_INTERVAL_S
             if now >= next_publish:
                 self.prefix.expire()
                 self._publish_all()
@@ -306,6 +337,7 @@ class AgentService:
         busy, ended = False, 0
         for pool in pools:
             if pool.engine.has_work():
+                pool.sleep.last_active = self.clock()
                 events = pool.engine.step()
                 self._dispatch(events)
                 busy = busy or bool(events)
@@ -448,6 +480,11 @@ class AgentService:
                 waiting = len(target.engine.scheduler.waiting)
                 if waiting >= target.max_waiting:
                     raise queue_full(waiting, target)
+                if not target.sleep.awake:
+                    woken = self._start_wake(target, "request")
+                    if woken.done() and woken.exception() is not None:
+                        raise WakeFailed(str(woken.exception()))
+                target.sleep.last_active = self.clock()
                 request = add(target.engine)
             except RequestRefused as refused:
                 target.rejected.add(refused.reason)
@@ -535,6 +572,98 @@ class AgentService:
         pool = self.pool(name)
         pool.engine.owner.check("AgentService.resize_tier")
         return pool.resize_tier(tier, pages).model_copy(update={"pool": pool.name})
+
+    def sleep(
+        self,
+        level: SleepLevel,
+        name: str | None = None,
+        force: bool = False,
+        trigger: SleepTrigger = "manual",
+    ) -> SleepResult:
+        """Run on the engine thread: put a model to sleep (`kvctl.agent.model_sleep`);
+        `SleepRefused` changes nothing. The last awake model sleeps only when forced: every
+        request would then wait for a wake."""
+        pool = self.pool(name)
+        pool.engine.owner.check("AgentService.sleep")
+        pool.sleep.check_can_sleep(level)
+        if not force and self._awake_count() == 1:
+            raise SleepRefused(
+                f"model {pool.name!r} is the last awake model of this agent: asleep, every "
+                "request would wait for it to wake; force it (kvctl sleep --force) to sleep "
+                "it anyway"
+            )
+        result = pool.sleep.sleep(level, trigger, pool.member)
+        self._publish(pool)
+        return result
+
+    def wake(self, name: str | None = None) -> Future[WakeResult]:
+        """Wake a model (from any thread); the future is done when it can step, with
+        `SleepRefused` when the wake failed."""
+        pool = self.pool(name)
+        woken: Future[WakeResult] = Future()
+
+        def start() -> None:
+            self._start_wake(pool, "manual").add_done_callback(
+                lambda done: _settle(woken, done.exception(), done)
+            )
+
+        self.call(start).add_done_callback(lambda started: _settle(woken, started.exception()))
+        return woken
+
+    def _start_wake(self, pool: ModelPool, trigger: WakeTrigger) -> Future[WakeResult]:
+        return pool.sleep.wake(trigger, pool.member, self._make_room(pool))
+
+    def _make_room(self, pool: ModelPool) -> MakeRoom | None:
+        rebalancer = self.rebalancer
+        if rebalancer is None or pool.member is None:
+            return None
+        return lambda wanted: rebalancer.make_room(pool.name, wanted)
+
+    def _finish_wakes(self, pools: list[ModelPool]) -> None:
+        """Serve the models whose weights have loaded; a failed wake ends the requests that
+        waited for it."""
+        for pool in pools:
+            if not pool.sleep.waking:
+                continue
+            failure = pool.sleep.poll(pool.member)
+            if failure is not None:
+                self._end_waiting(pool, failure)
+            self._publish(pool)
+
+    def _end_waiting(self, pool: ModelPool, detail: str) -> None:
+        events = []
+        for request in list(pool.engine.scheduler.waiting):
+            pool.engine.abort(request.request_id, detail)
+            events.append(
+                TokenEvent(
+                    request.request_id,
+                    None,
+                    "",
+                    request.finish_reason,
+                    RequestSummary.of(request),
+                )
+            )
+        self._dispatch(events)
+
+    def _awake_count(self) -> int:
+        return sum(pool.sleep.awake or pool.sleep.waking for pool in self.pools.values())
+
+    def _sleep_idle(self, now: float) -> None:
+        """Put to sleep the models idle for `sleep.idle_s` (never the last awake one)."""
+        idle_s = self.settings.sleep.idle_s
+        if idle_s is None:
+            return
+        level: SleepLevel = 2 if self.settings.sleep.level == 2 else 1
+        for pool in self.pools.values():
+            if not pool.sleep.awake or pool.engine.has_work():
+                continue
+            if now - pool.sleep.last_active < idle_s or self._awake_count() <= 1:
+                continue
+            try:
+                self.sleep(level, pool.name, trigger="idle")
+            except SleepRefused as refused:  # pins, say: it stays awake, and says why
+                log.debug("model %s stays awake: %s", pool.name, refused)
+                pool.sleep.last_active = now  # asked again after another idle period
 
     def change_settings(self, changes: object) -> tuple[RuntimeSettings, RuntimeSettings]:
         """Run on the engine thread: merge a PATCH body into the settings in force and apply

@@ -224,7 +224,20 @@ def _model_pool(
         served,
         window=config.stats_window,
         max_waiting=config.max_waiting,
+        reload=ModelReload(loaded.spec, config),
     )
+
+
+@dataclass(frozen=True)
+class ModelReload:
+    """Loads a model's weights again as the agent loaded them at start, for a model woken from
+    a level-2 sleep (the demo model is built again from its seed)."""
+
+    spec: ModelSpec
+    config: AgentConfig
+
+    def __call__(self) -> LlamaModel:
+        return load_model(self.spec, self.config).model
 
 
 def _share_budget(service: AgentService, plan: Plan, budget_bytes: int) -> None:

@@ -19,7 +19,7 @@ import typer
 from pydantic import BaseModel
 from rich.console import RenderableType
 
-from kvctl.cli.levers import pull_outcome, render_result
+from kvctl.cli.levers import as_json, pull_outcome, render_result
 from kvctl.cli.options import (
     AgentOption,
     ExitCode,
@@ -30,7 +30,7 @@ from kvctl.cli.options import (
     fail,
     resolve,
 )
-from kvctl.cli.output import confirm, finish, on_agent, on_each, to_jsonable
+from kvctl.cli.output import confirm, finish, on_agent, on_each
 from kvctl.view import prefixes
 
 if TYPE_CHECKING:
@@ -324,8 +324,5 @@ def clear(
         if isinstance(result, LeverResult):
             return render_result(result)
         return prefixes.clear_result(result)
-
-    def as_json(result: Any) -> Any:
-        return result.as_json() if isinstance(result, LeverResult) else to_jsonable(result)
 
     finish(target, outcomes, show, as_json)

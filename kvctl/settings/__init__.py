@@ -39,6 +39,7 @@ from kvctl.settings.sections import (
     ResizeSettings,
     RuntimeSettings,
     SettingsError,
+    SleepSettings,
 )
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "RuntimeSettings",
     "SettingSpec",
     "SettingsError",
+    "SleepSettings",
     "StartupLimits",
     "apply_changes",
     "from_text",

@@ -404,6 +404,29 @@ class ChatSettings(Section):
     )
 
 
+class SleepSettings(Section):
+    """Models that fall asleep by themselves: one that has had no request for `idle_s` sleeps at
+    `level`, releasing its KV pool to the budget (level 2 drops its weights too); the next
+    request wakes it. The agent's last awake model never falls asleep by itself."""
+
+    idle_s: float | None = setting(
+        None,
+        "Seconds without a request after which a model sleeps by itself (null: never).",
+        ge=1.0,
+        le=7 * 86400.0,
+        unit="seconds",
+        flag="--sleep-when-idle",
+    )
+    level: int = setting(
+        1,
+        "The level an idle model sleeps at: 1 keeps its weights in host memory, 2 drops them "
+        "and reloads them from the checkpoint when it wakes.",
+        ge=1,
+        le=2,
+        flag="--idle-sleep-level",
+    )
+
+
 class RuntimeSettings(Section):
     """GET/PATCH /v1/config: what can change while the agent runs."""
 
@@ -413,6 +436,7 @@ class RuntimeSettings(Section):
     alerts: AlertSettings = AlertSettings()
     rebalance: RebalanceSettings = RebalanceSettings()
     chat: ChatSettings = ChatSettings()
+    sleep: SleepSettings = SleepSettings()
 
 
 def _section_type(name: str, annotation: object) -> type[Section]:

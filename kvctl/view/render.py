@@ -95,6 +95,9 @@ def pool_table(pool: PoolSnapshot) -> Table:
     pins = pin_summary(pool)
     if pins is not None:
         table.add_row("pins", pins)
+    asleep = sleep_summary(pool)
+    if asleep is not None:
+        table.add_row("sleep", Text(asleep, style=fmt.WARN))
     table.add_row("defrag", Text(defrag_summary(pool)))
     grows, shrinks = pool.resizes_total.get("grow", 0), pool.resizes_total.get("shrink", 0)
     table.add_row("resizes", f"{grows} grows, {shrinks} shrinks")
@@ -174,6 +177,26 @@ def pin_summary(pool: PoolSnapshot) -> str | None:
         f"{pool.prefix_pins} pinned prefixes hold {held:,} pages ({share:.0%} of the pool, "
         f"{format_bytes(held * pool.bytes_per_page)}); the cap is "
         f"{pool.prefix_pin_cap_pages:,} (kvctl prefix ls)"
+    )
+
+
+def sleep_summary(pool: PoolSnapshot) -> str | None:
+    """What a sleeping (or waking) model gave back and what wakes it (None when awake)."""
+    state = pool.sleep
+    if state.state == "awake":
+        return None
+    since = fmt.seconds(state.asleep_seconds or 0.0)
+    weights = (
+        f", its weights {'dropped' if state.level == 2 else 'in host memory'}"
+        if state.level is not None
+        else ""
+    )
+    if state.state == "waking":
+        return f"waking (slept at level {state.level} for {since}){weights}; requests wait"
+    model = clean(pool.pool)
+    return (
+        f"asleep at level {state.level} for {since}: {format_bytes(state.released_bytes)} "
+        f"released{weights}; its next request or `kvctl wake --model {model}` wakes it"
     )
 
 

@@ -427,6 +427,9 @@ def test_the_token_guards_every_endpoint_but_health_and_the_runbook(start_agent)
             assert http.post("/v1/defrag", json={}).status_code == 401
             assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 401
             assert http.patch("/v1/config", json={}).status_code == 401
+            assert http.post("/v1/pools/demo/sleep", json={"force": True}).status_code == 401
+            assert http.post("/v1/pools/demo/wake").status_code == 401
+        assert right.get("/v1/pool").json()["sleep"]["state"] == "awake"
         assert right.get("/metrics").status_code == 200
         assert right.get("/v1/pool").status_code == 200
         assert right.post("/v1/defrag", json={}).status_code == 200

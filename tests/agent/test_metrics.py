@@ -28,6 +28,7 @@ from kvctl.agent.metrics import (
     QUEUE_BUCKETS,
     REQUEST_BUCKETS,
     TIME_TO_FIRST_TOKEN_BUCKETS,
+    WAKE_BUCKETS,
     DurationHistogram,
     Histograms,
     build_registry,
@@ -35,7 +36,7 @@ from kvctl.agent.metrics import (
 )
 from kvctl.agent.metrics_docs import metrics_markdown
 from kvctl.agent.prefix.residency import RESIDENCY_BUCKETS
-from kvctl.api import Alert, GpuMemory, PoolShare, PoolSnapshot, TierReading
+from kvctl.api import Alert, GpuMemory, PoolShare, PoolSnapshot, SleepReading, TierReading
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,6 +131,15 @@ def make_snapshot(**overrides: Any) -> PoolSnapshot:
         token_slots_used=8192,
         preemptions_by_reason_total={"growth": 15, "shrink": 2},
         prefix_evictions_by_reason_total={"allocation": 9, "shrink": 2},
+        sleep=SleepReading(
+            state="waking",
+            level=2,
+            asleep_seconds=30.0,
+            released_bytes=3 * 2**20,
+            weights_released_bytes=2**30,
+            sleeps_total={"manual": 1},
+            wakes_total={"request": 3},
+        ),
         alert_notifications_dropped_total=2,
         gpus=[
             GpuMemory(index=0, name="H200", used_bytes=70 * 2**30, total_bytes=141 * 2**30),
@@ -341,6 +351,17 @@ def expected_for_full_snapshot() -> Samples:
         series("kvctl_prefix_evicted_pages_by_reason_total", reason="allocation"): 9,
         series("kvctl_prefix_evicted_pages_by_reason_total", reason="shrink"): 2,
         series("kvctl_prefix_evicted_pages_by_reason_total", reason="clear"): 0,
+        series("kvctl_prefix_evicted_pages_by_reason_total", reason="sleep"): 0,
+        series("kvctl_requests_rejected_total", reason="wake_failed"): 0,
+        series("kvctl_admin_actions_total", action="sleep"): 0,
+        series("kvctl_admin_actions_total", action="wake"): 0,
+        series("kvctl_model_sleep_level"): 2,
+        series("kvctl_model_waking"): 1,
+        series("kvctl_model_sleep_released_bytes"): 3 * 2**20,
+        series("kvctl_model_sleeps_total", trigger="manual"): 1,
+        series("kvctl_model_sleeps_total", trigger="idle"): 0,
+        series("kvctl_model_wakes_total", trigger="manual"): 0,
+        series("kvctl_model_wakes_total", trigger="request"): 3,
         **TIER_SERIES,
     }
     empty = (
@@ -352,6 +373,7 @@ def expected_for_full_snapshot() -> Samples:
         ("kvctl_prefix_page_lifetime_seconds", RESIDENCY_BUCKETS),
         ("kvctl_prefix_page_idle_before_eviction_seconds", RESIDENCY_BUCKETS),
         ("kvctl_prefix_reuse_gap_seconds", RESIDENCY_BUCKETS),
+        ("kvctl_model_wake_seconds", WAKE_BUCKETS),
     )
     for name, bounds in empty:
         expected[series(f"{name}_count")] = 0

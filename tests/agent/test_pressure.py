@@ -310,7 +310,7 @@ def test_cached_tokens_are_reported_only_when_the_operator_opts_in(start_agent) 
         assert usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-PREFIX_ACTIONS = ("prefix_pin", "prefix_unpin", "prefix_clear", "prefix_move")
+UNUSED_ACTIONS = ("prefix_pin", "prefix_unpin", "prefix_clear", "prefix_move", "sleep", "wake")
 
 
 def test_every_mutation_is_audited_with_its_caller(start_agent) -> None:
@@ -326,7 +326,7 @@ def test_every_mutation_is_audited_with_its_caller(start_agent) -> None:
         assert http.patch("/v1/config", json=bad, headers=headers).status_code == 422
         authorized = httpx.Client(base_url=agent.url, headers=headers)
         expected = {"resize": 1, "defrag": 1, "release": 0, "config": 1, "alert_test": 0}
-        expected |= {action: 0 for action in PREFIX_ACTIONS}
+        expected |= {action: 0 for action in UNUSED_ACTIONS}
         wait_for(lambda: counters(authorized, "kvctl_admin_actions_total") == expected)
     lines = wait_for(
         lambda: (

@@ -191,7 +191,7 @@ def audit(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 
 def test_every_handler_is_a_module_level_function_of_a_route_module() -> None:
     routes = [route for router in ROUTERS for route in router.routes]
-    assert len(routes) == 27
+    assert len(routes) == 29
     for route in routes:
         assert isinstance(route, APIRoute)
         assert route.endpoint.__module__.startswith("kvctl.agent.routes."), route.path

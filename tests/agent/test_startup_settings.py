@@ -53,6 +53,8 @@ FLAGS_BEFORE = [
     "--segment-pages",
     "--max-pool-pages",
     "--max-pinned-share",
+    "--sleep-when-idle",
+    "--idle-sleep-level",
     "--prefix-cache",
     "--no-prefix-cache",
     "--prefix-isolation",

@@ -1,8 +1,9 @@
 """`kvctl sleep`, `kvctl wake` and `clear_prefix_cache` against a recorded fake of vLLM 0.32 and
 SGLang (tests/engine_lever_server.py, a real HTTP server): each lever pulled and its state
 changed on the server; a lever the server was started without is one line naming the flag or
-variable that enables it; an engine without the lever, or a kvctl agent, is a usage error with
-nothing sent; a server that lies (a 500, garbage, a hang) is one line that claims nothing."""
+variable that enables it; an engine without the lever, or given a kvctl agent's options, is a
+usage error with nothing sent; a server that lies (a 500, garbage, a hang) is one line that
+claims nothing."""
 
 from __future__ import annotations
 
@@ -179,13 +180,18 @@ def test_sglang_refuses_a_level(kvctl) -> None:
     assert "--level is vLLM's" in one_line(result.stderr)
 
 
-@pytest.mark.parametrize("agent", ["http://127.0.0.1:9", "kvctl+http://127.0.0.1:9"])
-@pytest.mark.parametrize("args", [("sleep", "--yes"), ("wake",)])
-def test_a_kvctl_agent_does_not_sleep_in_this_version(kvctl, agent, args) -> None:
-    result = kvctl(*args, "--agent", agent)
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("sleep", "--yes", "--model", "a"), "--model names a kvctl agent's model"),
+        (("wake", "--model", "a"), "--model names a kvctl agent's model"),
+        (("sleep", "--yes", "--force"), "--force is a kvctl agent's"),
+    ],
+)
+def test_an_agents_options_on_an_engine_are_a_usage_error(kvctl, args, said) -> None:
+    result = kvctl(*args, "--agent", "vllm+http://127.0.0.1:9")
     assert result.exit_code == ExitCode.USAGE
-    line = one_line(result.stderr)
-    assert "kvctl agents do not sleep their models in this version" in line, line
+    assert said in one_line(result.stderr)
 
 
 # ---- engines that lie -----------------------------------------------------------------------

@@ -120,3 +120,22 @@ def test_a_pool_that_holds_one_full_context_says_request() -> None:
     pool = pool_snapshot(capacity_pages=256, page_size=16)
     text = " ".join(rendered(sizing_table(pool, 4096), 120).split())
     assert "1 request of the full 4,096-token context" in text
+
+
+def test_a_sleeping_pool_says_what_it_released_and_what_wakes_it() -> None:
+    from kvctl.api import SleepReading
+    from kvctl.view.render import pool_table
+
+    awake = rendered(pool_table(pool_snapshot()), width=160)
+    assert "sleep" not in awake and "asleep" not in awake
+    asleep = pool_snapshot().model_copy(
+        update={
+            "capacity_pages": 0,
+            "sleep": SleepReading(
+                state="asleep", level=2, asleep_seconds=95.0, released_bytes=8 * 2**20
+            ),
+        }
+    )
+    text = " ".join(rendered(pool_table(asleep), width=160).split())
+    assert "asleep at level 2 for 1m35s: 8 MiB released, its weights dropped" in text, text
+    assert "wake --model" in text

@@ -40,6 +40,9 @@ class BudgetedPool:
     name: str
     resizer: PoolResizer
     pinned: bool = False
+    asleep: bool = False
+    """The model sleeps: its pool holds no memory (its storage is parked), it has no floor, and
+    it neither gives nor takes until it wakes; its share stays its own, lent meanwhile."""
     share_pages: int = 0
     """The pages this pool may always take back: what it started with, or was sized to by an
     operator (within what the other pools' shares leave)."""
@@ -62,7 +65,14 @@ class BudgetedPool:
         return self.resizer.pool
 
     @property
+    def movable(self) -> bool:
+        """Whether the rebalancer may resize it: not pinned by an operator, not asleep."""
+        return not self.pinned and not self.asleep
+
+    @property
     def bytes(self) -> int:
+        if self.asleep:
+            return 0
         return self.pool.capacity * self.pool.bytes_per_page
 
     @property
@@ -71,7 +81,7 @@ class BudgetedPool:
 
     @property
     def floor_pages(self) -> int:
-        return self.resizer.min_pages
+        return 0 if self.asleep else self.resizer.min_pages
 
     @property
     def ceiling_pages(self) -> int:
@@ -160,6 +170,8 @@ class KvBudget:
                 f"pool shares add up to {shares} bytes, over the budget of {self.total_bytes}"
             )
         for member in self.pools.values():
+            if member.asleep:
+                continue
             capacity = member.pool.capacity
             if capacity < member.floor_pages:
                 problems.append(f"{member.name}: {capacity} below its floor")

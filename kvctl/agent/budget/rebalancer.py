@@ -16,8 +16,9 @@ pressure. Cached prefix pages count as reclaimable: the shrink evicts them.
 Hysteresis: pressure and calm must hold for a while, and after a move the taker may not give and
 the donor may not take for `cooldown_s`, so two pools whose load alternates do not pass the same
 segments back and forth. A pinned pool (sized by an operator) neither gives nor takes until it is
-released. Idle pools keep their memory until someone needs it: moving costs a defragmentation,
-and memory that sits in an idle pool costs nothing.
+released, a sleeping one until it wakes (it then takes back at once what was borrowed of its
+share: `make_room`). Idle pools keep their memory until someone needs it: moving costs a
+defragmentation, and memory that sits in an idle pool costs nothing.
 
 Lending is not giving away. A pool below its share (the pages it started with) that has been
 under pressure for `reclaim_s` takes memory back from the pools above theirs, busy or not and
@@ -150,7 +151,7 @@ class Rebalancer:
         member, seen = self.budget.pools[name], self.history[name]
         now = self.clock()
         return (
-            not member.pinned
+            member.movable
             and seen.calm_since is not None
             and now - seen.calm_since >= self.settings.calm_s
             and now - seen.took_at >= self.settings.cooldown_s
@@ -161,7 +162,7 @@ class Rebalancer:
         member, seen = self.budget.pools[name], self.history[name]
         now = self.clock()
         return (
-            not member.pinned
+            member.movable
             and seen.pressured_since is not None
             and now - seen.pressured_since >= self.settings.pressure_s
             and now - seen.gave_at >= self.settings.cooldown_s
@@ -173,7 +174,7 @@ class Rebalancer:
         what it lent (no cooldown holds it)."""
         member, seen = self.budget.pools[name], self.history[name]
         return (
-            not member.pinned
+            member.movable
             and seen.pressured_since is not None
             and self.clock() - seen.pressured_since >= self.settings.reclaim_s
             and member.pool.capacity < min(member.share_pages, member.ceiling_pages)
@@ -183,7 +184,7 @@ class Rebalancer:
         """Whole segments the pool holds beyond its share, its floor and what one of its
         requests was promised: what a lender may take back from it, busy or not."""
         member = self.budget.pools[name]
-        if member.pinned:
+        if not member.movable:
             return 0
         pool, segment = member.pool, member.pool.segment_pages
         promised = member.resizer.promised() if member.resizer.promised is not None else 0
@@ -264,6 +265,20 @@ class Rebalancer:
                 owed -= gave
         taken = self._grow(taker, wanted_bytes)
         return Move(taker.name, taken, given) if taken or given else None
+
+    def make_room(self, taker: str, wanted_bytes: int) -> int:
+        """For a model waking up: shrink the pools above their share (most excess first, as a
+        lender takes back what it lent) until the budget has `wanted_bytes` unassigned or none
+        is above its share; the bytes unassigned then."""
+        budget = self.budget
+        others = [name for name in budget.pools if name != taker and self.excess_pages(name)]
+        others.sort(key=self._excess_bytes, reverse=True)
+        for name in others:
+            missing = wanted_bytes - budget.unassigned_bytes
+            if missing <= 0:
+                break
+            self._take_back(budget.pools[name], missing, taker)
+        return budget.unassigned_bytes
 
     def _borrowers(self, taker: BudgetedPool, others: list[str]) -> tuple[list[str], int]:
         """Those of `others` above their share that the taker may take memory back from (most

@@ -172,6 +172,7 @@ class KVStorage:
         # several per layer): per layer (K, V) `[sp, ps, kvh, hd]`, and the flat token rows
         self._layer_views: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self._flat: list[torch.Tensor] = []
+        self._parked = 0  # segments a sleeping model's storage released (`park`)
         self.add_segments(num_segments)
         self._device = self._segments[0].device  # "cuda" -> "cuda:0"
         kind = self._device.type if self._device.type in _STAGING_BYTES else "cpu"
@@ -272,6 +273,36 @@ class KVStorage:
         del self._segments[-count:]
         del self._layer_views[-count:]
         del self._flat[-count:]
+        self._release_to_device()
+
+    # ---- sleeping -----------------------------------------------------------------------
+
+    @property
+    def parked(self) -> int:
+        """Segments `park` released (0 while the storage holds its pages)."""
+        return self._parked
+
+    def park(self) -> int:
+        """Free every segment, the last one too, for a model put to sleep (its pool must hold
+        no page: nothing reads or writes the storage until `unpark`); the segments freed."""
+        if self._parked:
+            return 0
+        count = len(self._segments)
+        self._segments.clear()
+        self._layer_views.clear()
+        self._flat.clear()
+        self._parked = count
+        self._release_to_device()
+        return count
+
+    def unpark(self) -> None:
+        """Allocate again the segments `park` freed, zeroed; if the allocation fails the storage
+        stays parked."""
+        if self._parked:
+            self.add_segments(self._parked)
+            self._parked = 0
+
+    def _release_to_device(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
         elif self._device.type == "cpu":

@@ -37,8 +37,9 @@ from kvctl.agent.prefix.radix_tree import PageOwners, RadixNode, RadixTree, relo
 from kvctl.agent.prefix.residency import Residency
 from kvctl.agent.prefix.window_pages import WindowPages
 
-EVICTION_REASONS = ("allocation", "shrink", "clear")
-"""What needed the room: an allocation (a request's pages), a pool shrink, an explicit clear."""
+EVICTION_REASONS = ("allocation", "shrink", "clear", "sleep")
+"""What needed the room: an allocation (a request's pages), a pool shrink, an explicit clear, a
+model put to sleep."""
 
 
 class PrefixIsolation(StrEnum):

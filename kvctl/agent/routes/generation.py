@@ -44,7 +44,7 @@ from kvctl.agent.runtime import (
 )
 from kvctl.agent.runtime import Request as EngineRequest
 from kvctl.agent.served import ServedModel
-from kvctl.agent.service import QueueFull, RequestStream, ShuttingDown, UnknownPool
+from kvctl.agent.service import QueueFull, RequestStream, ShuttingDown, UnknownPool, WakeFailed
 from kvctl.api import FinishReasonName, GenerationFields, PromptTokensDetails, Usage
 
 GENERATION_ERRORS = {code: ERRORS[409] for code in (400, 404, 429, 503)} | ERRORS
@@ -357,8 +357,8 @@ class Generation:
             return await asyncio.wrap_future(self.service.open_stream(add, loop, self.pool))
         except QueueFull as full:
             raise ApiError(429, str(full), {"Retry-After": str(RETRY_AFTER_S)}) from None
-        except ShuttingDown as draining:
-            raise ApiError(503, str(draining)) from None
+        except (ShuttingDown, WakeFailed) as unavailable:
+            raise ApiError(503, str(unavailable)) from None
         except RequestTooLarge as large:
             raise ApiError(400, large.describe(self.ctx.kvctl)) from None
         except RequestRefused as refused:

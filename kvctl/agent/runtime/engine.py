@@ -134,6 +134,11 @@ class EngineConfig:
             )
 
 
+class WeightsUnloaded(RuntimeError):
+    """The engine was asked to run a model whose weights a level-2 sleep dropped (a bug: a
+    sleeping model's engine is never stepped)."""
+
+
 class RequestRefused(ValueError):
     """A request the engine will not queue; nothing changed. `reason` labels the refusal in
     `kvctl_requests_rejected_total`."""
@@ -256,7 +261,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config = config or EngineConfig()
-        self.model = fuse(model, kernels=config.cpu_kernels)
+        self._model: LlamaModel | None = fuse(model, kernels=config.cpu_kernels)
         self.tokenizer = tokenizer
         self.model_config = mc = model.config
         # EOS comes from the checkpoint's config; a tokenizer is only needed for text
@@ -443,6 +448,43 @@ class Engine:
                 "shorten the prompt or lower max_tokens",
                 self.resizer.round_to_segments(needed),
             )
+
+    # ---- weights (a model put to sleep and woken) ------------------------------------------
+
+    @property
+    def model(self) -> LlamaModel:
+        """The model in its serving form; `WeightsUnloaded` while a sleep dropped it."""
+        if self._model is None:
+            raise WeightsUnloaded("the model's weights are unloaded (it sleeps at level 2)")
+        return self._model
+
+    @property
+    def weights_loaded(self) -> bool:
+        return self._model is not None
+
+    def weights_bytes(self, device: torch.device | None = None) -> int:
+        """Bytes of the model's parameters and buffers (on `device` only, when given)."""
+        if self._model is None:
+            return 0
+        tensors = [*self._model.parameters(), *self._model.buffers()]
+        return sum(
+            t.numel() * t.element_size() for t in tensors if device is None or t.device == device
+        )
+
+    def unload_weights(self) -> None:
+        """Drop the model (level-2 sleep); nothing may step until `load_weights`."""
+        self.owner.check("Engine.unload_weights")
+        self._model = None
+
+    def load_weights(self, model: LlamaModel) -> None:
+        """Serve `model` (the same checkpoint, loaded again) from the next step on."""
+        self.owner.check("Engine.load_weights")
+        self._model = fuse(model, kernels=self.config.cpu_kernels)
+
+    def move_weights(self, device: torch.device) -> None:
+        """Move the model's weights to `device` (a level-1 sleep keeps them in host memory)."""
+        self.owner.check("Engine.move_weights")
+        self.model.to(device)
 
     def _pinned_pages(self) -> int:
         return self.scheduler.pins.pinned_pages

@@ -61,6 +61,9 @@ class RequestsPanel(Widget):
         pins = render.pin_summary(pool)
         if pins is not None:
             lines.append(Text(f"pins: {pins}"))
+        asleep = render.sleep_summary(pool)
+        if asleep is not None:
+            lines.append(Text(f"sleep: {asleep}", style=fmt.WARN))
         if self.size.width >= WIDE:  # on a narrow panel they would push the map off the screen
             lines.append(Text(f"tokens: {render.token_usage(pool)}"))
             residency = render.residency_summary(pool)

@@ -1,0 +1,226 @@
+"""Sleeping and waking a model on the agent's engine thread: the KV pool's memory leaves the pool
+(and its storage) and goes to the budget, where another pool can grow into it; a wake, by hand or
+by a request, brings the pool back, taking back what was borrowed of its share; the tokens after
+a wake are the tokens before a sleep, at both levels; and every refusal changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kvctl.agent.budget import KvBudget
+from kvctl.agent.model import SamplingParams, build_demo_model
+from kvctl.agent.model_pool import ModelPool
+from kvctl.agent.model_sleep import SleepRefused
+from kvctl.agent.runtime import Engine
+from kvctl.agent.service import AgentService
+from kvctl.api import RuntimeSettings
+from kvctl.settings import StartupLimits
+from tests.kv_device import DEVICE
+
+PROMPT = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SEGMENT = 32
+
+
+def reload_demo() -> torch.nn.Module:
+    """The demo model built again from its seed, as the agent reloads it."""
+    return build_demo_model(DEVICE, torch.float32, seed=0)[1]
+
+
+def model_pool(engine: Engine, name: str, reload: Callable | None = reload_demo) -> ModelPool:
+    limits = StartupLimits(SEGMENT, engine.resizer.max_pages or 4 * engine.pool.capacity)
+    return ModelPool(engine, name, limits, reload=reload)
+
+
+def budgeted(make_engine, settings: RuntimeSettings | None = None) -> AgentService:
+    """Two demo pools of 128 pages (a and b) under a budget with one segment unassigned."""
+    engines = {name: make_engine(pool_pages=128, max_pool_pages=512) for name in ("a", "b")}
+    service = AgentService([model_pool(e, n) for n, e in engines.items()], settings)
+    page = engines["a"].pool.bytes_per_page
+    budget = KvBudget((128 + 128 + SEGMENT) * page)
+    for name, engine in engines.items():
+        budget.add(name, engine.resizer)
+    service.share_budget(budget)
+    return service
+
+
+@pytest.fixture
+def two_models(make_engine) -> Iterator[AgentService]:
+    service = budgeted(make_engine)
+    service.start()
+    try:
+        yield service
+    finally:
+        service.stop(grace=0)
+
+
+def on_engine(service: AgentService, fn: Callable):
+    return service.call(fn).result(timeout=60)
+
+
+def generate(service: AgentService, model: str, prompt: list[int] = PROMPT) -> list[int]:
+    """A greedy request through the service, as the HTTP routes send it; its tokens."""
+
+    async def run() -> list[int]:
+        loop = asyncio.get_running_loop()
+        future = service.open_stream(
+            lambda engine: engine.add_request(prompt, GREEDY), loop, service.pool(model)
+        )
+        stream = await asyncio.wrap_future(future)
+        tokens = []
+        while True:
+            event = await asyncio.wait_for(stream.events.get(), timeout=120)
+            if event.token_id is not None:
+                tokens.append(event.token_id)
+            if event.finish_reason is not None:
+                return tokens
+
+    return asyncio.run(run())
+
+
+def test_a_sleeping_model_releases_its_pool_to_the_budget(two_models) -> None:
+    service = two_models
+    budget = service.budget
+    assert budget is not None
+    a = service.pool("a")
+    page = a.engine.pool.bytes_per_page
+    before = budget.unassigned_bytes
+    result = on_engine(service, lambda: service.sleep(1, "a"))
+    assert result.kv_bytes == 128 * page and result.level == 1 and result.trigger == "manual"
+    assert budget.unassigned_bytes == before + 128 * page
+    assert a.engine.storage.num_segments == 0 and a.engine.storage.nbytes == 0
+    snapshot = a.snapshot
+    assert snapshot is not None and snapshot.capacity_pages == 0 and snapshot.segments == 0
+    assert snapshot.sleep.state == "asleep" and snapshot.sleep.level == 1
+    assert snapshot.sleep.released_bytes == 128 * page
+    assert budget.reachable_pages("b") == (128 + 128 + SEGMENT) // SEGMENT * SEGMENT  # all of it
+    budget.check()
+
+
+def test_the_other_pool_grows_into_the_released_memory_and_gives_it_back_on_wake(
+    two_models,
+) -> None:
+    service = two_models
+    budget = service.budget
+    assert budget is not None
+    on_engine(service, lambda: service.sleep(1, "a"))
+    b = service.pool("b").engine
+    on_engine(service, lambda: service.pool("b").engine.resizer.resize(128 + 128 + SEGMENT))
+    assert b.pool.capacity == 288 and budget.unassigned_bytes == 0
+    woken = service.wake("a").result(timeout=60)
+    assert woken.woke and woken.level == 1 and woken.trigger == "manual"
+    a = service.pool("a").engine
+    assert a.pool.capacity == woken.capacity_pages == 128  # its share, taken back from b
+    assert b.pool.capacity == 128 + SEGMENT
+    assert a.storage.num_pages == a.pool.capacity
+    budget.check()
+    snapshot = service.pool("a").snapshot
+    assert snapshot is not None and snapshot.sleep.state == "awake"
+    assert snapshot.sleep.wakes_total["manual"] == 1 and snapshot.sleep.last_wake_seconds
+    assert service.pool("a").histograms.wake.read().count == 1
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_request_wakes_the_model_and_gets_the_tokens_it_got_before(two_models, level) -> None:
+    service = two_models
+    before = generate(service, "a")
+    on_engine(service, lambda: service.sleep(level, "a"))
+    assert service.pool("a").engine.weights_loaded == (level == 1)
+    after = generate(service, "a")
+    assert after == before
+    snapshot = service.pool("a").snapshot
+    assert snapshot is not None and snapshot.sleep.state == "awake"
+    assert snapshot.sleep.wakes_total == {"manual": 0, "request": 1}
+    assert service.pool("a").engine.pool.capacity == 128
+
+
+def test_a_level_two_wake_that_cannot_load_its_weights_ends_the_waiting_requests(
+    make_engine,
+) -> None:
+    loaded = threading.Event()
+
+    def broken() -> torch.nn.Module:
+        loaded.set()
+        raise OSError("model.safetensors: No such file or directory")
+
+    engines = [make_engine(), make_engine()]
+    service = AgentService([model_pool(engines[0], "a", broken), model_pool(engines[1], "b")])
+    service.start()
+    try:
+        on_engine(service, lambda: service.sleep(2, "a"))
+        tokens = generate(service, "a")
+        assert tokens == [] and loaded.is_set()
+        a = service.pool("a")
+        assert a.sleep.level == 2 and not a.sleep.waking
+        assert a.engine.storage.num_segments == 0  # asleep again: nothing held
+        assert "No such file" in (a.sleep.last_wake_error or "")
+        with pytest.raises(SleepRefused, match="could not reload its weights"):
+            service.wake("a").result(timeout=60)
+        assert generate(service, "b")  # the other model served throughout
+    finally:
+        service.stop(grace=0)
+
+
+def test_refusals_change_nothing(make_engine) -> None:
+    engines = [make_engine(), make_engine()]
+    service = AgentService([model_pool(engines[0], "a", reload=None), model_pool(engines[1], "b")])
+    service.start()
+    try:
+        with pytest.raises(SleepRefused, match="no checkpoint to reload"):
+            on_engine(service, lambda: service.sleep(2, "a"))
+        on_engine(service, lambda: service.sleep(1, "a"))
+        with pytest.raises(SleepRefused, match="already asleep at level 1"):
+            on_engine(service, lambda: service.sleep(1, "a"))
+        with pytest.raises(SleepRefused, match="last awake model"):
+            on_engine(service, lambda: service.sleep(1, "b"))
+        b = service.pool("b").engine
+        assert b.pool.capacity == 256 and b.storage.num_pages == 256
+        on_engine(service, lambda: service.sleep(1, "b", force=True))
+        assert b.storage.num_pages == 0
+        assert generate(service, "b")  # a request wakes even the last model
+    finally:
+        service.stop(grace=0)
+
+
+def test_a_model_with_requests_or_pins_does_not_sleep(make_engine) -> None:
+    engine = make_engine(prefix_cache=True)
+    service = AgentService([model_pool(engine, "a"), model_pool(make_engine(), "b")])
+    # not started: this thread is the engine thread
+    engine.add_request(PROMPT, GREEDY)
+    with pytest.raises(SleepRefused, match="0 requests running and 1 waiting"):
+        service.sleep(1, "a")
+    while engine.has_work():
+        engine.step()
+    service.prefix.pin("a", None, PROMPT, None)
+    with pytest.raises(SleepRefused, match="1 pinned prefixes"):
+        service.sleep(1, "a")
+    assert engine.storage.num_pages == engine.pool.capacity == 256
+    engine.pool.check_invariants()
+
+
+def test_an_idle_model_falls_asleep_by_itself_but_never_the_last(make_engine) -> None:
+    settings = RuntimeSettings.model_validate({"sleep": {"idle_s": 1.0, "level": 2}})
+    service = budgeted(make_engine, settings)
+    service.start()
+    try:
+        generate(service, "b")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            asleep = [p.name for p in service.pools.values() if not p.sleep.awake]
+            if asleep:
+                break
+            time.sleep(0.1)
+        time.sleep(2.5)  # long enough for the second to fall asleep too, were it allowed to
+        asleep = [p.name for p in service.pools.values() if not p.sleep.awake]
+        assert len(asleep) == 1
+        snapshot = service.pool(asleep[0]).snapshot
+        assert snapshot is not None and snapshot.sleep.sleeps_total["idle"] == 1
+        assert snapshot.sleep.level == 2
+    finally:
+        service.stop(grace=0)
