@@ -11,7 +11,13 @@ import sys
 
 from prometheus_client.utils import floatToGoString
 
-from kvctl.agent.metrics import DEFRAG_DURATION_BUCKETS, METRICS, RESIZE_DIRECTIONS, MetricDef
+from kvctl.agent.metrics import (
+    DEFRAG_DURATION_BUCKETS,
+    METRICS,
+    RESIZE_DIRECTIONS,
+    WAKE_BUCKETS,
+    MetricDef,
+)
 from kvctl.agent.pool.defrag import DefragTrigger
 from kvctl.agent.prefix.residency import RESIDENCY_BUCKETS
 from kvctl.agent.tiers import LOAD_FAILURES, STORE_FAILURES
@@ -82,8 +88,18 @@ times far longer than the reuse gaps mean the cache holds pages nobody reuses. P
 sliding-window groups and purges (`kvctl prefix clear`) are not counted. Buckets (`le`,
 seconds): {residency}, +Inf. Preemptions and evicted pages also come by reason
 (`kvctl_preemptions_by_reason_total`: growth, pool_too_small, shrink;
-`kvctl_prefix_evicted_pages_by_reason_total`: allocation, shrink, clear), and `kvctl pool show`
-and the detail of `kvctl top` show all of them.
+`kvctl_prefix_evicted_pages_by_reason_total`: allocation, shrink, clear, sleep), and `kvctl pool
+show` and the detail of `kvctl top` show all of them.
+
+## Sleeping models
+
+A model put to sleep (`kvctl sleep`, or `sleep.idle_s`) keeps its series: its pool's capacity,
+free and used pages read 0 (it holds no KV memory), `kvctl_model_sleep_level` says 1 or 2 and
+`kvctl_model_sleep_released_bytes` how much device memory it gave back. Its requests then wait
+for a wake: `kvctl_model_wake_seconds` (buckets, seconds: {wake}, +Inf) is the time they wait
+for it beyond their own, and `kvctl_model_wakes_total{{trigger="request"}}` against
+`kvctl_model_sleeps_total{{trigger="idle"}}` says whether an idle timeout is too short (every
+idle sleep soon woken by a request).
 """
 
 _PROCESS = """\
@@ -127,7 +143,10 @@ def metrics_markdown() -> str:
         "",
         f"`kvctl_defrag_duration_seconds` buckets (`le`, seconds): {bounds}, +Inf.",
         "",
-        _USAGE.format(residency=", ".join(floatToGoString(b) for b in RESIDENCY_BUCKETS)),
+        _USAGE.format(
+            residency=", ".join(floatToGoString(b) for b in RESIDENCY_BUCKETS),
+            wake=", ".join(floatToGoString(b) for b in WAKE_BUCKETS),
+        ),
         _PROCESS,
     ]
     return "\n".join(lines)

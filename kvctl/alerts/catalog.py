@@ -127,9 +127,10 @@ def _utilization(o: Observation) -> list[Reading]:
     """A reading only while the pool serves traffic: requests were given pages within the stats
     window. An idle pool (just started, or drained) says nothing about the size its traffic
     needs, so the `for` period counts only time spent serving. None while requests wait either:
-    a pool with a queue is not too big, whatever holds it (a shrink would make the wait worse)."""
+    a pool with a queue is not too big, whatever holds it (a shrink would make the wait worse),
+    nor while the model sleeps (it holds nothing: empty, not too big)."""
     s = o.snapshot
-    if s.window_alloc_attempts <= 0 or s.requests_waiting:
+    if s.window_alloc_attempts <= 0 or s.requests_waiting or s.sleep.state != "awake":
         return []
     return [Reading(s.utilization_ratio)]
 

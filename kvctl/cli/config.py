@@ -29,7 +29,7 @@ from kvctl.cli.output import confirm, finish, on_each
 if TYPE_CHECKING:
     from kvctl.api import RuntimeSettings, RuntimeSettingsPatch
 
-SECTIONS = ("defrag", "resize", "prefix_cache", "alerts", "rebalance", "chat")
+SECTIONS = ("defrag", "resize", "prefix_cache", "alerts", "rebalance", "chat", "sleep")
 """The sections of RuntimeSettings (a test keeps them equal; pydantic loads only when used)."""
 
 config_app = typer.Typer(

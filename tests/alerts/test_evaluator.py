@@ -422,3 +422,30 @@ def test_over_provisioned_counts_only_the_time_the_pool_serves(clock, make_snaps
     assert ev.evaluate(make_snapshot(**IDLE)) == []
     clock.now += 15
     assert states(ev.evaluate(make_snapshot(**SERVING))) == {"KvctlPoolOverProvisioned": "pending"}
+
+
+def test_a_sleeping_pool_is_never_over_provisioned(clock, make_snapshot) -> None:
+    """Asleep, the pool holds nothing (capacity 0) while the stats window still counts the
+    allocations it made awake: an empty pool, not a pool too large."""
+    asleep = dict(
+        used_pages=0,
+        cached_pages=0,
+        capacity_pages=0,
+        free_pages=0,
+        largest_free_run=0,
+        free_extents=0,
+        requests_running=0,
+        window_alloc_attempts=12,
+        sleep=api.SleepReading(state="asleep", level=1, asleep_seconds=60.0),
+    )
+    ev = evaluator(clock, for_s=0)
+    assert ev.evaluate(make_snapshot(**asleep)) == []
+    awake = {
+        **asleep,
+        "sleep": api.SleepReading(),
+        "capacity_pages": 512,
+        "free_pages": 512,
+        "largest_free_run": 512,
+        "free_extents": 1,
+    }
+    assert states(ev.evaluate(make_snapshot(**awake))) == {"KvctlPoolOverProvisioned": "firing"}
