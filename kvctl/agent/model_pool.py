@@ -132,7 +132,10 @@ class ModelPool:
     # ---- commands (engine thread) -------------------------------------------------------
 
     def page_states(self) -> PageStates:
+        """Every page's state; none while the model sleeps (its storage holds no page)."""
         self.engine.owner.check("ModelPool.page_states")
+        if not self.sleep.awake and self.engine.storage.parked:
+            return PageStates(0, self.engine.pool.segment_pages, [], b"")
         return self.engine.page_states()
 
     def defrag_now(self, max_pages: int | None) -> DefragResult:

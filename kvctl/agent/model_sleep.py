@@ -237,8 +237,11 @@ class ModelSleep:
                 engine.move_weights(device)
             self._finish()
         else:
-            assert self.reload is not None  # checked before the sleep
-            self._loading = _load_in_background(self.reload, self.name, self.notify)
+            reload = self.reload
+            assert reload is not None  # checked before the sleep
+            self._loading = _load_in_background(
+                lambda: engine.serving_form(reload()), self.name, self.notify
+            )
         return future
 
     def poll(self, member: BudgetedPool | None) -> str | None:

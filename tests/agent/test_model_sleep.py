@@ -224,3 +224,13 @@ def test_an_idle_model_falls_asleep_by_itself_but_never_the_last(make_engine) ->
         assert snapshot.sleep.level == 2
     finally:
         service.stop(grace=0)
+
+
+def test_a_sleeping_pools_map_has_no_pages(two_models) -> None:
+    service = two_models
+    on_engine(service, lambda: service.sleep(1, "a"))
+    states, snapshot = on_engine(service, lambda: service.page_states_and_snapshot("a"))
+    assert states.capacity == snapshot.capacity_pages == 0 and states.runs() == []
+    service.wake("a").result(timeout=60)
+    states, snapshot = on_engine(service, lambda: service.page_states_and_snapshot("a"))
+    assert states.capacity == snapshot.capacity_pages == 128

@@ -476,10 +476,15 @@ class Engine:
         self.owner.check("Engine.unload_weights")
         self._model = None
 
+    def serving_form(self, model: LlamaModel) -> LlamaModel:
+        """`model` rewritten as this engine serves it (`fuse`); any thread may call it, for a
+        model no engine runs yet."""
+        return fuse(model, kernels=self.config.cpu_kernels)
+
     def load_weights(self, model: LlamaModel) -> None:
         """Serve `model` (the same checkpoint, loaded again) from the next step on."""
         self.owner.check("Engine.load_weights")
-        self._model = fuse(model, kernels=self.config.cpu_kernels)
+        self._model = self.serving_form(model)
 
     def move_weights(self, device: torch.device) -> None:
         """Move the model's weights to `device` (a level-1 sleep keeps them in host memory)."""
