@@ -48,12 +48,14 @@ class Figures:
 
 
 def pool_figures(pool: PoolSnapshot) -> Figures:
-    """A kvctl pool's figures, as its agent reports them."""
+    """A kvctl pool's figures, as its agent reports them; a sleeping model's pool holds no
+    pages, so it has no fragmentation, utilisation or pressure ("–", not 0)."""
+    awake = pool.sleep.state == "awake"
     return Figures(
         alloc_success_ratio=pool.alloc_success_ratio,
-        fragmentation_ratio=pool.fragmentation_ratio,
-        utilization_ratio=pool.utilization_ratio,
-        pressure_ratio=pool.pressure_ratio,
+        fragmentation_ratio=pool.fragmentation_ratio if awake else None,
+        utilization_ratio=pool.utilization_ratio if awake else None,
+        pressure_ratio=pool.pressure_ratio if awake else None,
         prefix_hit_ratio=pool.prefix_hit_ratio if pool.prefix_cache_enabled else None,
         prefix_span=f"{pool.window_seconds:g} s" if pool.prefix_cache_enabled else "off",
         requests_running=pool.requests_running,

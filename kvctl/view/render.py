@@ -444,9 +444,10 @@ def fleet_row(reading: Reading) -> tuple[RenderableType, ...]:
         agent = safe(reading.agent)
         return (agent, Text("DOWN", style=fmt.BAD), *blank, Text(reason, style=fmt.BAD))
     success, frag, util, prefix = fmt.figure_headlines(figures)
+    awake = reading.pool is None or reading.pool.sleep.state == "awake"
     return (
         safe(reading.agent),
-        Text("up", style=fmt.OK),
+        Text("up", style=fmt.OK) if awake else Text("sleep", style=fmt.WARN),  # or waking
         engine.row_label(reading),
         engine.capacity_text(reading),
         Text(util.text, style=util.style),

@@ -118,6 +118,7 @@ SNAPSHOT_KEYS = [
     "requests_rejected_total",
     "admin_actions_total",
     "share",
+    "sleep",
     *DERIVED_KEYS,
     "token_usage_ratio",
 ]

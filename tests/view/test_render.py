@@ -139,3 +139,16 @@ def test_a_sleeping_pool_says_what_it_released_and_what_wakes_it() -> None:
     text = " ".join(rendered(pool_table(asleep), width=160).split())
     assert "asleep at level 2 for 1m35s: 8 MiB released, its weights dropped" in text, text
     assert "wake --model" in text
+
+
+def test_a_sleeping_pool_reads_asleep_in_the_fleet_table_without_made_up_ratios() -> None:
+    from kvctl.api import SleepReading
+
+    asleep = pool_snapshot(capacity_pages=0, used_pages=0, cached_pages=0).model_copy(
+        update={"sleep": SleepReading(state="asleep", level=1, asleep_seconds=5.0)}
+    )
+    reading = Reading(agent="http://gpu-node-17.example.com:8477", pool=asleep)
+    [_, row] = rendered(FleetTable([reading]), 160).splitlines()
+    assert " sleep " in row and " up " not in row, row
+    cells = row.split()
+    assert "0.00" not in cells and "0.0 %" not in cells, row  # no fragmentation, no utilisation
