@@ -161,19 +161,11 @@ class ModelSleep:
         engine = self.engine
         engine.owner.check("ModelSleep.sleep")
         self.check_can_sleep(level)
-        pool, resizer = engine.pool, engine.resizer
+        pool = engine.pool
         evicted = pool.evict(pool.cached_pages, "sleep") if pool.cached_pages else 0
         self._pages = pool.capacity
         self._kv_bytes = pool.capacity * pool.bytes_per_page
-        if pool.capacity > pool.segment_pages:
-            floor, resizer.min_pages = resizer.min_pages, pool.segment_pages
-            try:
-                resizer.resize(pool.segment_pages)
-            finally:
-                resizer.min_pages = floor
-        engine.storage.park()
-        if member is not None:
-            member.asleep = True
+        self._park(member)
         device = engine.device
         self._weights_on_device = device.type != "cpu"
         if level == 1:
@@ -205,6 +197,21 @@ class ModelSleep:
             weights_bytes=self._weights_bytes,
             pages_evicted=evicted,
         )
+
+    def _park(self, member: BudgetedPool | None) -> None:
+        """Shrink the empty pool to one segment (below its floor), free that one too, and
+        count it for nothing in the budget."""
+        engine = self.engine
+        pool, resizer = engine.pool, engine.resizer
+        if pool.capacity > pool.segment_pages:
+            floor, resizer.min_pages = resizer.min_pages, pool.segment_pages
+            try:
+                resizer.resize(pool.segment_pages)
+            finally:
+                resizer.min_pages = floor
+        engine.storage.park()
+        if member is not None:
+            member.asleep = True
 
     # ---- waking -------------------------------------------------------------------------
 
@@ -309,17 +316,9 @@ class ModelSleep:
     def _fail(self, reason: str, member: BudgetedPool | None) -> None:
         """A wake that could not complete: back to sleep, its waiters told why."""
         log.warning("wake failed: %s", reason)
-        engine = self.engine
-        pool = engine.pool
-        if engine.storage.parked == 0:
-            if pool.capacity > pool.segment_pages:
-                floor, engine.resizer.min_pages = engine.resizer.min_pages, pool.segment_pages
-                try:
-                    engine.resizer.resize(pool.segment_pages)
-                finally:
-                    engine.resizer.min_pages = floor
-            engine.storage.park()
-        if member is not None:
+        if self.engine.storage.parked == 0:
+            self._park(member)
+        elif member is not None:
             member.asleep = True
         self._wake_started = None
         self.last_wake_error = reason
