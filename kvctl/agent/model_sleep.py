@@ -28,7 +28,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING
 
 import torch
@@ -266,6 +266,13 @@ class ModelSleep:
         self.engine.load_weights(loading.result())
         self._finish()
         return None
+
+    def settle(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a reload in progress to end (at shutdown: torch
+        must not be running on the loader thread while the process exits)."""
+        loading = self._loading
+        if loading is not None:
+            wait([loading], timeout)
 
     def _restore_pool(self, member: BudgetedPool | None, make_room: MakeRoom | None) -> None:
         """Give the pool back its pages: those it had, as far as the budget (after taking back

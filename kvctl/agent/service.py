@@ -79,6 +79,7 @@ PUBLISH_INTERVAL_S = 0.1  # snapshots are at most this old (and fresh after ever
 RESIZE_CHECK_INTERVAL_S = 1.0  # automatic resize looks at windows of many seconds
 REBALANCE_CHECK_INTERVAL_S = 0.5  # pressure is read this often; moves need it to hold longer
 IDLE_SLEEP_CHECK_INTERVAL_S = 1.0  # sleep.idle_s is at least a second
+WAKE_SETTLE_S = 60.0  # at shutdown, the longest wait for a checkpoint being reloaded
 
 
 class UnknownPool(LookupError):
@@ -262,6 +263,8 @@ class AgentService:
             self._loop(lambda: not self._streams or self.clock() >= deadline)
             self._abort_all()
             self._publish_all()
+            for pool in self.pools.values():
+                pool.sleep.settle(WAKE_SETTLE_S)
         finally:
             for engine in engines:
                 engine.owner.release()

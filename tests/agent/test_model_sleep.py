@@ -12,42 +12,20 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from sleeping_models import (
+    GREEDY,
+    PROMPT,
+    SEGMENT,
+    budgeted,
+    generate,
+    model_pool,
+    on_engine,
+    reload_demo,
+)
 
-from kvctl.agent.budget import KvBudget
-from kvctl.agent.model import SamplingParams, build_demo_model
-from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.model_sleep import SleepRefused
-from kvctl.agent.runtime import Engine
 from kvctl.agent.service import AgentService
 from kvctl.api import RuntimeSettings
-from kvctl.settings import StartupLimits
-from tests.kv_device import DEVICE
-
-PROMPT = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-SEGMENT = 32
-
-
-def reload_demo() -> torch.nn.Module:
-    """The demo model built again from its seed, as the agent reloads it."""
-    return build_demo_model(DEVICE, torch.float32, seed=0)[1]
-
-
-def model_pool(engine: Engine, name: str, reload: Callable | None = reload_demo) -> ModelPool:
-    limits = StartupLimits(SEGMENT, engine.resizer.max_pages or 4 * engine.pool.capacity)
-    return ModelPool(engine, name, limits, reload=reload)
-
-
-def budgeted(make_engine, settings: RuntimeSettings | None = None) -> AgentService:
-    """Two demo pools of 128 pages (a and b) under a budget with one segment unassigned."""
-    engines = {name: make_engine(pool_pages=128, max_pool_pages=512) for name in ("a", "b")}
-    service = AgentService([model_pool(e, n) for n, e in engines.items()], settings)
-    page = engines["a"].pool.bytes_per_page
-    budget = KvBudget((128 + 128 + SEGMENT) * page)
-    for name, engine in engines.items():
-        budget.add(name, engine.resizer)
-    service.share_budget(budget)
-    return service
 
 
 @pytest.fixture
@@ -58,30 +36,6 @@ def two_models(make_engine) -> Iterator[AgentService]:
         yield service
     finally:
         service.stop(grace=0)
-
-
-def on_engine(service: AgentService, fn: Callable):
-    return service.call(fn).result(timeout=60)
-
-
-def generate(service: AgentService, model: str, prompt: list[int] = PROMPT) -> list[int]:
-    """A greedy request through the service, as the HTTP routes send it; its tokens."""
-
-    async def run() -> list[int]:
-        loop = asyncio.get_running_loop()
-        future = service.open_stream(
-            lambda engine: engine.add_request(prompt, GREEDY), loop, service.pool(model)
-        )
-        stream = await asyncio.wrap_future(future)
-        tokens = []
-        while True:
-            event = await asyncio.wait_for(stream.events.get(), timeout=120)
-            if event.token_id is not None:
-                tokens.append(event.token_id)
-            if event.finish_reason is not None:
-                return tokens
-
-    return asyncio.run(run())
 
 
 def test_a_sleeping_model_releases_its_pool_to_the_budget(two_models) -> None:
@@ -234,3 +188,88 @@ def test_a_sleeping_pools_map_has_no_pages(two_models) -> None:
     service.wake("a").result(timeout=60)
     states, snapshot = on_engine(service, lambda: service.page_states_and_snapshot("a"))
     assert states.capacity == snapshot.capacity_pages == 128
+
+
+def slow_reload(loading: threading.Event, release: threading.Event) -> Callable:
+    """A reload that waits for `release` (a checkpoint read that takes its time)."""
+
+    def reload() -> torch.nn.Module:
+        loading.set()
+        assert release.wait(60)
+        return reload_demo()
+
+    return reload
+
+
+def test_a_client_that_leaves_during_a_wake_leaves_nothing_behind(make_engine) -> None:
+    loading, release = threading.Event(), threading.Event()
+    engines = [make_engine(), make_engine()]
+    pools = [
+        model_pool(engines[0], "a", slow_reload(loading, release)),
+        model_pool(engines[1], "b"),
+    ]
+    service = AgentService(pools)
+    service.start()
+    try:
+        on_engine(service, lambda: service.sleep(2, "a"))
+
+        async def leave() -> None:
+            loop = asyncio.get_running_loop()
+            future = service.open_stream(
+                lambda engine: engine.add_request(PROMPT, GREEDY), loop, service.pool("a")
+            )
+            stream = await asyncio.wrap_future(future)
+            service.abort(stream.request_id)
+
+        asyncio.run(leave())
+        assert loading.wait(30)
+        a = service.pool("a")
+        assert a.sleep.waking
+        release.set()
+        assert service.wake("a").result(timeout=60).woke
+        assert on_engine(service, lambda: (len(a.engine.requests), a.engine.pool.used_pages)) == (
+            0,
+            0,
+        )
+        on_engine(service, a.engine.pool.check_invariants)
+        assert generate(service, "a")
+    finally:
+        release.set()
+        service.stop(grace=0)
+
+
+def test_an_agent_stopping_during_a_wake_ends_the_waiting_requests(make_engine) -> None:
+    loading, release = threading.Event(), threading.Event()
+    engines = [make_engine(), make_engine()]
+    pools = [
+        model_pool(engines[0], "a", slow_reload(loading, release)),
+        model_pool(engines[1], "b"),
+    ]
+    service = AgentService(pools)
+    service.start()
+    ended: list[str | None] = []
+    try:
+        on_engine(service, lambda: service.sleep(2, "a"))
+
+        async def wait_then_stop() -> None:
+            loop = asyncio.get_running_loop()
+            future = service.open_stream(
+                lambda engine: engine.add_request(PROMPT, GREEDY), loop, service.pool("a")
+            )
+            stream = await asyncio.wrap_future(future)
+            assert await asyncio.to_thread(loading.wait, 30)
+            await asyncio.to_thread(service.stop, 0)
+            event = await asyncio.wait_for(stream.events.get(), timeout=30)
+            ended.append(event.finish_reason)
+
+        stopping = threading.Thread(target=asyncio.run, args=(wait_then_stop(),))
+        stopping.start()
+        assert loading.wait(30)
+        time.sleep(0.5)  # the stop is under way: it waits for the reload to end
+        assert stopping.is_alive()
+        release.set()
+        stopping.join(60)
+        assert ended == ["abort"]
+    finally:
+        release.set()
+        service.stop(grace=0)
