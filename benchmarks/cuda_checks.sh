@@ -20,6 +20,10 @@ for dir in tests/pool tests/model tests/runtime tests/prefix; do
     KVCTL_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider "$dir"
 done
 
+step "sleep and wake on cuda (level 1 moves the weights to host memory and back)"
+KVCTL_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/agent/test_model_sleep.py \
+    tests/agent/test_model_sleep_properties.py
+
 step "decode step benchmarks (paged vs contiguous, paired rounds; each prints its roofline: the
 bytes a step reads, weights + the batch's KV, over the measured device copy bandwidth)"
 $PY benchmarks/decode_step.py --device cuda
