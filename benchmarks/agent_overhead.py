@@ -32,12 +32,12 @@ import uvicorn
 from paired import MIN_ROUNDS, command_line, environment, load_average, paired_rounds, spread
 
 from kvctl.agent.config import AgentConfig
+from kvctl.agent.http.server import create_app
 from kvctl.agent.model import SamplingParams, build_demo_model
 from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.runtime import Engine, EngineConfig
-from kvctl.agent.server import create_app
 from kvctl.agent.service import AgentService
-from kvctl.agent.wiring import alert_loop, default_torch_threads
+from kvctl.agent.startup.wiring import alert_loop, default_torch_threads
 from kvctl.settings import StartupLimits
 
 BATCH = 8

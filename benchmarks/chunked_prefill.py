@@ -47,7 +47,7 @@ from paired import (
 from kvctl.agent.config import DEFAULT_MAX_BATCHED_TOKENS
 from kvctl.agent.model import LlamaModel, SamplingParams, Tokenizer, build_demo_model
 from kvctl.agent.runtime import Engine, EngineConfig
-from kvctl.agent.wiring import default_torch_threads
+from kvctl.agent.startup.wiring import default_torch_threads
 from kvctl.settings import DefragSettings
 
 UNCHUNKED = 1 << 20

@@ -46,7 +46,7 @@ $PY benchmarks/defrag_tick.py
 step "agent on cuda"
 PORT=18477
 export KVCTL_AGENT=http://127.0.0.1:$PORT
-$PY -m kvctl.agent.main --device cuda --gpu-memory-fraction 0.01 --port $PORT \
+$PY -m kvctl.agent.startup.main --device cuda --gpu-memory-fraction 0.01 --port $PORT \
     --alert-interval 1s >"${OUT:-/tmp}/agent.log" 2>&1 &
 AGENT=$!
 for _ in $(seq 90); do curl -sf "$KVCTL_AGENT/healthz" >/dev/null && break; sleep 1; done

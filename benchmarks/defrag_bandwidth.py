@@ -40,7 +40,7 @@ from paired import (
 from kvctl.agent.pool.defrag import Defragmenter, DefragReport, DefragTrigger
 from kvctl.agent.pool.page_pool import PagePool
 from kvctl.agent.pool.storage import KVStorage
-from kvctl.agent.wiring import default_torch_threads
+from kvctl.agent.startup.wiring import default_torch_threads
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from paired import command_line, environment
 
 from kvctl.agent.model.projection import OneDnnProjection, PackedProjection
-from kvctl.agent.wiring import default_torch_threads
+from kvctl.agent.startup.wiring import default_torch_threads
 
 SHAPES = (  # (name, out, in)
     ("135m gate_up", 3072, 576),

@@ -33,7 +33,7 @@ import numpy as np
 from paired import MIN_ROUNDS, command_line, environment, load_average, paired_rounds, spread
 
 from kvctl.agent.api_views import occupancy_fields
-from kvctl.agent.metrics import Histograms, build_registry, render
+from kvctl.agent.observe.metrics import Histograms, build_registry, render
 from kvctl.agent.pool import PagePool, PoolOccupancy
 from kvctl.api import GpuMemory, PoolSnapshot
 

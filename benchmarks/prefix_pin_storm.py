@@ -26,7 +26,7 @@ from paired import MIN_ROUNDS, Paired, command_line, environment, finish, spread
 from prefix_ttft import ONE_TOKEN, time_to_first_token
 
 from kvctl.agent.runtime import Engine, EngineConfig
-from kvctl.agent.wiring import default_torch_threads
+from kvctl.agent.startup.wiring import default_torch_threads
 from kvctl.settings import DefragSettings
 
 PAGE_SIZE = 16

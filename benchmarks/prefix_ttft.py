@@ -35,7 +35,7 @@ from paired import (
 
 from kvctl.agent.model import SamplingParams, build_demo_model
 from kvctl.agent.runtime import Engine, EngineConfig
-from kvctl.agent.wiring import default_torch_threads
+from kvctl.agent.startup.wiring import default_torch_threads
 from kvctl.settings import DefragSettings
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

@@ -29,7 +29,7 @@ from paired import command_line, environment, finish, spread, verdict
 from kvctl.agent.model import SamplingParams
 from kvctl.agent.prefix.residency import DurationCounts
 from kvctl.agent.runtime import Engine, EngineConfig
-from kvctl.agent.wiring import default_torch_threads
+from kvctl.agent.startup.wiring import default_torch_threads
 from kvctl.settings import DefragSettings
 
 PAGE_SIZE = 16

@@ -39,7 +39,7 @@ from paired import command_line, environment, spread
 
 from kvctl.agent.model import LlamaModel, SamplingParams, build_demo_model
 from kvctl.agent.runtime import Engine, EngineConfig
-from kvctl.agent.wiring import default_torch_threads
+from kvctl.agent.startup.wiring import default_torch_threads
 from kvctl.settings import DefragSettings
 
 

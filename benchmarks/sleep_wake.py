@@ -37,7 +37,7 @@ def start_agent(model: str, budget: str) -> tuple[subprocess.Popen[str], str]:
     """`kvctl-agent` serving `sleeper` (`model`) and `keeper` (a small demo model)."""
     cmd = [
         sys.executable,
-        *("-m", "kvctl.agent.main", "--port", "0"),
+        *("-m", "kvctl.agent.startup.main", "--port", "0"),
         *("--model", f"sleeper={model}", "--model", "keeper=demo:2x2"),
         *("--kv-budget", budget),
     ]

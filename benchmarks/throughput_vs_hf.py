@@ -43,7 +43,7 @@ from paired import (
 
 from kvctl.agent.model import SamplingParams
 from kvctl.agent.runtime import Engine, EngineConfig
-from kvctl.agent.wiring import default_torch_threads
+from kvctl.agent.startup.wiring import default_torch_threads
 
 TARGET = 1.3
 

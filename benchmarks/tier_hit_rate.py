@@ -33,7 +33,7 @@ from paired import MIN_ROUNDS, command_line, environment, load_average, spread
 from kvctl.agent.model import SamplingParams
 from kvctl.agent.pool.storage import KVStorage
 from kvctl.agent.runtime import Engine, EngineConfig
-from kvctl.agent.wiring import default_torch_threads
+from kvctl.agent.startup.wiring import default_torch_threads
 
 CONVERSATIONS, TURNS, WAVE, SYSTEM = 24, 6, 8, 256
 PAGE = 16

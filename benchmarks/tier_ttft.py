@@ -34,7 +34,7 @@ from paired import MIN_ROUNDS, command_line, environment, load_average, spread
 from prefix_ttft import ONE_TOKEN, time_to_first_token
 
 from kvctl.agent.runtime import Engine, EngineConfig
-from kvctl.agent.wiring import default_torch_threads
+from kvctl.agent.startup.wiring import default_torch_threads
 
 MODES = ("recompute", "device", "host", "disk")
 QUESTION = 16

@@ -68,7 +68,7 @@ UNKNOWN_PREFIX_ITEM = "unknown_prefix_item"
 against a route that does not exist."""
 INVALID_TEXT = "invalid_text"
 """The validation error type of a string that is not valid Unicode (a lone surrogate): a 400
-naming the field (kvctl.agent.server)."""
+naming the field (kvctl.agent.http.server)."""
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 _SCALARS = frozenset({int, float, bool, type(None)})
 
@@ -729,7 +729,7 @@ class StreamOptions(Strict):
 
 UNSUPPORTED = "unsupported_field"
 """The validation error type of a field the agent knows and does not implement: a 400 naming
-it (kvctl.agent.server), where an unknown field is a 422."""
+it (kvctl.agent.http.server), where an unknown field is a 422."""
 ANY = object()
 """In `VLLM_UNSUPPORTED`: every value is accepted, as vLLM ignores the field on these routes."""
 

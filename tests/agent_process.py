@@ -40,7 +40,7 @@ def launch_agent(
 ) -> RunningAgent:
     """Start `kvctl-agent --port 0 ...` and wait for its `listening on` line; `file_limit`
     sets its soft and hard limit on open files (as a unit's LimitNOFILE= does)."""
-    cmd = [sys.executable, "-m", "kvctl.agent.main", "--port", "0", *args]
+    cmd = [sys.executable, "-m", "kvctl.agent.startup.main", "--port", "0", *args]
     if token is not None:
         assert tmp is not None
         token_file = tmp / "token"
@@ -86,7 +86,7 @@ def _limit_files(count: int) -> None:
 def refused_at_start(*flags: str) -> str:
     """Start `kvctl-agent` with `flags`, which it must refuse: its one error line (exit 2)."""
     result = subprocess.run(
-        [sys.executable, "-m", "kvctl.agent.main", "--port", "0", *flags],
+        [sys.executable, "-m", "kvctl.agent.startup.main", "--port", "0", *flags],
         capture_output=True,
         text=True,
         timeout=120,

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import typer.main
 
-from kvctl.agent.startup_settings import SPECS
+from kvctl.agent.startup.settings import SPECS
 from kvctl.cli.main import app, main
 from kvctl.command_help import flowing
 
@@ -78,7 +78,7 @@ def test_agent_help_at_80_columns() -> None:
     env = {**os.environ, "COLUMNS": str(WIDTH)}
     env.pop("TERMINAL_WIDTH", None)
     done = subprocess.run(
-        [sys.executable, "-m", "kvctl.agent.main", "--help"],
+        [sys.executable, "-m", "kvctl.agent.startup.main", "--help"],
         env=env,
         capture_output=True,
         text=True,

@@ -3,15 +3,16 @@ section they point to is there, the layout lists every package, the docs index l
 and every `kvctl` / `kvctl-agent` command they show is one the CLI accepts.
 
 What counts as a path: a code span (or a word in the prose) whose first part is a directory of
-the repository, of `kvctl/` or of `kvctl/agent/` (`routes/chat.py` is `kvctl/agent/routes/chat.py`),
-or a single token with a file extension; a glob (`alerts/*.yml`) must match something. Paths of
-other projects the docs quote are listed in `OTHER_PROJECTS`.
+the repository, of `kvctl/` or of `kvctl/agent/` (`http/routes/chat.py` is
+`kvctl/agent/http/routes/chat.py`), or a single token with a file extension; a glob
+(`alerts/*.yml`) must match something. Paths of other projects the docs quote are listed in
+`OTHER_PROJECTS`.
 
 What counts as a command: a code span, or a line of a code block, that starts with `kvctl` or
 `kvctl-agent` (after a shell prompt). Its words must walk the command tree of
-`kvctl.cli.main.app` (`kvctl-agent` is `kvctl.agent.main.app`), every option must be one of the
-command it follows (or of a command above it), an option's value must be one of its choices
-where it has them, and `--set KEY=VALUE` / `config set KEY=VALUE` must name a real setting.
+`kvctl.cli.main.app` (`kvctl-agent` is `kvctl.agent.startup.main.app`), every option must be
+one of the command it follows (or of a command above it), an option's value must be one of its
+choices where it has them, and `--set KEY=VALUE` / `config set KEY=VALUE` must name a real setting.
 The docs' own notation is understood: `a | b` and `a|b` are alternatives, `[...]` is optional,
 and placeholders (`URL`, `NAME`, `N`, `<x>`, `...`) stand for any value.
 """
@@ -308,7 +309,7 @@ def kvctl_tree() -> Node:
 
 @cache
 def agent_tree() -> Node:
-    from kvctl.agent.main import app
+    from kvctl.agent.startup.main import app
 
     return node_of(typer.main.get_command(app), "kvctl-agent")
 

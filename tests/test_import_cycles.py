@@ -160,7 +160,9 @@ def test_type_only_imports_are_no_edge() -> None:
     )
     names = [alias.name for node in _imports(tree) for alias in node.names]
     assert names == ["TYPE_CHECKING", "kvctl.units"]
-    assert _known("kvctl.agent.routes.pools.pool_of", modules) == "kvctl.agent.routes.pools"
+    assert (
+        _known("kvctl.agent.http.routes.pools.pool_of", modules) == "kvctl.agent.http.routes.pools"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +171,10 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_server_and_routes_import_one_way(graph) -> None:
-    routes = {name for name in graph if name.startswith("kvctl.agent.routes")}
-    assert routes & graph["kvctl.agent.server"], "the server wires the routers"
+    routes = {name for name in graph if name.startswith("kvctl.agent.http.routes")}
+    assert routes & graph["kvctl.agent.http.server"], "the server wires the routers"
     for route in routes:
-        assert "kvctl.agent.server" not in graph[route], f"{route} imports the server"
+        assert "kvctl.agent.http.server" not in graph[route], f"{route} imports the server"
 
 
 def test_no_import_cycle_but_the_known_ones(graph) -> None:

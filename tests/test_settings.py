@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvctl.agent.config import ConfigError, load_config
-from kvctl.agent.startup_settings import render_settings_docs
+from kvctl.agent.startup.settings import render_settings_docs
 from kvctl.settings import (
     FLAGS,
     SECTIONS,
@@ -138,7 +138,7 @@ def test_text_values_from_the_command_line_read_by_type() -> None:
 def test_every_flag_of_a_setting_is_an_option_of_the_agent() -> None:
     import typer
 
-    from kvctl.agent.main import app
+    from kvctl.agent.startup.main import app
 
     options = {
         option: param.help for param in typer.main.get_command(app).params for option in param.opts
@@ -210,7 +210,7 @@ def test_the_advertised_url_is_never_a_wildcard(monkeypatch) -> None:
 def test_the_settings_docs_are_generated_from_the_definition() -> None:
     docs = Path(__file__).parent.parent / "docs" / "settings.md"
     assert docs.read_text() == render_settings_docs(), (
-        "docs/settings.md is stale: python -m kvctl.settings > docs/settings.md"
+        "docs/settings.md is stale: python -m kvctl.agent.startup.settings_docs > docs/settings.md"
     )
     for key in SPECS:
         assert f"`{key}`" in render_markdown()

@@ -1,7 +1,7 @@
 """The agent's start-up configuration: command-line flags over an optional TOML file.
 
 Each field of `AgentConfig` is the whole definition of one start-up setting: its type, default,
-range, help and flag (`startup(...)`). kvctl.agent.startup_settings reads them to build the
+range, help and flag (`startup(...)`). kvctl.agent.startup.settings reads them to build the
 options of `kvctl-agent`, the keys the TOML file accepts and the "Start-up settings" part of
 docs/settings.md. A flag is its key with dashes (`--page-size` is `page_size`); a flag given on
 the command line wins over the file; a few settings are file-only. Runtime settings

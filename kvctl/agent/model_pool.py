@@ -24,14 +24,14 @@ from kvctl.agent.api_views import (
 )
 from kvctl.agent.autoresize import AutoResize
 from kvctl.agent.budget import BudgetedPool, Pressure
-from kvctl.agent.metrics import Histograms
 from kvctl.agent.model_sleep import ModelSleep, Reload
+from kvctl.agent.observe.metrics import Histograms
+from kvctl.agent.observe.tally import Tally
+from kvctl.agent.observe.window import CounterRatioWindow
 from kvctl.agent.pool import DefragReport, DefragTrigger, ResizeRefused
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.runtime import Engine
 from kvctl.agent.served import ServedModel
-from kvctl.agent.tally import Tally
-from kvctl.agent.window import CounterRatioWindow
 from kvctl.api import (
     DefragResult,
     GpuMemory,

@@ -47,8 +47,8 @@ from kvctl.api import (
 
 if TYPE_CHECKING:
     from kvctl.agent.budget import BudgetedPool
-    from kvctl.agent.metrics import DurationHistogram
     from kvctl.agent.model import LlamaModel
+    from kvctl.agent.observe.metrics import DurationHistogram
     from kvctl.agent.runtime import Engine
 
 log = logging.getLogger(__name__)

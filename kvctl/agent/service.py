@@ -34,17 +34,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvctl.agent.alerting import AlertLoop
 from kvctl.agent.budget import KvBudget, Rebalancer
-from kvctl.agent.gpu import GpuProbe
 from kvctl.agent.memory import IdleTrim, release_free_memory
-from kvctl.agent.metrics import KvEventCounters
 from kvctl.agent.model_pool import AgentReadings, ModelPool
 from kvctl.agent.model_sleep import MakeRoom, SleepRefused
+from kvctl.agent.observe.alerting import AlertLoop
+from kvctl.agent.observe.gpu import GpuProbe
+from kvctl.agent.observe.metrics import KvEventCounters
+from kvctl.agent.observe.tally import Tally
+from kvctl.agent.pool import PoolError
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.prefix_admin import PrefixAdmin
 from kvctl.agent.runtime import Engine, Request, RequestRefused, RequestSummary, TokenEvent
-from kvctl.agent.tally import Tally
 from kvctl.api import (
     Alert,
     DefragResult,
@@ -80,6 +81,10 @@ RESIZE_CHECK_INTERVAL_S = 1.0  # automatic resize looks at windows of many secon
 REBALANCE_CHECK_INTERVAL_S = 0.5  # pressure is read this often; moves need it to hold longer
 IDLE_SLEEP_CHECK_INTERVAL_S = 1.0  # sleep.idle_s is at least a second
 WAKE_SETTLE_S = 60.0  # at shutdown, the longest wait for a checkpoint being reloaded
+
+
+ResizeRefusal = PoolError
+"""What `AgentService.resize` raises when it changes nothing: the pool's own refusals."""
 
 
 class UnknownPool(LookupError):

@@ -1,6 +1,6 @@
 """`kvctl agent run`: start the agent, exactly as `kvctl-agent` does.
 
-The process replaces itself with `python -m kvctl.agent.main`, so the agent gets the same
+The process replaces itself with `python -m kvctl.agent.startup.main`, so the agent gets the same
 arguments, signals (SIGTERM stops it cleanly) and exit code, and the CLI never imports the
 agent's code (which loads torch).
 """
@@ -14,7 +14,7 @@ import typer
 
 from kvctl.cli.options import ExitCode, fail
 
-AGENT_MODULE = "kvctl.agent.main"
+AGENT_MODULE = "kvctl.agent.startup.main"
 
 agent_app = typer.Typer(
     help="Run the per-node agent (same as kvctl-agent).",

@@ -440,7 +440,7 @@ def test_the_token_guards_every_endpoint_but_health_and_the_runbook(start_agent)
 
 def test_public_bind_without_token_is_refused() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvctl.agent.main", "--host", "0.0.0.0", "--port", "0"],
+        [sys.executable, "-m", "kvctl.agent.startup.main", "--host", "0.0.0.0", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -22,9 +22,9 @@ from pool_readings import pool_snapshot
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvctl import api
-from kvctl.agent import kv_events as kv
-from kvctl.agent.alerting import AlertLoop
-from kvctl.agent.metrics import Histograms, KvEventCounters, pools_registry, render
+from kvctl.agent.observe import kv_events as kv
+from kvctl.agent.observe.alerting import AlertLoop
+from kvctl.agent.observe.metrics import Histograms, KvEventCounters, pools_registry, render
 from kvctl.alerts import AlertEvaluator
 
 ACTIVE = "kvctl_alerts_active"

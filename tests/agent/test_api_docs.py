@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from kvctl.agent.api_docs import agent_openapi, api_markdown
+from kvctl.agent.startup.api_docs import agent_openapi, api_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_committed_reference_is_current() -> None:
     committed = (ROOT / "docs" / "api.md").read_text()
     assert committed == api_markdown(), (
-        "docs/api.md is stale: run `python -m kvctl.agent.api_docs > docs/api.md`"
+        "docs/api.md is stale: run `python -m kvctl.agent.startup.api_docs > docs/api.md`"
     )
 
 

@@ -27,9 +27,9 @@ from kvctl.agent.api_views import (
     tier_view,
 )
 from kvctl.agent.config import AgentConfig
+from kvctl.agent.http.server import create_app
 from kvctl.agent.model.sampling import SamplingParams
 from kvctl.agent.pool import Defragmenter, DefragReport, DefragTrigger, PagePool, PoolOccupancy
-from kvctl.agent.server import create_app
 from kvctl.agent.tiers import TierStats
 from kvctl.agent.tiers.tiered_store import TierCounters
 

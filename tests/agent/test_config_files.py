@@ -45,7 +45,9 @@ def agent(*args: str) -> subprocess.CompletedProcess[str]:
     """The real `kvctl-agent ARGS`, bounded in time and memory so that a regression fails
     instead of hanging the suite or filling the machine."""
     script = Path(sys.executable).with_name("kvctl-agent")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "kvctl.agent.main"]
+    command = (
+        [str(script)] if script.exists() else [sys.executable, "-m", "kvctl.agent.startup.main"]
+    )
     env = {k: v for k, v in os.environ.items() if k != "KVCTL_TOKEN"}
 
     def limit_memory() -> None:

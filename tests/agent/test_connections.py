@@ -11,7 +11,7 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI, Request
 
-from kvctl.agent.connections import BoundedH11Protocol, bounded_protocol, listening_socket
+from kvctl.agent.http.connections import BoundedH11Protocol, bounded_protocol, listening_socket
 
 
 def test_accepted_connections_have_nagle_off() -> None:

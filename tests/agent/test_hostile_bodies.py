@@ -15,7 +15,7 @@ import httpx
 import pytest
 from agent_process import SMALL_POOL, launch_agent
 
-from kvctl.agent.server import json_depth
+from kvctl.agent.http.server import json_depth
 
 pytestmark = pytest.mark.integration
 

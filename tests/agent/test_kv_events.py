@@ -16,9 +16,9 @@ import pytest
 import torch
 import zmq
 
-from kvctl.agent import kv_events as kv
 from kvctl.agent.config import ConfigError, load_config
 from kvctl.agent.model.sampling import SamplingParams
+from kvctl.agent.observe import kv_events as kv
 from kvctl.agent.pool.storage import KVStorage
 from kvctl.agent.prefix import IsolationKey
 from kvctl.agent.runtime.request import RequestStatus

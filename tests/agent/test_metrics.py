@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from promised_metrics import PROMISED_METRICS
 
 from kvctl import __version__
-from kvctl.agent.metrics import (
+from kvctl.agent.observe.metrics import (
     DEFRAG_DURATION_BUCKETS,
     INTER_TOKEN_BUCKETS,
     METRICS,
@@ -34,7 +34,7 @@ from kvctl.agent.metrics import (
     build_registry,
     render,
 )
-from kvctl.agent.metrics_docs import metrics_markdown
+from kvctl.agent.observe.metrics_docs import metrics_markdown
 from kvctl.agent.prefix.residency import RESIDENCY_BUCKETS
 from kvctl.api import Alert, GpuMemory, PoolShare, PoolSnapshot, SleepReading, TierReading
 
@@ -671,7 +671,7 @@ def test_ratios_are_fractions_in_the_exposition() -> None:
 def test_docs_are_generated_from_the_table() -> None:
     committed = (ROOT / "docs" / "metrics.md").read_text()
     assert committed == metrics_markdown(), (
-        "docs/metrics.md is stale: python -m kvctl.agent.metrics_docs > docs/metrics.md"
+        "docs/metrics.md is stale: python -m kvctl.agent.observe.metrics_docs > docs/metrics.md"
     )
 
 

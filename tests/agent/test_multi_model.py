@@ -386,7 +386,7 @@ def test_each_model_has_its_share_of_the_tiers_and_a_directory_of_its_own(
 
 
 def test_a_models_tier_directory_stays_inside_the_disk_path() -> None:
-    from kvctl.agent.planning import tier_directory
+    from kvctl.agent.startup.planning import tier_directory
 
     assert tier_directory("big") == "big"
     assert tier_directory("llama 3:8b") == "llama_3_8b"

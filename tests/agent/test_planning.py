@@ -1,5 +1,5 @@
-"""The start-up plan of the pools (kvctl.agent.planning), from plain inputs and without torch:
-one model, several under a KV budget, their tiers, and the refusals."""
+"""The start-up plan of the pools (kvctl.agent.startup.planning), from plain inputs and without
+torch: one model, several under a KV budget, their tiers, and the refusals."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvctl.agent.config import AgentConfig, ConfigError, ModelSpec
-from kvctl.agent.planning import (
+from kvctl.agent.startup.planning import (
     ModelPages,
     PoolPlan,
     TierShare,
@@ -34,7 +34,8 @@ def config(**values: Any) -> AgentConfig:
 def test_the_planning_module_imports_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import kvctl.agent.planning, kvctl.agent.startup_settings, kvctl.agent.main\n"
+        "import kvctl.agent.startup.planning, kvctl.agent.startup.settings\n"
+        "import kvctl.agent.startup.main\n"
         "assert sys.modules['torch'] is None\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -4,7 +4,7 @@ import pytest
 
 from kvctl.agent.autoresize import AutoResize
 from kvctl.agent.config import AgentConfig, ConfigError, load_config
-from kvctl.agent.gpu import GpuProbe
+from kvctl.agent.observe.gpu import GpuProbe
 from kvctl.agent.pool import PagePool
 from kvctl.api import ResizeSettings
 

@@ -18,12 +18,10 @@ from pool_readings import pool_snapshot, tier_reading
 from starlette.requests import Request
 
 from kvctl import api
-from kvctl.agent.audit import AuditLog
 from kvctl.agent.config import AgentConfig
-from kvctl.agent.http_context import ApiError, ServerContext, context
-from kvctl.agent.metrics import Histograms
-from kvctl.agent.pool import PoolError
-from kvctl.agent.routes import (
+from kvctl.agent.http.audit import AuditLog
+from kvctl.agent.http.context import ApiError, ServerContext, context
+from kvctl.agent.http.routes import (
     alerts,
     completions,
     health,
@@ -34,10 +32,12 @@ from kvctl.agent.routes import (
     settings,
     tokenize,
 )
+from kvctl.agent.http.server import ROUTERS
+from kvctl.agent.observe.metrics import Histograms
+from kvctl.agent.observe.tally import Tally
+from kvctl.agent.pool import PoolError
 from kvctl.agent.served import ServedModel
-from kvctl.agent.server import ROUTERS
 from kvctl.agent.service import AgentService
-from kvctl.agent.tally import Tally
 from kvctl.api import (
     CompletionRequest,
     DefragRequest,
@@ -194,7 +194,7 @@ def test_every_handler_is_a_module_level_function_of_a_route_module() -> None:
     assert len(routes) == 29
     for route in routes:
         assert isinstance(route, APIRoute)
-        assert route.endpoint.__module__.startswith("kvctl.agent.routes."), route.path
+        assert route.endpoint.__module__.startswith("kvctl.agent.http.routes."), route.path
         assert "<locals>" not in route.endpoint.__qualname__, route.path
 
 

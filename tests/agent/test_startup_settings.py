@@ -13,7 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-import kvctl.agent.main as agent_main
+import kvctl.agent.startup.main as agent_main
 from kvctl.agent.config import (
     FLAG_KEYS,
     STARTUP_KEYS,
@@ -22,7 +22,7 @@ from kvctl.agent.config import (
     load_config,
     toml_keys,
 )
-from kvctl.agent.startup_settings import (
+from kvctl.agent.startup.settings import (
     FLAGS,
     SPECS,
     format_duration,
@@ -176,7 +176,7 @@ def _extra(key: str) -> dict[str, Any]:
 
 def test_the_docs_are_generated_and_list_every_setting() -> None:
     assert DOCS.read_text() == render_settings_docs(), (
-        "docs/settings.md is stale: python -m kvctl.settings > docs/settings.md"
+        "docs/settings.md is stale: python -m kvctl.agent.startup.settings_docs > docs/settings.md"
     )
     part = render_startup_markdown().partition("## `[[models]]` tables")[0]
     for spec in SPECS.values():

@@ -16,15 +16,15 @@ from typing import Any
 
 import pytest
 
-from kvctl.agent.audit import AuditLog
 from kvctl.agent.config import AgentConfig
-from kvctl.agent.http_context import ApiError, ServerContext
+from kvctl.agent.http.audit import AuditLog
+from kvctl.agent.http.context import ApiError, ServerContext
+from kvctl.agent.http.routes import chat, tokenize
+from kvctl.agent.http.routes.generation import MAX_BYTES_PER_TOKEN, Generation
 from kvctl.agent.model.chat_template import ChatTemplate
 from kvctl.agent.model.tokenizer import ByteTokenizer, Span
-from kvctl.agent.routes import chat, tokenize
-from kvctl.agent.routes.generation import MAX_BYTES_PER_TOKEN, Generation
+from kvctl.agent.observe.tally import Tally
 from kvctl.agent.served import ServedModel
-from kvctl.agent.tally import Tally
 from kvctl.api import ChatCompletionRequest, RuntimeSettings, TokenizeRequest
 
 CONTEXT = 4096  # under max_prompt_tokens (8192): the model's context is the prompt limit

@@ -1,6 +1,6 @@
 """CounterRatioWindow: ratios of counter increases over the last window, with a fake clock."""
 
-from kvctl.agent.window import CounterRatioWindow
+from kvctl.agent.observe.window import CounterRatioWindow
 
 
 def test_ratio_covers_only_the_window() -> None:

@@ -16,8 +16,8 @@ from kv_device import DEVICE
 from one_pool import one_pool_service
 
 from kvctl import api
-from kvctl.agent.alerting import AlertLoop
 from kvctl.agent.model import SamplingParams
+from kvctl.agent.observe.alerting import AlertLoop
 from kvctl.agent.runtime import Engine, EngineConfig, Scheduler
 from kvctl.agent.service import AgentService
 from kvctl.alerts import AlertEvaluator

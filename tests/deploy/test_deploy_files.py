@@ -19,7 +19,7 @@ import yaml
 from local_tools import find_binary
 
 from kvctl.agent.config import AgentConfig
-from kvctl.agent.connections import RESERVED_FILES, UNLIMITED_PATHS
+from kvctl.agent.http.connections import RESERVED_FILES, UNLIMITED_PATHS
 from kvctl.alerts import render_rule_file
 from kvctl.alerts.catalog import AGENT_JOB
 

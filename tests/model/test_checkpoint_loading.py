@@ -445,10 +445,10 @@ def test_expected_tensors_are_the_models_state_dict(changes: dict):
 # that built the model before checking would die of MemoryError instead of exiting 2.
 _BOUNDED_AGENT = """
 import resource, sys
-import torch, kvctl.agent.main
+import torch, kvctl.agent.startup.main
 size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (size + (2 << 30), resource.RLIM_INFINITY))
-sys.exit(kvctl.agent.main.main(["--port", "0", "--model", sys.argv[1]]))
+sys.exit(kvctl.agent.startup.main.main(["--port", "0", "--model", sys.argv[1]]))
 """
 
 

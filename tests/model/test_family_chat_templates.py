@@ -17,8 +17,8 @@ import pytest
 import tokenizers
 from tokenizers import models
 
+from kvctl.agent.http.routes.chat import _message, _template_variables
 from kvctl.agent.model.chat_template import ChatTemplate, TemplateError
-from kvctl.agent.routes.chat import _message, _template_variables
 from kvctl.api import ChatCompletionRequest
 
 transformers = pytest.importorskip("transformers")

@@ -1134,7 +1134,7 @@ def test_agent_refuses_a_bad_gguf_with_one_line(tmp_path: Path):
     path = tmp_path / "bad.gguf"
     path.write_bytes(b"nope")
     result = subprocess.run(
-        [sys.executable, "-m", "kvctl.agent.main", "--port", "0", "--model", str(path)],
+        [sys.executable, "-m", "kvctl.agent.startup.main", "--port", "0", "--model", str(path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -1149,7 +1149,7 @@ def test_agent_refuses_a_bad_gguf_with_one_line(tmp_path: Path):
 
 def test_agent_builds_its_service_from_a_gguf(tmp_path: Path):
     from kvctl.agent.config import AgentConfig
-    from kvctl.agent.wiring import build_service
+    from kvctl.agent.startup.wiring import build_service
 
     path = _good(tmp_path)
     threads = torch.get_num_threads()

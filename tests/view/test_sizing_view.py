@@ -64,7 +64,7 @@ def test_pool_show_without_the_context_says_so() -> None:
 
 @pytest.mark.parametrize(("pages", "warns"), [(64, True), (256, False)])
 def test_agent_logs_its_pool_and_warns_below_the_context(caplog, pages, warns) -> None:
-    from kvctl.agent.planning import log_pool_size
+    from kvctl.agent.startup.planning import log_pool_size
 
     caplog.set_level(logging.INFO, logger="kvctl.agent")
     log_pool_size(PoolFit(16, 64 << 10, pages, 4096))

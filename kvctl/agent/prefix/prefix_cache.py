@@ -117,7 +117,8 @@ Spill = Callable[[list[Spilled]], None]
 
 class PageEvents(Protocol):
     """Told of the pages the trees take and free, for the agent's KV events
-    (kvctl/agent/kv_events.py); unset, the cache pays one None check per insert and eviction."""
+    (kvctl/agent/observe/kv_events.py); unset, the cache pays one None check per insert and
+    eviction."""
 
     def stored(self, key: IsolationKey, tokens: Sequence[int], first_page: int, pages: int) -> None:
         """Pages `first_page ... pages - 1` of `tokens` entered `key`'s tree."""

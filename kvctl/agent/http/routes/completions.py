@@ -16,9 +16,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kvctl.agent.http_context import ApiError, Context
+from kvctl.agent.http.context import ApiError, Context
+from kvctl.agent.http.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
 from kvctl.agent.model.processing import TokenLogprobs
-from kvctl.agent.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
 from kvctl.api import (
     CompletionChoice,
     CompletionLogprobs,

@@ -2,7 +2,8 @@
 
 Every `kvctl_*` series is declared once, in `METRICS` (name, type, help, labels, getter), and
 nothing else names a metric: the collector builds its families from the table, docs/metrics.md
-is generated from it (`python -m kvctl.agent.metrics_docs`), and the alert rules use its names.
+is generated from it (`python -m kvctl.agent.observe.metrics_docs`), and the alert rules use
+its names.
 
 Nothing is updated on the hot path. A scrape takes one immutable `PoolSnapshot` (whose pool
 statistics the pool keeps incrementally, so reading them is O(1) at any pool size) plus a copy of

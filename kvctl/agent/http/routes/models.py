@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from kvctl.agent.http_context import Context
+from kvctl.agent.http.context import Context
 from kvctl.api import ModelCard, ModelList
 
 router = APIRouter()

@@ -6,7 +6,7 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
-from kvctl.agent.http_context import ERRORS, ApiError, Context
+from kvctl.agent.http.context import ERRORS, ApiError, Context
 from kvctl.alerts import AlertmanagerError
 from kvctl.api import AlertList
 

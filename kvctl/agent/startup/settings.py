@@ -3,8 +3,9 @@
 Everything that names a start-up setting is built here from its field: the options of
 `kvctl-agent` (type, flag names, help with the default), the keys the TOML file accepts
 (`kvctl.agent.config.toml_keys`) and the "Start-up settings" part of docs/settings.md (written,
-with the runtime settings, by `python -m kvctl.settings`). The runtime settings' named flags
-(`--eviction-policy`, ...) come from their own definition in kvctl.settings.
+with the runtime settings, by `python -m kvctl.agent.startup.settings_docs`). The runtime
+settings' named flags (`--eviction-policy`, ...) come from their own definition in
+kvctl.settings.
 
 No torch here: `kvctl-agent --help` and the docs generator import it.
 """

@@ -6,8 +6,8 @@ wait for that line), and SIGTERM lets running requests finish for `shutdown_grac
 aborts the rest and exits 0.
 
 This module is the command only: its options are generated from the settings' definitions
-(kvctl.agent.startup_settings), it reads them into an `AgentConfig` (kvctl.agent.config), and
-kvctl.agent.wiring builds and serves what that says (sized by kvctl.agent.planning).
+(kvctl.agent.startup.settings), it reads them into an `AgentConfig` (kvctl.agent.config), and
+kvctl.agent.startup.wiring builds and serves what that says (sized by kvctl.agent.startup.planning).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import typer
 
 from kvctl import __version__
 from kvctl.agent.config import ConfigError, load_config
-from kvctl.agent.startup_settings import setting_parameters
-from kvctl.agent.wiring import serve
+from kvctl.agent.startup.settings import setting_parameters
+from kvctl.agent.startup.wiring import serve
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
@@ -91,7 +91,7 @@ app.command()(main_command)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `kvctl-agent` and `python -m kvctl.agent.main`."""
+    """Entry point of `kvctl-agent` and `python -m kvctl.agent.startup.main`."""
     try:
         app(args=argv, prog_name="kvctl-agent", standalone_mode=True)
     except SystemExit as stop:

@@ -14,9 +14,9 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
-from kvctl.agent.http_context import ERRORS, ApiError, Context
+from kvctl.agent.http.context import ERRORS, ApiError, Context
+from kvctl.agent.http.routes.pools import pool_of
 from kvctl.agent.model_sleep import SleepRefused
-from kvctl.agent.routes.pools import pool_of
 from kvctl.api import SleepRequest, SleepResult, WakeResult
 
 router = APIRouter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from kvctl import __version__
-from kvctl.agent.http_context import Context
+from kvctl.agent.http.context import Context
 from kvctl.api import Health
 
 router = APIRouter()

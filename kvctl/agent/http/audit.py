@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from kvctl.agent.tally import Tally
+from kvctl.agent.observe.tally import Tally
 from kvctl.api import AdminAction
 
 log = logging.getLogger("kvctl.audit")

@@ -21,13 +21,13 @@ from typing import TypeVar
 
 from fastapi import APIRouter, Request
 
-from kvctl.agent.http_context import ERRORS, ApiError, Context, ServerContext
+from kvctl.agent.http.context import ERRORS, ApiError, Context, ServerContext
+from kvctl.agent.http.routes.chat import prompt_ids
+from kvctl.agent.http.routes.generation import Generation, disconnected
+from kvctl.agent.http.routes.pools import pool_of
 from kvctl.agent.model.sampling import SamplingParams
 from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.prefix_admin import UnknownSalt
-from kvctl.agent.routes.chat import prompt_ids
-from kvctl.agent.routes.generation import Generation, disconnected
-from kvctl.agent.routes.pools import pool_of
 from kvctl.agent.runtime import Engine, RequestRefused
 from kvctl.agent.runtime import Request as EngineRequest
 from kvctl.agent.runtime.prefix_pins import PrefixOpRefused, UnknownPin

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from kvctl.agent.config import AgentConfig
-from kvctl.agent.http_context import ERRORS, ApiError, ServerContext
+from kvctl.agent.http.context import ERRORS, ApiError, ServerContext
 from kvctl.agent.model.processing import TokenLogprobs
 from kvctl.agent.model.sampling import SamplingParams
 from kvctl.agent.model.tokenizer import Span, Tokenizer

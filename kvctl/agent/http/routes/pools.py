@@ -16,10 +16,9 @@ from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 
-from kvctl.agent.http_context import ERRORS, ApiError, Context, ServerContext
+from kvctl.agent.http.context import ERRORS, ApiError, Context, ServerContext
 from kvctl.agent.model_pool import ModelPool
-from kvctl.agent.pool import PoolError
-from kvctl.agent.service import AgentService, UnknownPool
+from kvctl.agent.service import AgentService, ResizeRefusal, UnknownPool
 from kvctl.api import (
     POOL_REQUIRED,
     UNKNOWN_POOL,
@@ -146,7 +145,7 @@ def resize_command(
     if body.tier == "device":
         per_page = snapshot.bytes_per_page
         pages = body.pages if body.pages is not None else -(-(body.bytes or 0) // per_page)
-        return pages, lambda: service.resize(pages, name), (PoolError,)
+        return pages, lambda: service.resize(pages, name), (ResizeRefusal,)
     tier = next((t for t in snapshot.tiers if t.tier == body.tier), None)
     if tier is None:
         raise ApiError(

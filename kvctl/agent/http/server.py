@@ -1,8 +1,8 @@
 """The agent's HTTP API (FastAPI): the application, its errors, and the checks every request
 passes before a route sees it.
 
-Routes live in `kvctl.agent.routes`, one router per resource; `ApiError` and the context they
-share (`ServerContext`, a FastAPI dependency) live in `kvctl.agent.http_context`. Handlers
+Routes live in `kvctl.agent.http.routes`, one router per resource; `ApiError` and the context they
+share (`ServerContext`, a FastAPI dependency) live in `kvctl.agent.http.context`. Handlers
 validate with the models of `kvctl.api`, then either read the service's latest snapshot or hand
 a function to the engine thread and await its future: no handler touches the pool. Bad input
 gets a 4xx with `{"error": {"message", "type", "param", "code"}}` and changes nothing.
@@ -31,10 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvctl import __version__
-from kvctl.agent.audit import AuditLog, action_of
 from kvctl.agent.config import AgentConfig
-from kvctl.agent.http_context import ApiError, ServerContext, caller_of
-from kvctl.agent.routes import (
+from kvctl.agent.http.audit import AuditLog, action_of
+from kvctl.agent.http.context import ApiError, ServerContext, caller_of
+from kvctl.agent.http.routes import (
     alerts,
     chat,
     completions,

@@ -44,7 +44,7 @@ from kvctl.agent.config import zmq_endpoint_binds
 from kvctl.agent.prefix.prefix_cache import IsolationKey, Spilled
 from kvctl.agent.tiers.page_keys import layout_of, page_digests, root_digest
 
-log = logging.getLogger("kvctl.agent.kv_events")
+log = logging.getLogger("kvctl.agent.observe.kv_events")
 
 MEDIUM_GPU = "GPU"  # the device pool, as vLLM names its own (whatever the device)
 TIER_MEDIA = {"host": "CPU", "disk": "STORAGE"}  # vLLM's MEDIUM_CPU and MEDIUM_STORAGE

@@ -6,7 +6,7 @@ import json
 
 from fastapi import APIRouter, Request
 
-from kvctl.agent.http_context import ERRORS, ApiError, Context
+from kvctl.agent.http.context import ERRORS, ApiError, Context
 from kvctl.api import RuntimeSettings, RuntimeSettingsPatch, lone_surrogate
 from kvctl.settings import SettingsError
 

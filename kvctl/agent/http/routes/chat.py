@@ -21,11 +21,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kvctl.agent.http_context import ApiError, Context, ServerContext
+from kvctl.agent.http.context import ApiError, Context, ServerContext
+from kvctl.agent.http.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
 from kvctl.agent.model.chat_template import RenderedChat, TemplateError
 from kvctl.agent.model.processing import MAX_LOGPROBS, TokenLogprobs
 from kvctl.agent.model.tokenizer import Span
-from kvctl.agent.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
 from kvctl.api import (
     ChatChoice,
     ChatCompletionRequest,

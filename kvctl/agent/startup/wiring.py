@@ -1,6 +1,6 @@
 """What `kvctl-agent` builds from its configuration: the models, their pools and engines (as
-kvctl.agent.planning sizes them), the service, the alert loop, the KV-events publisher, and the
-HTTP server around them.
+kvctl.agent.startup.planning sizes them), the service, the alert loop, the KV-events publisher,
+and the HTTP server around them.
 
 Torch and the rest of the agent are imported inside the functions that need them, so that
 `kvctl-agent --help` and a refused configuration answer without loading torch; the annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from kvctl.agent.config import AgentConfig, ConfigError, ModelSpec, read_config_file
-from kvctl.agent.planning import (
+from kvctl.agent.startup.planning import (
     ModelPages,
     Plan,
     PoolPlan,
@@ -40,12 +40,12 @@ from kvctl.units import format_bytes
 if TYPE_CHECKING:
     import uvicorn
 
-    from kvctl.agent.alerting import AlertLoop
-    from kvctl.agent.gpu import GpuProbe
-    from kvctl.agent.kv_events import KVEventPublisher
     from kvctl.agent.model import LlamaModel, ModelConfig, Tokenizer
     from kvctl.agent.model.chat_template import ChatTemplate
     from kvctl.agent.model_pool import ModelPool
+    from kvctl.agent.observe.alerting import AlertLoop
+    from kvctl.agent.observe.gpu import GpuProbe
+    from kvctl.agent.observe.kv_events import KVEventPublisher
     from kvctl.agent.runtime import Engine
     from kvctl.agent.service import AgentService
 
@@ -163,7 +163,7 @@ def _free_device_bytes(config: AgentConfig, gpu: GpuProbe) -> int | None:
 
 def build_service(config: AgentConfig) -> AgentService:
     """Models, pools, engines and the service, as the configuration says (imports torch)."""
-    from kvctl.agent.gpu import GpuProbe
+    from kvctl.agent.observe.gpu import GpuProbe
     from kvctl.agent.service import AgentService
 
     _prepare_torch(config)
@@ -339,7 +339,7 @@ def alert_loop(service: AgentService, config: AgentConfig, advertised: str) -> A
     the whole URL goes into every remediation command. With `job` = `--prometheus-job`, the
     agent's alerts carry the labels Prometheus would give them. Runbook links are absolute:
     `--runbook-url`, or the runbook this agent serves at `<advertised>/runbook`."""
-    from kvctl.agent.alerting import AlertLoop
+    from kvctl.agent.observe.alerting import AlertLoop
     from kvctl.alerts import AlertEvaluator, AlertmanagerNotifier, PoolAlerts, post_test_alert
 
     runbook = config.runbook_url or f"{advertised}/runbook"
@@ -394,7 +394,7 @@ def start_kv_events(config: AgentConfig, service: AgentService) -> KVEventPublis
     and tiers under its model's topic; None when the flag is not given (no events go out)."""
     if config.kv_events_endpoint is None:
         return None
-    from kvctl.agent.kv_events import KVEventPublisher
+    from kvctl.agent.observe.kv_events import KVEventPublisher
 
     try:
         publisher = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint)
@@ -436,14 +436,14 @@ def serve(config: AgentConfig) -> int:
     """Bind, build, serve until SIGTERM; return the exit code."""
     import uvicorn
 
-    from kvctl.agent.connections import (
+    from kvctl.agent.http.connections import (
         bounded_protocol,
         fit_connections_to_file_limit,
         listening_socket,
         quiet_accept_errors,
     )
+    from kvctl.agent.http.server import create_app
     from kvctl.agent.memory import configure_malloc
-    from kvctl.agent.server import create_app
 
     configure_malloc()
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from kvctl.agent.http_context import ApiError, Context
-from kvctl.agent.routes.generation import encode, oversized, prompt_limit
+from kvctl.agent.http.context import ApiError, Context
+from kvctl.agent.http.routes.generation import encode, oversized, prompt_limit
 from kvctl.agent.service import UnknownPool
 from kvctl.api import TokenizedText, TokenizeRequest, TokenizeResponse
 

@@ -18,9 +18,9 @@ from fastapi import Depends, HTTPException, Request
 from prometheus_client import CollectorRegistry
 from starlette.types import Scope
 
-from kvctl.agent.audit import Action, AuditLog, Outcome
 from kvctl.agent.config import AgentConfig
-from kvctl.agent.metrics import pools_registry
+from kvctl.agent.http.audit import Action, AuditLog, Outcome
+from kvctl.agent.observe.metrics import pools_registry
 from kvctl.agent.service import AgentService
 from kvctl.api import ErrorBody
 

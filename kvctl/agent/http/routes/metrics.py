@@ -6,8 +6,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 
-from kvctl.agent.http_context import Context
-from kvctl.agent.metrics import render
+from kvctl.agent.http.context import Context
+from kvctl.agent.observe.metrics import render
 
 router = APIRouter()
 

@@ -2,7 +2,7 @@
 
 Pure: it reads the configuration and, for each loaded model, its name, its `[[models]]` limits
 and the bytes of one page (`ModelPages`), never the model itself, and imports no torch, so a plan
-can be tested alone. kvctl.agent.wiring builds the pools it describes. Every refusal is a
+can be tested alone. kvctl.agent.startup.wiring builds the pools it describes. Every refusal is a
 `ConfigError` whose one line names the flag to change.
 """
 
