@@ -14,6 +14,7 @@ time (median, min-max over the rounds), the KV and weight bytes the sleep releas
 of it left the process's resident memory.
 
     python benchmarks/sleep_wake.py [--model demo|135m] [--rounds 7] [--kv-budget 1GiB]
+        [--dtype auto|float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ LEVELS = (1, 2)
 PROMPT = "the operator put the model to sleep and a request woke it " * 3
 
 
-def start_agent(model: str, budget: str) -> tuple[subprocess.Popen[str], str]:
+def start_agent(model: str, budget: str, dtype: str) -> tuple[subprocess.Popen[str], str]:
     """`kvctl-agent` serving `sleeper` (`model`) and `keeper` (a small demo model)."""
     cmd = [
         sys.executable,
         *("-m", "kvctl.agent.startup.main", "--port", "0"),
         *("--model", f"sleeper={model}", "--model", "keeper=demo:2x2"),
-        *("--kv-budget", budget),
+        *("--kv-budget", budget, "--dtype", dtype),
     ]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     found: list[str] = []
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("demo", "135m"), default="demo")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--kv-budget", default="1GiB")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     args = parser.parse_args(argv)
     print(command_line())
     model = "demo"
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
         build(DEFAULT_DIR)
         model = str(DEFAULT_DIR)
-    process, url = start_agent(model, args.kv_budget)
+    process, url = start_agent(model, args.kv_budget, args.dtype)
     results: dict[int, list[dict[str, float]]] = {level: [] for level in LEVELS}
     try:
         with httpx.Client(base_url=url, timeout=300) as http:
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         process.terminate()
         process.wait(30)
     print(environment())
-    print(f"# {args.rounds} rounds on {args.model}; median (min-max)")
+    print(f"# {args.rounds} rounds on {args.model}, --dtype {args.dtype}; median (min-max)")
     mib = 2**20
     for level in LEVELS:
         rows = results[level]

@@ -4,15 +4,18 @@ the way the HTTP routes send one: for the tests of sleeping and waking models.""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
+from torch.nn import Module
 
 from kvctl.agent.budget import KvBudget
 from kvctl.agent.model import SamplingParams, build_demo_model
 from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.runtime import Engine
-from kvctl.agent.service import AgentService
+from kvctl.agent.service import AgentService, RequestStream
 from kvctl.api import RuntimeSettings
 from kvctl.settings import StartupLimits
 from tests.kv_device import DEVICE
@@ -48,21 +51,51 @@ def on_engine(service: AgentService, fn: Callable):
     return service.call(fn).result(timeout=60)
 
 
+def open_greedy(
+    service: AgentService, model: str, loop: asyncio.AbstractEventLoop, prompt: list[int] = PROMPT
+) -> Future[RequestStream]:
+    """A greedy request for `model` through the service, as the HTTP routes send one."""
+    return service.open_stream(
+        lambda engine: engine.add_request(prompt, GREEDY), loop, service.pool(model)
+    )
+
+
+async def tokens_of(stream: RequestStream) -> list[int]:
+    """The stream's tokens, until its request ends."""
+    tokens = []
+    while True:
+        event = await asyncio.wait_for(stream.events.get(), timeout=120)
+        if event.token_id is not None:
+            tokens.append(event.token_id)
+        if event.finish_reason is not None:
+            return tokens
+
+
 def generate(service: AgentService, model: str, prompt: list[int] = PROMPT) -> list[int]:
-    """A greedy request through the service, as the HTTP routes send it; its tokens."""
+    """A greedy request through the service; its tokens."""
 
     async def run() -> list[int]:
         loop = asyncio.get_running_loop()
-        future = service.open_stream(
-            lambda engine: engine.add_request(prompt, GREEDY), loop, service.pool(model)
-        )
-        stream = await asyncio.wrap_future(future)
-        tokens = []
-        while True:
-            event = await asyncio.wait_for(stream.events.get(), timeout=120)
-            if event.token_id is not None:
-                tokens.append(event.token_id)
-            if event.finish_reason is not None:
-                return tokens
+        return await tokens_of(await asyncio.wrap_future(open_greedy(service, model, loop, prompt)))
 
     return asyncio.run(run())
+
+
+def slow_reload(loading: threading.Event, release: threading.Event) -> Callable[[], Module]:
+    """A reload that waits for `release` (a checkpoint read that takes its time)."""
+
+    def reload() -> Module:
+        loading.set()
+        assert release.wait(60)
+        return reload_demo()
+
+    return reload
+
+
+def slow_to_wake(make_engine: Callable[..., Engine], reload: Callable[[], Module]) -> AgentService:
+    """Two demo models, a (reloaded by `reload`) and b, started, a asleep at level 2."""
+    engines = [make_engine(), make_engine()]
+    service = AgentService([model_pool(engines[0], "a", reload), model_pool(engines[1], "b")])
+    service.start()
+    on_engine(service, lambda: service.sleep(2, "a"))
+    return service

@@ -134,7 +134,7 @@ class ModelPool:
     def page_states(self) -> PageStates:
         """Every page's state; none while the model sleeps (its storage holds no page)."""
         self.engine.owner.check("ModelPool.page_states")
-        if not self.sleep.awake and self.engine.storage.parked:
+        if self.sleep.holds_no_pages:
             return PageStates(0, self.engine.pool.segment_pages, [], b"")
         return self.engine.page_states()
 
@@ -275,7 +275,7 @@ class ModelPool:
         last_age = None if self._last_defrag_at is None else now - self._last_defrag_at
         runs = {trigger.value: auto.runs_total[trigger] for trigger in DefragTrigger}
         occupancy = occupancy_fields(pool)  # the pool's own reading: pages, runs, counters
-        if not self.sleep.awake and engine.storage.parked:
+        if self.sleep.holds_no_pages:
             occupancy |= dict.fromkeys(_HELD_BY_AWAKE_POOLS, 0)  # it holds no memory
         self.snapshot = PoolSnapshot(
             **occupancy,

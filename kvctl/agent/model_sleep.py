@@ -110,6 +110,11 @@ class ModelSleep:
     def waking(self) -> bool:
         return self._wake_started is not None
 
+    @property
+    def holds_no_pages(self) -> bool:
+        """Asleep with its storage freed (a wake under way may not have brought it back yet)."""
+        return not self.awake and self.engine.storage.parked > 0
+
     def reading(self) -> SleepReading:
         """The snapshot's view of it."""
         state: SleepStateName = "awake" if self.awake else "waking" if self.waking else "asleep"
@@ -202,13 +207,8 @@ class ModelSleep:
         """Shrink the empty pool to one segment (below its floor), free that one too, and
         count it for nothing in the budget."""
         engine = self.engine
-        pool, resizer = engine.pool, engine.resizer
-        if pool.capacity > pool.segment_pages:
-            floor, resizer.min_pages = resizer.min_pages, pool.segment_pages
-            try:
-                resizer.resize(pool.segment_pages)
-            finally:
-                resizer.min_pages = floor
+        segment = engine.pool.segment_pages
+        engine.resizer.resize(segment, floor=segment)
         engine.storage.park()
         if member is not None:
             member.asleep = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,7 +20,9 @@ from sleeping_models import (
     generate,
     model_pool,
     on_engine,
-    reload_demo,
+    open_greedy,
+    slow_reload,
+    slow_to_wake,
 )
 
 from kvctl.agent.model_sleep import SleepRefused
@@ -193,35 +195,14 @@ def test_a_sleeping_pools_map_has_no_pages(two_models) -> None:
     assert states.capacity == snapshot.capacity_pages == 128
 
 
-def slow_reload(loading: threading.Event, release: threading.Event) -> Callable:
-    """A reload that waits for `release` (a checkpoint read that takes its time)."""
-
-    def reload() -> torch.nn.Module:
-        loading.set()
-        assert release.wait(60)
-        return reload_demo()
-
-    return reload
-
-
 def test_a_client_that_leaves_during_a_wake_leaves_nothing_behind(make_engine) -> None:
     loading, release = threading.Event(), threading.Event()
-    engines = [make_engine(), make_engine()]
-    pools = [
-        model_pool(engines[0], "a", slow_reload(loading, release)),
-        model_pool(engines[1], "b"),
-    ]
-    service = AgentService(pools)
-    service.start()
+    service = slow_to_wake(make_engine, slow_reload(loading, release))
     try:
-        on_engine(service, lambda: service.sleep(2, "a"))
 
         async def leave() -> None:
             loop = asyncio.get_running_loop()
-            future = service.open_stream(
-                lambda engine: engine.add_request(PROMPT, GREEDY), loop, service.pool("a")
-            )
-            stream = await asyncio.wrap_future(future)
+            stream = await asyncio.wrap_future(open_greedy(service, "a", loop))
             service.abort(stream.request_id)
 
         asyncio.run(leave())
@@ -230,10 +211,8 @@ def test_a_client_that_leaves_during_a_wake_leaves_nothing_behind(make_engine) -
         assert a.sleep.waking
         release.set()
         assert service.wake("a").result(timeout=60).woke
-        assert on_engine(service, lambda: (len(a.engine.requests), a.engine.pool.used_pages)) == (
-            0,
-            0,
-        )
+        held = on_engine(service, lambda: (len(a.engine.requests), a.engine.pool.used_pages))
+        assert held == (0, 0)
         on_engine(service, a.engine.pool.check_invariants)
         assert generate(service, "a")
     finally:
@@ -243,23 +222,13 @@ def test_a_client_that_leaves_during_a_wake_leaves_nothing_behind(make_engine) -
 
 def test_an_agent_stopping_during_a_wake_ends_the_waiting_requests(make_engine) -> None:
     loading, release = threading.Event(), threading.Event()
-    engines = [make_engine(), make_engine()]
-    pools = [
-        model_pool(engines[0], "a", slow_reload(loading, release)),
-        model_pool(engines[1], "b"),
-    ]
-    service = AgentService(pools)
-    service.start()
+    service = slow_to_wake(make_engine, slow_reload(loading, release))
     ended: list[str | None] = []
     try:
-        on_engine(service, lambda: service.sleep(2, "a"))
 
         async def wait_then_stop() -> None:
             loop = asyncio.get_running_loop()
-            future = service.open_stream(
-                lambda engine: engine.add_request(PROMPT, GREEDY), loop, service.pool("a")
-            )
-            stream = await asyncio.wrap_future(future)
+            stream = await asyncio.wrap_future(open_greedy(service, "a", loop))
             assert await asyncio.to_thread(loading.wait, 30)
             await asyncio.to_thread(service.stop, 0)
             event = await asyncio.wait_for(stream.events.get(), timeout=30)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sleeping_models import GREEDY, PROMPT, budgeted, generate, on_engine
+from sleeping_models import budgeted, generate, on_engine, open_greedy, tokens_of
 
 from kvctl.agent.model_sleep import SleepRefused
 from kvctl.agent.service import AgentService
@@ -55,17 +55,7 @@ def race(service: AgentService, model: str, level: int) -> list[int]:
     async def run() -> list[int]:
         loop = asyncio.get_running_loop()
         slept = service.call(lambda: service.sleep(level, model, force=True))
-        opened = service.open_stream(
-            lambda engine: engine.add_request(PROMPT, GREEDY), loop, service.pool(model)
-        )
-        stream = await asyncio.wrap_future(opened)
-        tokens = []
-        while True:
-            event = await asyncio.wait_for(stream.events.get(), timeout=120)
-            if event.token_id is not None:
-                tokens.append(event.token_id)
-            if event.finish_reason is not None:
-                break
+        tokens = await tokens_of(await asyncio.wrap_future(open_greedy(service, model, loop)))
         try:
             await asyncio.wrap_future(slept)
         except SleepRefused as refused:  # the request was first, or it slept already

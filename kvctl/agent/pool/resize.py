@@ -85,14 +85,16 @@ class PoolResizer:
             f"{self.pool.segment_pages:,} pages)"
         )
 
-    def check(self, pages: int) -> int:
-        """The capacity a resize to `pages` would give; raises `ResizeRefused` if it cannot."""
+    def check(self, pages: int, floor: int | None = None) -> int:
+        """The capacity a resize to `pages` would give; raises `ResizeRefused` if it cannot.
+        `floor` replaces `min_pages` (a model put to sleep goes down to one segment)."""
         pool = self.pool
         target = self.round_to_segments(pages)
         asked = self._asked(pages, target)
-        if pages < 1 or target < self.min_pages:
+        least = self.min_pages if floor is None else floor
+        if pages < 1 or target < least:
             raise ResizeRefused(
-                f"the pool cannot be smaller than {self.min_pages:,} pages; asked for {pages:,}"
+                f"the pool cannot be smaller than {least:,} pages; asked for {pages:,}"
             )
         if self.max_pages is not None and target > self.max_pages:
             raise ResizeRefused(
@@ -133,9 +135,9 @@ class PoolResizer:
             )
         return target
 
-    def resize(self, pages: int) -> ResizeResult:
-        """Grow or shrink to `pages` (rounded up to whole segments)."""
-        target = self.check(pages)
+    def resize(self, pages: int, floor: int | None = None) -> ResizeResult:
+        """Grow or shrink to `pages` (rounded up to whole segments; `floor` as in `check`)."""
+        target = self.check(pages, floor)
         old = self.pool.capacity
         if target > old:
             self._grow(target - old)
