@@ -75,9 +75,11 @@ def cpu_ops() -> ModuleType | None:
     import torch
     from torch.utils.cpp_extension import load
 
-    # Two environments with the same torch version but their own headers (two virtualenvs)
-    # must not share a build: each would rebuild it for the other, and race.
-    identity = [SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode()]
+    # Two environments with the same torch version but their own headers (two virtualenvs),
+    # or two checkouts of the same source (ninja's build line names the source's path), must
+    # not share a build: each would rebuild it for the other, and race.
+    identity = [SOURCE.read_bytes(), str(SOURCE.resolve()).encode(), torch.__version__.encode()]
+    identity.append(" ".join(FLAGS).encode())
     identity += [_cpu_model().encode(), " ".join(sorted(_cpu_flags())).encode()]
     identity.append(str(Path(torch.__file__).resolve().parent).encode())
     key = hashlib.sha256(b"\0".join(identity)).hexdigest()[:16]
