@@ -89,15 +89,15 @@ def previous_process_logits(
     vocab, device = logits.shape[-1], logits.device
     for i in rows:
         p, row = params[i], logits[i]
-        if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
-            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=device))
+        if p.bias:
+            ids = torch.tensor([t for t, _ in p.bias], device=device)
+            row.index_add_(0, ids, torch.tensor([b for _, b in p.bias], device=device))
         if (p.presence_penalty or p.frequency_penalty) and outputs[i]:
             ids = torch.tensor(list(outputs[i]), device=device)
             counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row.dtype)
             row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
         if len(outputs[i]) < p.min_tokens:
-            enders = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            enders = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
             if enders:
                 row[torch.tensor(sorted(enders), device=device)] = -math.inf
     return logits

@@ -10,6 +10,7 @@ here imports torch or the agent, so the CLI stays fast to start.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import (
@@ -50,6 +51,8 @@ MAX_MESSAGES = 1024
 MAX_LOGIT_BIAS = 1024
 """Entries of one `logit_bias` map (OpenAI allows 300; frameworks send a few more)."""
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+"""Top alternatives reported per token (chat's `top_logprobs`; completions allow 5)."""
 MAX_ALLOWED_TOKEN_IDS = 4096
 """Ids in one `allowed_token_ids` list (a label set, a small vocabulary): each step of the
 request writes them once into its row of the blocked-token table."""
@@ -789,30 +792,33 @@ def _neutral(value: object, accepted: tuple[object, ...]) -> bool:
     return False
 
 
-class GenerationFields(Strict):
-    """The sampling and output fields completions and chat share (docs/operations.md), with
-    vLLM's extensions: those the agent implements are fields, those it does not
-    (`VLLM_UNSUPPORTED`) are accepted at a neutral value and refused with a 400 naming them
-    otherwise."""
+class SamplingFields(Strict):
+    """How one request's tokens are chosen and its text shaped: each field's type on the wire,
+    its bounds, its default and its meaning, written once. The request bodies inherit them
+    (`GenerationFields`), the engine runs them as `SamplingParams` (kvctl.agent.model.sampling,
+    this class plus `max_tokens` and `logprobs`), and docs/api.md is generated from them: a new
+    sampling field is a field here and the code that honours it."""
 
     model_config = ConfigDict(use_attribute_docstrings=True)
-    unsupported: ClassVar[dict[str, tuple[tuple[object, ...], str]]] = VLLM_UNSUPPORTED
 
-    model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
+    """Below 1e-5: greedy (vLLM's threshold)."""
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1, le=1 << 20)] = 0
     """0 or -1: no limit."""
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     """Keep the tokens whose probability (after temperature) is at least min_p times the top
     token's."""
+    typical_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    """Locally typical sampling (transformers', TGI's and llama.cpp's `typical_p`), after top-p:
+    keep the tokens whose surprise is closest to the distribution's entropy until they hold this
+    much of the probability (1: off)."""
     seed: Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)] | None = None
+    """Any 64-bit integer, signed or unsigned: the request's own random stream, so the same
+    tokens on every run whatever shares its batch."""
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     """Keep the matched stop string (or the stop token's text) at the end of the output."""
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
@@ -829,38 +835,17 @@ class GenerationFields(Strict):
         | None
     ) = None
     allowed_token_ids: (
-        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
+        Annotated[Sequence[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
     ) = None
     """Only these tokens can be chosen."""
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    stop_token_ids: Annotated[Sequence[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_COMPLETION_TOKENS)] = 0
     skip_special_tokens: bool = True
     """False: special tokens' text is part of the output."""
     spaces_between_special_tokens: bool = True
     """Accepted both ways: tokenizer.json decoding has no such option (transformers' fast
     tokenizers ignore it too), so the text is the same."""
-    user: str | None = None  # accepted and ignored: the agent keeps no per-user state
-    request_id: Annotated[str, Field(max_length=256)] | None = None
-    """Accepted and ignored (vLLM's tracing id): answers carry the agent's own ids."""
-    cache_salt: Annotated[str, Field(max_length=256)] | None = None
-    return_token_ids: bool = False
-    return_tokens_as_token_ids: bool | None = None
-    """With logprobs, each token as `token_id:N` instead of its text."""
     ignore_eos: bool = False
-    response_format: dict[str, object] | None = None
-    """Only `{"type": "text"}`: structured output is not supported."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unsupported_vllm_fields(cls, data: object) -> object:
-        """Drop the unsupported vLLM fields given a neutral value; refuse one given another."""
-        if not isinstance(data, dict) or not cls.unsupported.keys() & data.keys():
-            return data
-        kept = dict(data)
-        for name, (accepted, reason) in cls.unsupported.items():
-            if name in kept and not _neutral(kept.pop(name), accepted):
-                raise PydanticCustomError(UNSUPPORTED, f"{name}: {reason}")
-        return kept
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -881,6 +866,45 @@ class GenerationFields(Strict):
         return value
 
 
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)]
+"""`max_tokens` (and chat's `max_completion_tokens`) wherever a request gives it."""
+
+
+class GenerationFields(SamplingFields):
+    """The fields completions and chat share (docs/operations.md): the sampling fields, and the
+    request's model, choices, streaming and answer options, with vLLM's extensions: those the
+    agent implements are fields, those it does not (`VLLM_UNSUPPORTED`) are accepted at a
+    neutral value and refused with a 400 naming them otherwise."""
+
+    unsupported: ClassVar[dict[str, tuple[tuple[object, ...], str]]] = VLLM_UNSUPPORTED
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    user: str | None = None  # accepted and ignored: the agent keeps no per-user state
+    request_id: Annotated[str, Field(max_length=256)] | None = None
+    """Accepted and ignored (vLLM's tracing id): answers carry the agent's own ids."""
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None
+    """With logprobs, each token as `token_id:N` instead of its text."""
+    response_format: dict[str, object] | None = None
+    """Only `{"type": "text"}`: structured output is not supported."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported_vllm_fields(cls, data: object) -> object:
+        """Drop the unsupported vLLM fields given a neutral value; refuse one given another."""
+        if not isinstance(data, dict) or not cls.unsupported.keys() & data.keys():
+            return data
+        kept = dict(data)
+        for name, (accepted, reason) in cls.unsupported.items():
+            if name in kept and not _neutral(kept.pop(name), accepted):
+                raise PydanticCustomError(UNSUPPORTED, f"{name}: {reason}")
+        return kept
+
+
 class CompletionRequest(GenerationFields):
     """POST /v1/completions, OpenAI's fields plus vLLM's sampling and output extensions (those it
     does not implement are accepted at a neutral value, else a 400 naming them:
@@ -899,7 +923,7 @@ class CompletionRequest(GenerationFields):
         | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
         | Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] = 16
+    max_tokens: MaxTokens = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0)] | None = None  # 0..5, checked by the route (400)
     best_of: Annotated[int, Field(ge=1)] | None = None  # only 1 (or n): refused otherwise
@@ -961,8 +985,8 @@ class ChatCompletionRequest(GenerationFields):
     }
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0)] | None = None  # 0..20, checked by the route (400)
     add_generation_prompt: bool = True

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 
 from kvctl import settings as runtime
-from kvctl.api import DEFAULT_PORT, MAX_COMPLETION_TOKENS
+from kvctl.api import DEFAULT_PORT, MaxTokens
 from kvctl.units import format_bytes, parse_duration, parse_size
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
@@ -274,7 +274,7 @@ class AgentConfig(BaseModel):
         "prompts' first tokens and by throughput; 0: no cap (each step fills its budget, running "
         "requests first).",
     )
-    max_tokens_limit: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] = startup(
+    max_tokens_limit: MaxTokens = startup(
         1024, "Largest `max_tokens` a request may ask for.", flag=False
     )
     max_prompt_tokens: Annotated[int, Field(ge=1)] = startup(

@@ -15,7 +15,9 @@ from kvctl.agent.api_views import cached_prefix_view, lookup_view, pin_view
 from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.prefix.prefix_cache import CachedPrefix
 from kvctl.agent.runtime.prefix_ops import PrefixOperations
-from kvctl.agent.runtime.prefix_pins import PrefixOpRefused, PrefixPin, UnknownPin
+from kvctl.agent.runtime.prefix_pins import PrefixOpRefused as PrefixOpRefused
+from kvctl.agent.runtime.prefix_pins import PrefixPin
+from kvctl.agent.runtime.prefix_pins import UnknownPin as UnknownPin
 
 LISTED_PREFIXES = 10
 PREVIEW_TOKENS = 48

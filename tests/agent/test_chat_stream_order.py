@@ -6,8 +6,8 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+from kvctl.agent.generation import Opened
 from kvctl.agent.http.routes.chat import _Shaper
-from kvctl.agent.http.routes.generation import Opened
 from kvctl.agent.runtime.engine import TokenEvent
 from kvctl.agent.runtime.request import FinishReason
 from kvctl.api import ChatCompletionRequest

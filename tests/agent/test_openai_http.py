@@ -123,6 +123,17 @@ def test_n_choices_sample_apart_and_greedy_ones_agree(client):
     assert greedy.choices[0].text == greedy.choices[1].text
 
 
+def test_typical_p_reaches_the_sampler(client):
+    """A sampling field goes from the wire to the sampler with no route code of its own: at a
+    tiny typical_p only the token nearest the entropy is left at each step, so sampled choices
+    that differ without it agree with it."""
+    asked = {"model": NAMES[0], "prompt": "abc", "max_tokens": 12, "n": 3, "seed": 9}
+    free = client.completions.create(**asked, temperature=1.0)
+    assert len({c.text for c in free.choices}) == 3
+    narrow = client.completions.create(**asked, temperature=1.0, extra_body={"typical_p": 1e-6})
+    assert len({c.text for c in narrow.choices}) == 1
+
+
 def test_a_list_of_prompts_gives_n_choices_each_in_order(demo_agent):
     body = {"prompt": ["ab", "xyz"], "n": 2, "max_tokens": 4, "temperature": 0, "echo": True}
     response = httpx.post(f"{demo_agent.url}/v1/completions", json=body, timeout=60).json()

@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from kvctl import api
 from kvctl.agent.config import AgentConfig
+from kvctl.agent.generation import Refusal
 from kvctl.agent.http.audit import AuditLog
 from kvctl.agent.http.context import ApiError, ServerContext, context
 from kvctl.agent.http.routes import (
@@ -174,9 +175,14 @@ def run(awaitable: Any) -> Any:
 
 
 def refused(awaitable: Any) -> ApiError:
-    with pytest.raises(ApiError) as caught:
+    """The HTTP error a handler ends with: its own, or a generation's refusal as the server's
+    handler answers it (same status, message, headers, type and field)."""
+    with pytest.raises((ApiError, Refusal)) as caught:
         run(awaitable)
-    return caught.value
+    error = caught.value
+    if isinstance(error, Refusal):
+        return ApiError(error.status, error.message, error.headers, error.error_type, error.param)
+    return error
 
 
 @pytest.fixture

@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 
+from kvctl.agent.chat_prompt import prompt_ids
 from kvctl.agent.config import AgentConfig
+from kvctl.agent.generation import MAX_BYTES_PER_TOKEN, Generation, Refusal
 from kvctl.agent.http.audit import AuditLog
 from kvctl.agent.http.context import ApiError, ServerContext
-from kvctl.agent.http.routes import chat, tokenize
-from kvctl.agent.http.routes.generation import MAX_BYTES_PER_TOKEN, Generation
+from kvctl.agent.http.routes import tokenize
 from kvctl.agent.model.chat_template import ChatTemplate
 from kvctl.agent.model.tokenizer import ByteTokenizer, Span
 from kvctl.agent.observe.tally import Tally
@@ -105,9 +106,12 @@ def test_chat_refuses_messages_over_the_bound_without_tokenizing_them() -> None:
         {"messages": [*halves, {"role": "user", "content": "y"}]}
     )
     gen = Generation.for_request(ctx, "chatcmpl", body, None)
-    error = refused(chat.prompt_ids(ctx, gen, body))
-    assert error.status_code == 400
-    assert f"the prompt is {LIMIT + 1} bytes, over this agent's limit of {LIMIT}" in error.detail
+    with pytest.raises(Refusal) as caught:
+        asyncio.run(prompt_ids(gen, body))
+    assert caught.value.status == 400
+    assert f"the prompt is {LIMIT + 1} bytes, over this agent's limit of {LIMIT}" in str(
+        caught.value
+    )
     assert tokenizer.encoded == []
 
 

@@ -93,6 +93,6 @@ def test_eos_from_generation_config_ends_the_reply(checkpoint):
     _, ours, tokenizer = load_checkpoint(root, "cpu", torch.float32)
     engine = Engine(ours, tokenizer, EngineConfig(pool_pages=64, segment_pages=16, page_size=4))
     ids = encode(root, CONVERSATIONS["one turn"])
-    params = SamplingParams(temperature=0, max_tokens=10, logit_bias=((2, 100.0),))
+    params = SamplingParams(temperature=0, max_tokens=10, logit_bias={"2": 100.0})
     [request] = engine.generate([ids], params)
     assert request.output_ids == [2] and request.finish_reason == "stop" and request.text == ""

@@ -17,7 +17,7 @@ import pytest
 import tokenizers
 from tokenizers import models
 
-from kvctl.agent.http.routes.chat import _message, _template_variables
+from kvctl.agent.chat_prompt import as_template_message, template_variables
 from kvctl.agent.model.chat_template import ChatTemplate, TemplateError
 from kvctl.api import ChatCompletionRequest
 
@@ -144,7 +144,9 @@ def test_a_familys_template_renders_as_transformers_renders_it(
     template = ChatTemplate(source, bos, eos).compile()
     ours = _outcome(
         lambda: template.render(
-            [_message(m) for m in body.messages], generation_prompt, _template_variables(body)
+            [as_template_message(m) for m in body.messages],
+            generation_prompt,
+            template_variables(body),
         )
     )
     assert ours[0] == theirs[0], (ours, theirs)
@@ -158,7 +160,7 @@ def test_the_reasoning_and_effort_reach_the_templates_that_read_them() -> None:
     body = ChatCompletionRequest.model_validate(
         {"messages": CONVERSATIONS["reasoning last"], "reasoning_effort": "low"}
     )
-    messages, variables = [_message(m) for m in body.messages], _template_variables(body)
+    messages, variables = [as_template_message(m) for m in body.messages], template_variables(body)
     gpt_oss = ChatTemplate(_template("gpt_oss"), *SPECIAL_TOKENS["gpt_oss"]).compile()
     text = gpt_oss.render(messages, False, variables)
     assert "Reasoning: low" in text
@@ -170,7 +172,7 @@ def test_the_reasoning_and_effort_reach_the_templates_that_read_them() -> None:
         {"messages": CONVERSATIONS["one turn"], "reasoning_effort": "none"}
     )
     assert qwen3.render(
-        [_message(m) for m in off.messages], True, _template_variables(off)
+        [as_template_message(m) for m in off.messages], True, template_variables(off)
     ).endswith("<think>\n\n</think>\n\n")
 
 

@@ -208,7 +208,9 @@ def test_logit_bias_equals_transformers_sequence_bias(checkpoint):
     expected = hf_greedy(reference, PROMPT, 10, biased)
     assert expected[0] != plain[0]
     engine = engine_of(root)
-    params = SamplingParams(temperature=0, max_tokens=10, logit_bias=tuple(bias.items()))
+    params = SamplingParams(
+        temperature=0, max_tokens=10, logit_bias={str(t): b for t, b in bias.items()}
+    )
     [request] = engine.generate([PROMPT], params)
     assert request.output_ids == expected
 
@@ -222,7 +224,7 @@ def test_min_tokens_and_stop_token_ids(checkpoint):
     [stopped] = engine.generate([PROMPT], params)
     first = plain.index(stop_at)
     assert stopped.output_ids == plain[: first + 1] and stopped.finish_reason == "stop"
-    eos_first = SamplingParams(temperature=0, max_tokens=6, logit_bias=((2, 100.0),), min_tokens=4)
+    eos_first = SamplingParams(temperature=0, max_tokens=6, logit_bias={"2": 100.0}, min_tokens=4)
     [late] = engine.generate([PROMPT], eos_first)
     assert 2 not in late.output_ids[:4] and late.output_ids[4] == 2
     assert late.finish_reason == "stop" and len(late.output_ids) == 5

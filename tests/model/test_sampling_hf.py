@@ -1,10 +1,10 @@
 """The sampler and the logits processing against transformers' own processors on the same logits:
 `TemperatureLogitsWarper`, `MinPLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper` (in vLLM's
-order: temperature, min-p, top-k, top-p) for what a sampled row keeps and how often it draws
-each token; `RepetitionPenaltyLogitsProcessor` over prompt and output, with OpenAI's presence and
-frequency penalties, `logit_bias`, `allowed_token_ids` and `min_tokens`, for a whole batch step
-after step while requests come, finish and are replaced (the per-request counts are updated
-with each new token, never recounted)."""
+order: temperature, min-p, top-k, top-p), then `TypicalLogitsWarper`, for what a sampled row keeps
+and how often it draws each token; `RepetitionPenaltyLogitsProcessor` over prompt and output, with
+OpenAI's presence and frequency penalties, `logit_bias`, `allowed_token_ids` and `min_tokens`, for
+a whole batch step after step while requests come, finish and are replaced (the per-request counts
+are updated with each new token, never recounted)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def warped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         chain.append(transformers.TopKLogitsWarper(params.top_k))
     if params.top_p < 1:
         chain.append(transformers.TopPLogitsWarper(params.top_p))
+    if params.typical_p < 1:
+        chain.append(transformers.TypicalLogitsWarper(params.typical_p))
     scores, ids = logits.clone(), torch.zeros(1, 1, dtype=torch.long)
     for warper in chain:
         scores = warper(ids, scores)
@@ -48,6 +50,9 @@ SETTINGS = [
     {"temperature": 0.8, "top_p": 0.8},
     {"temperature": 1.2, "top_p": 0.9, "top_k": 10, "min_p": 0.05},
     {"temperature": 2.0, "top_p": 0.6, "min_p": 0.3},
+    {"temperature": 1.0, "typical_p": 0.5},
+    {"temperature": 1.4, "top_k": 20, "typical_p": 0.7},
+    {"temperature": 0.9, "top_p": 0.95, "min_p": 0.02, "typical_p": 0.8},
 ]
 
 
@@ -68,6 +73,21 @@ def test_a_row_draws_what_transformers_warpers_keep_in_their_proportions(setting
     assert {t for t in kept if expected[t] > 2e-3} <= drawn
     frequencies = torch.bincount(tokens, minlength=VOCAB).float() / DRAWS
     torch.testing.assert_close(frequencies, expected, atol=0.012, rtol=0)
+
+
+def test_typical_p_keeps_the_tokens_nearest_the_entropy_not_the_likeliest():
+    """Typical sampling can drop the most likely token when its surprise is far below the
+    entropy: transformers' warper does, and so does the sampler, in a batch beside rows that
+    do not ask for it (which keep every token)."""
+    logits = torch.tensor([[4.0] + [1.0] * 30])
+    params = SamplingParams(temperature=1.0, typical_p=0.3, seed=4)
+    assert warped(logits, params)[0] == 0
+    plain = SamplingParams(temperature=1.0, seed=5)
+    rows = [params] * 2000 + [plain] * 2000
+    generators = [params.make_generator()] * 2000 + [plain.make_generator()] * 2000
+    tokens = Sampler()(logits.expand(4000, 31), rows, generators)
+    assert 0 not in tokens[:2000].tolist()
+    assert 0 in tokens[2000:].tolist()
 
 
 def test_top_p_after_min_p_is_vllms_order():
@@ -107,11 +127,9 @@ def reference(logits: torch.Tensor, request: Running) -> torch.Tensor:
         blocked[list(p.allowed_token_ids)] = False
         row[blocked] = -math.inf
     if len(request.output_ids) < p.min_tokens:
-        row[[*p.stop_token_ids, *([] if p.ignore_eos else EOS)]] = -math.inf
+        row[[*(p.stop_token_ids or ()), *([] if p.ignore_eos else EOS)]] = -math.inf
     if p.logit_bias:
-        bias = transformers.SequenceBiasLogitsProcessor(
-            sequence_bias=[[[t], b] for t, b in p.logit_bias]
-        )
+        bias = transformers.SequenceBiasLogitsProcessor(sequence_bias=[[[t], b] for t, b in p.bias])
         row = bias(torch.tensor([[0]]), row[None])[0]
     if p.repetition_penalty != 1:
         penalty = transformers.RepetitionPenaltyLogitsProcessor(p.repetition_penalty)
@@ -124,17 +142,17 @@ def reference(logits: torch.Tensor, request: Running) -> torch.Tensor:
 
 def random_params(rng: random.Random) -> SamplingParams:
     choice = rng.randrange(8)
-    bias = tuple((t, rng.uniform(-5, 5)) for t in rng.sample(range(VOCAB), rng.randrange(1, 6)))
+    bias = {str(t): rng.uniform(-5, 5) for t in rng.sample(range(VOCAB), rng.randrange(1, 6))}
     return SamplingParams(
         temperature=rng.choice([0.0, 0.8]),
         max_tokens=64,
         repetition_penalty=rng.choice([1.0, 1.3, 0.7]) if choice in (0, 1, 5) else 1.0,
         presence_penalty=rng.choice([0.0, 1.5]) if choice in (1, 2, 5) else 0.0,
         frequency_penalty=rng.choice([0.0, -0.4, 0.9]) if choice in (2, 5) else 0.0,
-        logit_bias=bias if choice in (3, 5) else (),
-        allowed_token_ids=tuple(rng.sample(range(VOCAB), 20)) if choice == 4 else (),
+        logit_bias=bias if choice in (3, 5) else None,
+        allowed_token_ids=rng.sample(range(VOCAB), 20) if choice == 4 else None,
         min_tokens=rng.choice([0, 3]) if choice in (4, 6) else 0,
-        stop_token_ids=(7,) if choice == 6 else (),
+        stop_token_ids=[7] if choice == 6 else None,
         ignore_eos=choice == 6 and rng.random() < 0.5,
     )
 

@@ -177,7 +177,7 @@ def test_bad_prompts_are_refused(make_engine) -> None:
     with pytest.raises(ValueError, match=r"\[0, 258\)"):
         engine.add_request([1, 999], GREEDY)
     with pytest.raises(ValueError, match="exceeds the model's context"):
-        engine.add_request([65] * 10, SamplingParams(max_tokens=5000))
+        engine.add_request([65] * 10, SamplingParams(max_tokens=4096))
     assert not engine.has_work()
 
 

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvctl import __version__
 from kvctl.agent.config import AgentConfig
+from kvctl.agent.generation import Refusal
 from kvctl.agent.http.audit import AuditLog, action_of
 from kvctl.agent.http.context import ApiError, ServerContext, caller_of
 from kvctl.agent.http.routes import (
@@ -285,6 +286,12 @@ def create_app(
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
         kind, param = getattr(error, "error_type", None), getattr(error, "param", None)
         return error_response(error.status_code, str(error.detail), error.headers, kind, param)
+
+    @app.exception_handler(Refusal)
+    async def refused(_: Request, refusal: Refusal) -> JSONResponse:
+        return error_response(
+            refusal.status, refusal.message, refusal.headers, refusal.error_type, refusal.param
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:

@@ -29,14 +29,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from kvctl.api import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
-
 if TYPE_CHECKING:
     from kvctl.agent.model.sampling import SamplingParams
-
-MAX_PENALTY = 2.0
-MAX_BIAS = 100.0
-MAX_LOGPROBS = 20
 
 
 class Generating(Protocol):
@@ -63,56 +57,11 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def check_processing(params: SamplingParams) -> None:
-    """Raise ValueError naming the first processing field out of its range."""
-    _check_penalties(params)
-    _check_token_lists(params)
-    logprobs = params.logprobs
-    if logprobs is not None and (not _token(logprobs) or logprobs > MAX_LOGPROBS):
-        raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
-    if not _token(params.min_tokens) or params.min_tokens > params.max_tokens:
-        raise ValueError(
-            f"min_tokens must be an integer in [0, max_tokens {params.max_tokens}], "
-            f"got {params.min_tokens!r}"
-        )
-
-
-def _check_penalties(params: SamplingParams) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(params, name)
-        if not _finite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
-            raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-    penalty = params.repetition_penalty
-    if not _finite(penalty) or penalty <= 0:
-        raise ValueError(f"repetition_penalty must be a number > 0 (1 is none), got {penalty!r}")
-
-
-def _check_token_lists(params: SamplingParams) -> None:
-    bias = params.logit_bias
-    if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
-        raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to a bias")
-    for token, value in bias:
-        if not _token(token) or not _finite(value) or not -MAX_BIAS <= value <= MAX_BIAS:
-            raise ValueError(
-                f"logit_bias maps token ids ≥ 0 to numbers in [-100, 100], got {token!r}: {value!r}"
-            )
-    allowed = params.allowed_token_ids
-    if not isinstance(allowed, tuple) or len(allowed) > MAX_ALLOWED_TOKEN_IDS:
-        raise ValueError(f"allowed_token_ids must list at most {MAX_ALLOWED_TOKEN_IDS} token ids")
-    if not all(_token(t) for t in allowed):
-        raise ValueError(f"allowed_token_ids must be token ids ≥ 0, got {list(allowed)[:5]!r}")
-    stop_ids = params.stop_token_ids
-    if not isinstance(stop_ids, tuple) or len(stop_ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"stop_token_ids must list at most {MAX_STOP_TOKEN_IDS} token ids")
-    if not all(_token(t) for t in stop_ids):
-        raise ValueError(f"stop_token_ids must be token ids ≥ 0, got {list(stop_ids)!r}")
-
-
 def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
     """Raise ValueError when `logit_bias`, `allowed_token_ids` or `stop_token_ids` names a token
     the model lacks."""
-    named = [t for t, _ in params.logit_bias]
-    named += [*params.allowed_token_ids, *params.stop_token_ids]
+    named = [t for t, _ in params.bias]
+    named += [*(params.allowed_token_ids or ()), *(params.stop_token_ids or ())]
     outside = sorted({t for t in named if t >= vocab_size})
     if outside:
         raise ValueError(
@@ -236,10 +185,10 @@ class RequestRows:
                 if name == "prompt":
                     tokens = request.prompt_ids
                 elif name == "bias":
-                    tokens = [t for t, _ in params.logit_bias]
-                    values += [b for _, b in params.logit_bias]
+                    tokens = [t for t, _ in params.bias]
+                    values += [b for _, b in params.bias]
                 elif name == "blocked":
-                    tokens = list(params.allowed_token_ids)
+                    tokens = list(params.allowed_token_ids or ())
                 else:
                     continue  # `output` takes the request's tokens in `gather`
                 rows += [slot] * len(tokens)
@@ -319,7 +268,9 @@ def _end_later(x: Tensor, requests: Sequence[Generating], eos_token_ids: Collect
         params = request.params
         if len(request.output_ids) >= params.min_tokens:
             continue
-        enders = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        enders = set(params.stop_token_ids or ()) | (
+            set() if params.ignore_eos else set(eos_token_ids)
+        )
         rows += [j] * len(enders)
         ids += sorted(enders)
     if ids:
@@ -372,11 +323,3 @@ def token_logprobs(
         top = tuple(zip(ids[r][:k], values[r][1 : k + 1], strict=True))
         result[i] = TokenLogprobs(values[r][0], top)
     return result
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _token(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,5 +1,5 @@
 """Next-token choice for a whole batch at once: greedy rows take the argmax, the others sample
-with temperature, min-p, top-k and top-p, applied in that order (vLLM's).
+with temperature, min-p, top-k and top-p, applied in that order (vLLM's), then typical-p.
 
 Sampling is the Gumbel-max trick, as an exponential race: `argmax(logit / T - log E)`, with
 E = -log U ~ Exp(1) and U uniform, is token j with probability softmax(logit / T)[j]. So a row
@@ -21,91 +21,67 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from functools import cached_property
+from typing import Annotated
 
 import torch
+from pydantic import ConfigDict, Field, model_validator
 from torch import Tensor
 
-from kvctl.agent.model.processing import RequestRows, check_processing
+from kvctl.agent.model.processing import RequestRows
+from kvctl.api import MAX_LOGPROBS, MaxTokens, SamplingFields
 
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's step: seeds of choices far apart
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (vLLM's threshold): dividing logits by a smaller one only
 overflows, and the distribution is already all on the top token."""
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request settings of the choice and the output, with OpenAI's and vLLM's defaults; the
-    one place they are checked (ValueError naming the field).
+class SamplingParams(SamplingFields):
+    """One request's sampling fields as the engine runs them: `SamplingFields` (each field's
+    bounds, default and meaning, kvctl.api) and what the route decides, `max_tokens` and
+    `logprobs` (how many top alternatives to report, None for none). Checked once, when made (a
+    ValueError naming the field), and frozen.
 
-    temperature below `GREEDY_BELOW` means greedy; top_k 0 or -1, top_p 1 and min_p 0 mean no
-    truncation; `stop` strings end generation (the engine matches them on decoded text, and
-    `include_stop_str_in_output` keeps the matched one, or the stop token's text); `ignore_eos`
-    keeps generating past EOS; `skip_special_tokens` leaves special tokens' text out of the
-    output (`spaces_between_special_tokens` is accepted both ways: tokenizer.json decoding, as
-    transformers' fast tokenizers run it, has no such option). The logit processing fields
-    (penalties, `logit_bias` as (token id, bias) pairs, `allowed_token_ids`, `min_tokens`,
-    `stop_token_ids`, `logprobs`: how many top alternatives to report, None for none) are checked
-    and applied by `kvctl.agent.model.processing`.
+    temperature below `GREEDY_BELOW` means greedy; top_k 0 or -1, top_p 1, typical_p 1 and min_p
+    0 mean no truncation; `stop` strings end generation (the engine matches them on decoded
+    text, and `include_stop_str_in_output` keeps the matched one, or the stop token's text);
+    `ignore_eos` keeps generating past EOS; `skip_special_tokens` leaves special tokens' text
+    out of the output. The logit processing fields (penalties, `logit_bias`,
+    `allowed_token_ids`, `min_tokens`, `stop_token_ids`, `logprobs`) are applied by
+    `kvctl.agent.model.processing`.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop: tuple[str, ...] | list[str] | str = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    logprobs: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    min_tokens: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    allowed_token_ids: tuple[int, ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    model_config = ConfigDict(frozen=True)
 
-    def __post_init__(self) -> None:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        object.__setattr__(self, "stop", stop)
-        _check_number("temperature", self.temperature, "a number ≥ 0 (0 means greedy)")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be ≥ 0 (0 means greedy), got {self.temperature}")
-        _check_number("top_p", self.top_p, "a number in (0, 1]")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {self.top_p}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+    max_tokens: MaxTokens = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @classmethod
+    def of(cls, fields: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """A request body's sampling fields with its route's `max_tokens` and `logprobs`."""
+        values = {name: getattr(fields, name) for name in SamplingFields.model_fields}
+        return cls(**values, max_tokens=max_tokens, logprobs=logprobs)
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
             raise ValueError(
-                f"top_k must be an integer ≥ 1, or 0 / -1 for no limit; got {self.top_k!r}"
+                f"min_tokens must be an integer in [0, max_tokens {self.max_tokens}], "
+                f"got {self.min_tokens}"
             )
-        _check_number("min_p", self.min_p, "a number in [0, 1]")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1] (0 keeps every token), got {self.min_p}")
-        if self.seed is not None and (
-            not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX
-        ):
-            raise ValueError(
-                f"seed must be an integer in [-2**63, 2**64 - 1] or null, got {self.seed!r}"
-            )
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer ≥ 1, got {self.max_tokens!r}")
-        if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {list(stop)!r}")
-        for name in (
-            "ignore_eos",
-            "include_stop_str_in_output",
-            "skip_special_tokens",
-            "spaces_between_special_tokens",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        check_processing(self)
+        return self
+
+    @cached_property
+    def stop_strings(self) -> tuple[str, ...]:
+        """`stop` as a tuple, whichever form it was given in."""
+        stop = self.stop
+        return (stop,) if isinstance(stop, str) else tuple(stop or ())
+
+    @cached_property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs, in id order."""
+        return tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items()))
 
     @property
     def greedy(self) -> bool:
@@ -211,7 +187,7 @@ class Sampler:
             k = p.top_k_limit
             if k is not None and k < vocab:
                 top_k.append(i)
-            elif p.top_p < 1:
+            elif p.top_p < 1 or p.typical_p < 1:
                 ordered.append(i)
             else:
                 plain.append(i)
@@ -287,13 +263,15 @@ def _top_k(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Te
     values = values.masked_fill(drop, -math.inf)
     if any(p.top_p < 1 for p in params):
         values = _top_p(values.flip(-1), params).flip(-1)
+    if any(p.typical_p < 1 for p in params):
+        values = _typical(values, params)
     choice = (values - noise.race(ks, device)).argmax(dim=-1, keepdim=True)
     return ids.gather(1, choice).squeeze(1)
 
 
 def _ordered(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> Tensor:
-    """Rows with top-p and no top-k: the whole vocabulary in ascending order, min-p, top-p,
-    then the race among the rest."""
+    """Rows with top-p or typical-p and no top-k: the whole vocabulary in ascending order,
+    min-p, top-p, typical-p, then the race among the rest."""
     vocab = logits.shape[-1]
     ascending, order = logits.sort(dim=-1)  # [R, vocab] each
     temperature, log_min_p = _scales(params, logits.device)
@@ -301,6 +279,8 @@ def _ordered(logits: Tensor, params: Sequence[SamplingParams], noise: Noise) -> 
     if any(p.min_p > 0 for p in params):
         scaled = scaled.masked_fill(scaled < scaled[:, -1:] + log_min_p, -math.inf)
     scaled = _top_p(scaled, params)
+    if any(p.typical_p < 1 for p in params):
+        scaled = _typical(scaled, params)
     choice = (scaled - noise.race([vocab] * len(params), logits.device)).argmax(
         dim=-1, keepdim=True
     )
@@ -317,10 +297,17 @@ def _top_p(ascending: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     return ascending.masked_fill(drop, -math.inf)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_number(name: str, value: object, expected: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
+def _typical(scaled: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Scaled logits in any order (-inf for tokens already dropped), typical-p applied as
+    transformers' `TypicalLogitsWarper` computes it: rank the tokens by how far their surprise
+    (-log p) is from the entropy, keep them in that order until the kept mass reaches typical_p
+    (the token that crosses it included; the closest always stays). Rows at 1 are untouched."""
+    mass = torch.tensor([p.typical_p for p in params], device=scaled.device)[:, None]
+    log_p = scaled.log_softmax(dim=-1)
+    p = log_p.exp()
+    entropy = -(log_p * p).nansum(dim=-1, keepdim=True)  # -inf * 0: a dropped token adds 0
+    distance = (-log_p - entropy).abs()
+    ranked, order = distance.sort(dim=-1)
+    last = (p.gather(1, order).cumsum(dim=-1) < mass).sum(dim=-1, keepdim=True)
+    drop = distance > ranked.gather(1, last.clamp_(max=scaled.shape[-1] - 1))
+    return scaled.masked_fill(drop & (mass < 1), -math.inf)

@@ -645,7 +645,7 @@ class Engine:
         params = request.params
         if token in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
-        if token in params.stop_token_ids:
+        if params.stop_token_ids and token in params.stop_token_ids:
             return FinishReason.STOP
         if self._output_text(request).stopped:
             return FinishReason.STOP
@@ -663,7 +663,8 @@ class Engine:
         if request.output_text is None:
             params = request.params
             eos = set() if params.ignore_eos else self.eos_token_ids
-            skip = set() if params.include_stop_str_in_output else {*params.stop_token_ids, *eos}
+            stop_ids = params.stop_token_ids or ()
+            skip = set() if params.include_stop_str_in_output else {*stop_ids, *eos}
             if params.skip_special_tokens:
                 skip |= self.eos_token_ids
             detokenizer = (
@@ -672,7 +673,7 @@ class Engine:
                 else None
             )
             request.output_text = OutputText(
-                detokenizer, params.stop, params.include_stop_str_in_output
+                detokenizer, params.stop_strings, params.include_stop_str_in_output
             )
         return request.output_text
 

@@ -51,10 +51,37 @@ def _type(schema: dict[str, Any] | bool) -> str:
     if kind == "array":
         if "prefixItems" in schema:
             return "[" + ", ".join(_type(item) for item in schema["prefixItems"]) + "]"
-        return f"list[{_type(schema.get('items', {}))}]"
+        return f"list[{_type(schema.get('items', {}))}]" + _bounds(schema)
     if kind == "object" and "additionalProperties" in schema:
-        return f"dict[str, {_type(schema['additionalProperties'])}]"
-    return {"integer": "int", "number": "float", "string": "str", "boolean": "bool"}.get(kind, kind)
+        return f"dict[str, {_type(schema['additionalProperties'])}]" + _bounds(schema)
+    name = {"integer": "int", "number": "float", "string": "str", "boolean": "bool"}.get(kind, kind)
+    return name + _bounds(schema)
+
+
+def _bounds(schema: dict[str, Any]) -> str:
+    """A field's bounds as the model declares them: ` in [0, 1]`, ` > 0`, ` (at most 64)`. A
+    bound past 2^53 is left out: the schema carries it as a float, no longer exact (the field's
+    meaning says it, as `seed`'s does)."""
+    low = _bound(schema, "[", "minimum") or _bound(schema, "(", "exclusiveMinimum")
+    high = _bound(schema, "]", "maximum") or _bound(schema, ")", "exclusiveMaximum")
+    if low and high:
+        text = f" in {low[0]}{low[1]}, {high[1]}{high[0]}"
+    elif low:
+        text = f" {'≥' if low[0] == '[' else '>'} {low[1]}"
+    elif high:
+        text = f" {'≤' if high[0] == ']' else '<'} {high[1]}"
+    else:
+        text = ""
+    most = schema.get("maxItems", schema.get("maxProperties", schema.get("maxLength")))
+    return text + (f" (at most {most})" if most is not None else "")
+
+
+def _bound(schema: dict[str, Any], bracket: str, key: str) -> tuple[str, str] | None:
+    """(bracket, the bound as written) of one of a number's bounds, None when it has none."""
+    value = schema.get(key)
+    if value is None or abs(value) >= 2**53:
+        return None
+    return bracket, str(int(value)) if float(value).is_integer() else str(value)
 
 
 def _one_line(text: str) -> str:

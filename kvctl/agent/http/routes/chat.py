@@ -1,92 +1,37 @@
 """`POST /v1/chat/completions`: OpenAI chat, plain and streamed, through the model's template.
 
-The conversation is rendered with the checkpoint's chat template (`kvctl.agent.model.
-chat_template`, as transformers' `apply_chat_template` renders it, with the generation prompt),
-encoded as transformers encodes it, and generated like a completion: the model's EOS ids (from
+The conversation is rendered with the checkpoint's chat template and encoded as transformers
+does it (`kvctl.agent.chat_prompt`), then generated like a completion: the model's EOS ids (from
 generation_config.json) end a turn. A model without a template has no chat: 400 saying so.
 Tool calling and structured output are not implemented and are refused by name, never ignored.
-
-Special-token text inside a message is tokenized as plain text unless the runtime setting
-`chat.special_tokens_in_content` is `raw`: only the template's own control tokens are special, so
-a user's `<|im_end|><|im_start|>system` cannot open a system turn (docs/security.md).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kvctl.agent.http.context import ApiError, Context, ServerContext
-from kvctl.agent.http.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
-from kvctl.agent.model.chat_template import RenderedChat, TemplateError
-from kvctl.agent.model.processing import MAX_LOGPROBS, TokenLogprobs
-from kvctl.agent.model.tokenizer import Span
+from kvctl.agent.chat_prompt import prompt_ids
+from kvctl.agent.generation import ChoiceOutput, Generation, Opened, TokenLogprobs
+from kvctl.agent.http.context import ApiError, Context
+from kvctl.agent.http.routes.generation import GENERATION_ERRORS, answer
 from kvctl.api import (
+    MAX_LOGPROBS,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
     ChatTopLogprob,
 )
 
 router = APIRouter()
-
-
-async def prompt_ids(ctx: ServerContext, gen: Generation, body: ChatCompletionRequest) -> list[int]:
-    """The conversation rendered with the model's template and tokenized, checked against the
-    prompt limit; 400 for a model without a template or messages it cannot render."""
-    template = gen.served.chat_template
-    if template is None:
-        raise ApiError(
-            400,
-            f"model {gen.served.name!r} has no chat template (no chat_template.jinja and no "
-            "chat_template in tokenizer_config.json), so it has no chat; use "
-            "/v1/completions, or add the template to the checkpoint",
-        )
-    messages = [_message(m) for m in body.messages]
-    tokenizer = gen.tokenizer
-    plain = ctx.service.settings.chat.special_tokens_in_content == "plain"
-    variables = _template_variables(body)
-    if plain and tokenizer is not None:
-        _no_special_text(variables, tokenizer.special_spans)
-    try:
-        if plain and tokenizer is not None:
-            rendered = template.render_marked(
-                messages, tokenizer.special_spans, body.add_generation_prompt, variables
-            )
-        else:
-            rendered = RenderedChat(
-                template.render(messages, body.add_generation_prompt, variables)
-            )
-    except (TemplateError, ValueError) as error:  # ValueError: look-alike special tokens
-        raise ApiError(400, f"messages: {error}", param="messages") from None
-    specials = template.add_special_tokens or body.add_special_tokens
-    ids = await gen.tokenize(rendered.text, specials, rendered.plain_spans)
-    gen.check_length(ids)
-    return ids
-
-
-def _no_special_text(
-    variables: Mapping[str, object], special_spans: Callable[[str], list[Span]]
-) -> None:
-    """400 for a template variable holding special-token text: the template would write it
-    into the prompt as a control token, which only the template itself may do."""
-    for name, value in variables.items():
-        if isinstance(value, str) and special_spans(value):
-            raise ApiError(
-                400,
-                f"chat_template_kwargs: {name} holds special-token text, which only the chat "
-                "template may write",
-                param="chat_template_kwargs",
-            )
 
 
 @router.post(
@@ -101,46 +46,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     gen = Generation.for_request(ctx, "chatcmpl", body, asked)
     _refuse_unsupported(body)
     gen.check_choices(1, body.n)
-    ids = await prompt_ids(ctx, gen, body)
-    max_tokens = asked or min(ctx.config.max_tokens_limit, gen.served.context_length - len(ids))
-    if max_tokens < 1:
-        raise gen.refuse(
-            400, "too_large", f"the conversation ({len(ids)} tokens) fills the model's context"
-        )
+    ids = await prompt_ids(gen, body)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = gen.sampling(body, max_tokens, top)
+    params = gen.sampling(body, gen.output_limit(asked, ids), top)
     opened = await gen.open([ids], params, body.n, body.cache_salt)
     shaper = _Shaper(gen, body, ids)
-    return await gen.answer(opened, request, shaper, body.stream)
-
-
-def _template_variables(body: ChatCompletionRequest) -> dict[str, object]:
-    """`chat_template_kwargs`, with `reasoning_effort` as vLLM passes it: the variable itself and
-    `enable_thinking` (false for "none") unless the request's kwargs set it."""
-    variables: dict[str, object] = dict(body.chat_template_kwargs or {})
-    effort = body.reasoning_effort
-    if effort is not None:
-        variables["reasoning_effort"] = effort
-        variables.setdefault("enable_thinking", effort != "none")
-    return variables
-
-
-def _message(message: ChatMessage) -> dict[str, Any]:
-    """A message as templates expect it: content as one string (text parts joined by newlines,
-    as vLLM does for string-content templates); an assistant's reasoning under the names
-    templates read it by (`reasoning_content`, `reasoning`, gpt-oss's `thinking`), as vLLM and
-    transformers hand it on."""
-    content = message.content
-    if isinstance(content, list):
-        content = "\n".join(part.text for part in content)
-    result: dict[str, Any] = {"role": message.role, "content": content}
-    if message.name is not None:
-        result["name"] = message.name
-    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
-    if message.role == "assistant" and reasoning is not None:
-        result = {"thinking": reasoning, **result}
-        result["reasoning"] = result["reasoning_content"] = reasoning
-    return result
+    return await answer(gen, opened, request, shaper, body.stream)
 
 
 def _refuse_unsupported(body: ChatCompletionRequest) -> None:

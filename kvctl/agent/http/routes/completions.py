@@ -2,8 +2,9 @@
 
 A prompt is text or token ids, or a list of either; each prompt gets `n` choices, numbered
 prompt by prompt (choice `p * n + i`). The checks, queueing and streaming shared with chat live
-in `generation`; this module turns prompts into ids and choices into OpenAI's completion shapes
-(legacy `logprobs` with tokens, token_logprobs, top_logprobs and text_offset; `echo`).
+in `kvctl.agent.generation`; this module turns prompts into ids and choices into OpenAI's
+completion shapes (legacy `logprobs` with tokens, token_logprobs, top_logprobs and text_offset;
+`echo`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from kvctl.agent.generation import ChoiceOutput, Generation, Opened, TokenLogprobs
 from kvctl.agent.http.context import ApiError, Context
-from kvctl.agent.http.routes.generation import GENERATION_ERRORS, ChoiceOutput, Generation, Opened
-from kvctl.agent.model.processing import TokenLogprobs
+from kvctl.agent.http.routes.generation import GENERATION_ERRORS, answer
 from kvctl.api import (
     CompletionChoice,
     CompletionLogprobs,
@@ -83,7 +84,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
     params = gen.sampling(body, body.max_tokens, body.logprobs)
     opened = await gen.open(prompts, params, body.n, body.cache_salt)
     shaper = _Shaper(gen, body, prompts, echo)
-    return await gen.answer(opened, request, shaper, body.stream)
+    return await answer(gen, opened, request, shaper, body.stream)
 
 
 def _refuse_unsupported(body: CompletionRequest) -> None:

@@ -21,16 +21,13 @@ from typing import TypeVar
 
 from fastapi import APIRouter, Request
 
+from kvctl.agent.chat_prompt import prompt_ids
+from kvctl.agent.generation import Generation, Refusal
 from kvctl.agent.http.context import ERRORS, ApiError, Context, ServerContext
-from kvctl.agent.http.routes.chat import prompt_ids
-from kvctl.agent.http.routes.generation import Generation, disconnected
+from kvctl.agent.http.routes.generation import disconnected
 from kvctl.agent.http.routes.pools import pool_of
-from kvctl.agent.model.sampling import SamplingParams
 from kvctl.agent.model_pool import ModelPool
-from kvctl.agent.prefix_admin import UnknownSalt
-from kvctl.agent.runtime import Engine, RequestRefused
-from kvctl.agent.runtime import Request as EngineRequest
-from kvctl.agent.runtime.prefix_pins import PrefixOpRefused, UnknownPin
+from kvctl.agent.prefix_admin import PrefixOpRefused, UnknownPin, UnknownSalt
 from kvctl.api import (
     UNKNOWN_PREFIX_ITEM,
     ChatCompletionRequest,
@@ -62,7 +59,7 @@ async def query_ids(ctx: ServerContext, pool: ModelPool, body: PrefixQuery) -> l
         chat = ChatCompletionRequest(
             model=pool.name, messages=body.messages, add_generation_prompt=False
         )
-        ids = await prompt_ids(ctx, gen, chat)
+        ids = await prompt_ids(gen, chat)
     if not ids:
         raise ApiError(400, "the prompt has no tokens")
     gen.check_length(ids)
@@ -75,16 +72,10 @@ async def warm(
     """Compute the prompt as a one-token request in `salt`'s partition, so that its pages are
     cached when it ends (a refusal, such as a full queue, as the generation routes answer; a
     client that leaves first has the request aborted, as they do)."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    loop = asyncio.get_running_loop()
-
-    def add(engine: Engine) -> EngineRequest:
-        return engine.add_request(ids, params, cache_salt=salt)
-
     try:
-        stream = await asyncio.wrap_future(ctx.service.open_stream(add, loop, pool))
-    except RequestRefused as refused:
-        raise ApiError(429 if refused.reason == "queue_full" else 409, str(refused)) from None
+        stream = await Generation(ctx, "prefix", pool).warm(ids, salt)
+    except Refusal as refused:
+        raise ApiError(refused.status, refused.message) from None
 
     async def finished() -> None:
         while (await stream.events.get()).finish_reason is None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from kvctl.agent.generation import encode, oversized, prompt_limit
 from kvctl.agent.http.context import ApiError, Context
-from kvctl.agent.http.routes.generation import encode, oversized, prompt_limit
 from kvctl.agent.service import UnknownPool
 from kvctl.api import TokenizedText, TokenizeRequest, TokenizeResponse
 
@@ -40,7 +40,7 @@ async def tokenize(body: TokenizeRequest, ctx: Context) -> TokenizeResponse:
         if refusal is not None:
             param = "prompt" if isinstance(body.prompt, str) else f"prompt.{i}"
             raise ApiError(400, f"{param}: {refusal}", param=param)
-    encoded = [await encode(ctx, tokenizer, t, body.add_special_tokens) for t in texts]
+    encoded = [await encode(ctx.tokenizing, tokenizer, t, body.add_special_tokens) for t in texts]
     results = [
         TokenizedText(count=len(ids), tokens=ids if body.return_token_ids else None)
         for ids in encoded
