@@ -104,6 +104,9 @@ VARIANTS = {  # name: (transformers config class, model class, config fields)
             "mlp_only_layers": [1],
         },
     ),
+    # Gemma 1: Llama's layer with (1 + w) norms, GeGLU, √hidden embeddings, tied embeddings and
+    # an explicit head_dim (q wider than hidden, as in the 7B's 16 heads of 256 over 3,072)
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 32, "pad_token_id": 0}),
     # (1 + w) norms around each sublayer, GeGLU, √hidden embeddings, a query scale of its own,
     # soft-capped scores and logits, a sliding window of 8 tokens on every other layer
     "gemma2": (

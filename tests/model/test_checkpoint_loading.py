@@ -122,8 +122,8 @@ BAD = {
     "unsupported architecture": (
         _edit_config(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
         "config.json: unsupported architecture 'GPT2LMHeadModel'; "
-        "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and Gemma 3 "
-        "style decoders, and Mixtral, Qwen3-MoE and gpt-oss mixtures of experts",
+        "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma, Gemma 2 and "
+        "Gemma 3 style decoders, and Mixtral, Qwen3-MoE and gpt-oss mixtures of experts",
     ),
     "architecture disagrees with model_type": (
         _edit_config(architectures=["Qwen2ForCausalLM"]),
@@ -419,6 +419,7 @@ def test_free_memory_is_read_for_the_cpu_and_unknown_elsewhere():
         {"model_type": "olmo2"},
         {"model_type": "granite", "attention_multiplier": 0.5},
         {"model_type": "phi3"},
+        {"model_type": "gemma"},
         {"model_type": "gemma2"},
         {"model_type": "gemma3_text"},
         {"model_type": "mixtral", "num_local_experts": 3},
@@ -677,6 +678,64 @@ def test_gemma2_defaults_alternate_layers_and_cap_logits():
     assert (config.attn_softcap, config.final_softcap) == (50.0, 30.0)
     assert config.attention_multiplier == 16**-0.5  # query_pre_attn_scalar defaults to head_dim
     assert "soft-capped attention and logits" in config.describe()
+
+
+GEMMA_2B = {  # gemma-2b's config.json as transformers 4.38 wrote it, shrunk
+    "architectures": ["GemmaForCausalLM"],
+    "model_type": "gemma",
+    "attention_bias": False,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "head_dim": 32,
+    "hidden_act": "gelu",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "max_position_embeddings": 128,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 32,
+}
+
+
+def test_gemma1_reads_its_releases_configs_as_transformers_does():
+    """The releases say `hidden_act: "gelu"` and mean the tanh GELU, and leave out GemmaConfig's
+    defaults (tied embeddings): both read as transformers reads them. Gemma 2's keys (a query
+    scalar, soft caps, a window) are ignored, as transformers' Gemma ignores them."""
+    config = ModelConfig.from_hf(GEMMA_2B, "g")
+    assert config.tie_word_embeddings and config.head_dim == 32
+    assert config.attention_multiplier is None and config.query_scale == 1.0  # 1 / √head_dim
+    assert config.embedding_multiplier == 8.0
+    assert (config.attn_softcap, config.final_softcap, config.sliding_window) == (None, None, None)
+    gemma2_keys = {
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "sliding_window": 16,
+    }
+    assert ModelConfig.from_hf({**GEMMA_2B, **gemma2_keys}, "g") == config
+    assert ModelConfig.from_hf({**GEMMA_2B, "hidden_act": "gelu_pytorch_tanh"}, "g") == config
+    tensors = expected_tensors(config)
+    assert "lm_head.weight" not in tensors
+    assert [n for n in tensors if n.startswith("model.layers.0.") and "norm" in n] == [
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+    ]
+    assert config.describe() == (
+        "GemmaForCausalLM: 2 layers, 4 query heads over 1 KV heads of 32, Gemma's (1 + w) norms "
+        "and GeGLU; full attention on every layer up to 128 tokens"
+    )
+    for key, act in (("hidden_act", "silu"), ("hidden_activation", "gelu")):  # exact GELU
+        with pytest.raises(CheckpointError) as refused:
+            ModelConfig.from_hf({**GEMMA_2B, key: act}, "g")
+        assert str(refused.value) == (
+            f"config.json: hidden_activation {act!r} is not supported; expected 'gelu_pytorch_tanh'"
+        )
 
 
 @pytest.mark.parametrize(

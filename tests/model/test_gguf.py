@@ -59,7 +59,11 @@ _TOP = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-GEMMA_ARCHS = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+GEMMA_ARCHS = {
+    "gemma": gguf.MODEL_ARCH.GEMMA,
+    "gemma2": gguf.MODEL_ARCH.GEMMA2,
+    "gemma3": gguf.MODEL_ARCH.GEMMA3,
+}
 
 
 def permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -195,12 +199,14 @@ def _phi3_metadata(writer: Any, hf: dict[str, Any], head_dim: int) -> None:
 
 
 def _gemma_metadata(writer: Any, hf: dict[str, Any], arch: str) -> None:
-    """What convert_hf_to_gguf's Gemma2Model / Gemma3Model write beyond the common keys (no rope
-    dimension count, no Q/K permutation), and the two keys newer llama.cpp reads for Gemma 3
-    that the converter does not write: a sliding pattern other than 6, the sliding layers' rope
-    base where it is not 10,000."""
+    """What convert_hf_to_gguf's GemmaModel / Gemma2Model / Gemma3Model write beyond the common
+    keys (no rope dimension count, no Q/K permutation), and the two keys newer llama.cpp reads
+    for Gemma 3 that the converter does not write: a sliding pattern other than 6, the sliding
+    layers' rope base where it is not 10,000."""
     writer.add_key_length(hf["head_dim"])
     writer.add_value_length(hf["head_dim"])
+    if arch == "gemma":  # no rope base either: llama.cpp's 10,000
+        return
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(hf["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(hf["final_logit_softcapping"])
@@ -650,6 +656,29 @@ def test_gemma_matches_transformers(gemma, qtype: str, generate, tmp_path: Path)
             assert hf_greedy(model, prompt, 8) == tokens
 
 
+def test_gemma1_matches_the_original(generate, tmp_path: Path):
+    """A Gemma 1 file as convert_hf_to_gguf's GemmaModel writes it (norms stored as 1 + w, no
+    output tensor, no rope base) loads as the original: Llama's layer with Gemma's norms, GeGLU,
+    √hidden embeddings and queries scaled by 1 / sqrt(key_length); the same weights, and logits
+    within 1e-4 and greedy tokens equal to the original's (transformers' GGUF loading does not
+    read gemma files)."""
+    transformers = pytest.importorskip("transformers")
+    hf = {**SHAPE, "rms_norm_eps": 1e-6, "head_dim": 32}
+    model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**hf)).eval()
+    peaked_weights(model, seed=1)
+    state = model.state_dict()
+    path = write_gguf(tmp_path / "gemma.gguf", state, hf, "F32", "gemma")
+    assert "output.weight" not in {t.name for t in gguf.GGUFReader(path).tensors}
+    config, ours, _ = load_checkpoint(path, DEVICE, torch.float32)
+    assert (config.model_type, config.head_dim, config.tie_word_embeddings) == ("gemma", 32, True)
+    assert config.attention_multiplier is None and config.sliding_window is None
+    loaded = {name: tensor.cpu() for name, tensor in ours.state_dict().items()}
+    assert loaded.keys() == {k for k in state if k != "lm_head.weight"}
+    for name, tensor in loaded.items():  # norms stored as 1 + w in float32: w to its rounding
+        torch.testing.assert_close(tensor, state[name], atol=1e-6, rtol=0)
+    _assert_same_as_transformers(ours, model, _prompts(128, seed=2), generate)
+
+
 # ---- (d) Qwen3-MoE: experts stacked in one tensor per product -----------------------------
 
 
@@ -967,6 +996,11 @@ GEMMA_REFUSED = {  # (architecture, metadata, extra tensors) -> the refusal
         "gemma3.gguf: gemma3.attn_logit_softcapping is not supported; llama.cpp's gemma3 does "
         "not soft-cap attention scores",
     ),
+    "gemma output tensor": (
+        ("gemma", {}, ("output.weight",)),
+        "gemma.gguf: unexpected tensor output.weight; llama.cpp's gemma ties the output to "
+        "token_embd.weight",
+    ),
     "gemma2 output tensor": (
         ("gemma2", {}, ("output.weight",)),
         "gemma2.gguf: unexpected tensor output.weight; llama.cpp's gemma2 ties the output to "
@@ -1091,8 +1125,8 @@ BAD = {
     "unsupported architecture": (
         lambda p: _rewrite(p, arch="falcon"),
         "demo.gguf: unsupported architecture 'falcon'; kvctl loads GGUF files of architecture "
-        "llama, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3, gpt-oss (Llama, Mistral, Qwen2, "
-        "Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3 and gpt-oss text decoders)",
+        "llama, qwen2, qwen3, qwen3moe, phi3, gemma, gemma2, gemma3, gpt-oss (Llama, Mistral, "
+        "Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma, Gemma 2, Gemma 3 and gpt-oss text decoders)",
     ),
     "unsupported quantization type": (
         lambda p: _rewrite(p, raw=True),

@@ -195,9 +195,9 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[layer + "self_attn.q_norm.weight"] = (d if per_head else q_dim,)
             shapes[layer + "self_attn.k_norm.weight"] = (d if per_head else kv_dim,)
         shapes[layer + "post_attention_layernorm.weight"] = (hidden,)
-        if family.gemma:
+        if family.sandwich:
             shapes[layer + "pre_feedforward_layernorm.weight"] = (hidden,)
-        if family.post_norms or family.gemma:
+        if family.post_norms or family.sandwich:
             shapes[layer + "post_feedforward_layernorm.weight"] = (hidden,)
         shapes.update(_mlp_tensors(config, i, layer + "mlp."))
     shapes["model.norm.weight"] = (hidden,)

@@ -1,6 +1,6 @@
 """The shape of a Llama-family decoder, read from a Hugging Face `config.json`.
 
-Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2/3 and gpt-oss checkpoints differ
+Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 1/2/3 and gpt-oss checkpoints differ
 only in a few switches (q/k/v bias, q/k norms, where the norms sit and how they scale, the MLP's
 activation, Granite's multipliers, fused checkpoint tensors, rope scaling, which layers slide a
 window, logit soft-capping, attention sinks, the experts' form: `Family`), so one frozen
@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -67,9 +68,14 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()
     """(the model's name, the checkpoint's) for parts of a layer the family names its own way."""
     gemma: bool = False
-    """Gemma's decoder: norms scale by (1 + w) in float32, a norm before and after each sublayer,
-    a GeGLU MLP (tanh GELU), embeddings scaled by √hidden in the model's dtype, the query scale
-    from `query_pre_attn_scalar`, soft-capped logits where the config asks."""
+    """Gemma's decoder: norms scale by (1 + w) in float32, a GeGLU MLP (tanh GELU), embeddings
+    scaled by √hidden in the model's dtype."""
+    sandwich: bool = False
+    """A norm after each sublayer too, before its residual add (Gemma 2 and 3: there
+    `post_attention_layernorm` norms the attention's output and `pre_feedforward_layernorm` the
+    MLP's input), and what came with it in Gemma 2: the query scale from `query_pre_attn_scalar`,
+    scores and logits soft-capped where the config asks. Gemma 1 has none of these: its layer is
+    Llama's with Gemma's norms, and transformers' Gemma ignores those keys in its config."""
     sliding: str = "flagged"
     """When `sliding_window` applies and to which layers, where no `layer_types` list says:
     "flagged" (Qwen's: only with `use_sliding_window`, layers from `max_window_layers` on),
@@ -97,15 +103,16 @@ FAMILIES = {
         ),
     ),
     "qwen3_moe": Family(qk_norm="head", experts="qwen3_moe"),
-    "gemma2": Family(gemma=True, sliding="every 2"),
-    "gemma3_text": Family(gemma=True, qk_norm="head", sliding="every 6"),
+    "gemma": Family(gemma=True),
+    "gemma2": Family(gemma=True, sandwich=True, sliding="every 2"),
+    "gemma3_text": Family(gemma=True, sandwich=True, qk_norm="head", sliding="every 6"),
     "gpt_oss": Family(experts="gpt_oss", sinks=True, sliding="every 2", float32_norms=True),
 }
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SUPPORTED = (
-    "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and Gemma 3 style "
-    "decoders, and Mixtral, Qwen3-MoE and gpt-oss mixtures of experts"
+    "kvctl runs Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma, Gemma 2 and Gemma 3 "
+    "style decoders, and Mixtral, Qwen3-MoE and gpt-oss mixtures of experts"
 )
 _ROPE_KEYS = {
     "linear": ("factor",),
@@ -235,8 +242,10 @@ class ModelConfig:
             extras.append("norms after each sublayer")
         if family.multipliers:
             extras.append("Granite's multipliers")
-        if family.gemma:
+        if family.sandwich:
             extras.append("Gemma's norms around each sublayer and GeGLU")
+        elif family.gemma:
+            extras.append("Gemma's (1 + w) norms and GeGLU")
         if self.attn_softcap is not None or self.final_softcap is not None:
             caps = (self.attn_softcap, self.final_softcap)
             extras.append(
@@ -285,7 +294,7 @@ class ModelConfig:
         hf, multimodal = _language_model(hf)
         model_type = _model_type(hf)
         family = FAMILIES[model_type]
-        _check_mlp(hf, family)
+        _check_mlp(hf, family, model_type)
         num_heads = _size(hf, "num_attention_heads")
         hidden_size = _size(hf, "hidden_size")
         num_kv_heads = _size(hf, "num_key_value_heads", default=num_heads)
@@ -335,8 +344,8 @@ class ModelConfig:
                 else ()
             ),
             local_rope_theta=local_theta,
-            attn_softcap=_softcap(hf, "attn_logit_softcapping") if family.gemma else None,
-            final_softcap=_softcap(hf, "final_logit_softcapping") if family.gemma else None,
+            attn_softcap=_softcap(hf, "attn_logit_softcapping") if family.sandwich else None,
+            final_softcap=_softcap(hf, "final_logit_softcapping") if family.sandwich else None,
             **_multipliers(hf, family, hidden_size, head_dim),
             **_experts(hf, family),
             mxfp4_experts=_mxfp4(hf, family),
@@ -349,6 +358,19 @@ LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 """Multimodal architectures whose language model kvctl serves alone, text in and text out: the
 config's `text_config`, the tensors under `language_model.` (the vision tower's are ignored)."""
 DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma": {  # transformers' GemmaConfig: the 2024 releases omit what equals these
+        "vocab_size": 256000,
+        "hidden_size": 3072,
+        "intermediate_size": 24576,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 256,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    },
     "gemma3_text": {  # transformers' Gemma3TextConfig: real text_configs omit what equals these
         "vocab_size": 262208,
         "hidden_size": 2304,
@@ -466,14 +488,16 @@ def _multipliers(
     hf: dict[str, Any], family: Family, hidden_size: int, head_dim: int
 ) -> _Multipliers:
     """Granite's four multipliers (each defaults to transformers' GraniteConfig default), Gemma's
-    two (embeddings times √hidden, queries scaled by 1 / √query_pre_attn_scalar); the neutral
-    values for every other family."""
+    two (embeddings times √hidden; from Gemma 2 on, queries scaled by 1 / √query_pre_attn_scalar,
+    Gemma 1's by the usual 1 / √head_dim); the neutral values for every other family."""
     if family.gemma:
-        scalar = _number("query_pre_attn_scalar", hf.get("query_pre_attn_scalar") or head_dim)
+        scalar = hf.get("query_pre_attn_scalar") or head_dim
         return _Multipliers(
             embedding_multiplier=math.sqrt(hidden_size),
             residual_multiplier=1.0,
-            attention_multiplier=scalar**-0.5,
+            attention_multiplier=(
+                _number("query_pre_attn_scalar", scalar) ** -0.5 if family.sandwich else None
+            ),
             logits_scaling=1.0,
         )
     if not family.multipliers:
@@ -587,9 +611,12 @@ GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 """The names of the tanh-approximated GELU of Gemma's GeGLU (transformers' `ACT2FN`)."""
 
 
-def _check_mlp(hf: dict[str, Any], family: Family) -> None:
+def _check_mlp(hf: dict[str, Any], family: Family, model_type: str) -> None:
     if family.gemma:  # Gemma 2/3 read `hidden_activation`; older configs carry `hidden_act`
-        act = hf.get("hidden_activation") or hf.get("hidden_act") or GELU_TANH[0]
+        legacy = hf.get("hidden_act")
+        if model_type == "gemma" and legacy == "gelu":
+            legacy = GELU_TANH[0]  # Gemma 1's releases: "gelu", read as tanh by transformers
+        act = hf.get("hidden_activation") or legacy or GELU_TANH[0]
         if act not in GELU_TANH:
             raise CheckpointError(
                 f"config.json: hidden_activation {_shown(act)} is not supported; expected "

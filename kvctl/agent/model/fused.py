@@ -172,7 +172,7 @@ class FusedLayer(nn.Module):
             self.down = Projection.of(scaled(mlp.down_proj.weight, m), kernels=kernels)
             self.gelu = mlp.gelu
         # the norms around each sublayer, None where the family has none: Llama's before each,
-        # OLMo 2's after each, Gemma's on both sides
+        # OLMo 2's after each, Gemma 2 and 3's on both sides
         post = layer.post_norms or layer.sandwich
         self.attn_in = None if layer.post_norms else folded_norm(layer.input_layernorm)
         self.attn_out = folded_norm(layer.post_attention_layernorm) if post else None
@@ -219,7 +219,7 @@ class FusedLayer(nn.Module):
 
 class FusedDecoder(nn.Module):
     """`Decoder` over fused layers: x = embed; per layer x += attn(h) and x += mlp(h), h being
-    x or its norm, each sublayer's output normed where the family norms it (OLMo 2, Gemma);
+    x or its norm, each sublayer's output normed where the family norms it (OLMo 2, Gemma 2/3);
     then the final norm. Each residual add is fused into the norm that follows it."""
 
     def __init__(self, decoder: Decoder, kernels: bool = True) -> None:

@@ -19,6 +19,7 @@ from kvctl.agent.model.errors import CheckpointError
 from kvctl.agent.model.gguf_metadata import (
     GEMMA,
     LONGROPE_FACTORS,
+    SANDWICH,
     config_from_metadata,
     read_metadata,
 )
@@ -197,7 +198,7 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
     layer_parts = _LAYER_PARTS
-    if arch in GEMMA:
+    if arch in SANDWICH:
         layer_parts = _GEMMA_LAYER_PARTS
     elif arch == GPT_OSS:
         layer_parts = _GPT_OSS_LAYER_PARTS

@@ -17,17 +17,30 @@ from kvctl.agent.model.config import LIMITS, ModelConfig
 from kvctl.agent.model.errors import CheckpointError
 from kvctl.agent.model.rope import inv_frequencies
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss")
+ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3moe",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gpt-oss",
+)
 """llama.cpp's names (Mistral's files are "llama")."""
 _FAMILIES = (
-    "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3 and gpt-oss text decoders"
+    "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma, Gemma 2, Gemma 3 and gpt-oss text "
+    "decoders"
 )
 LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 """Phi-3's longrope factors, which llama.cpp stores as tensors; folded into the config."""
 _MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 """Hugging Face's model_type where it is not llama.cpp's architecture."""
-GEMMA = ("gemma2", "gemma3")
+GEMMA = ("gemma", "gemma2", "gemma3")
 """Architectures whose norm weights llama.cpp's converter stores as 1 + w (`gguf_loader`)."""
+SANDWICH = ("gemma2", "gemma3")
+"""Those with a norm before and after each sublayer, whose `ffn_norm` is the MLP's input norm."""
 # What llama.cpp's gemma2/gemma3 hparams loading assumes where a file says nothing: every Nth layer
 # attends to the whole context (layer i slides iff i % N < N - 1), Gemma 2's window and caps, Gemma
 # 3's sliding layers' rope base, and the layer count of the 27B model, the one whose query scale is
@@ -172,12 +185,21 @@ def _hf_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, file: s
 def _gemma(
     meta: dict[str, Any], tensors: dict[str, Any], arch: str, file: str, hf: dict[str, Any]
 ) -> dict[str, Any]:
-    """The Gemma 2 / Gemma 3 keys of the config, read as llama.cpp's gemma2/gemma3 code reads the
-    file its convert_hf_to_gguf writes; CheckpointError where the file asks for something llama.cpp
-    would compute otherwise, or kvctl cannot."""
+    """The Gemma keys of the config, read as llama.cpp's gemma/gemma2/gemma3 code reads the file
+    its convert_hf_to_gguf writes; CheckpointError where the file asks for something llama.cpp
+    would compute otherwise, or kvctl cannot. Gemma 1 needs only its GELU: llama.cpp's gemma
+    scales queries by 1 / sqrt(key_length), slides no window and caps nothing."""
 
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
+
+    if arch in ("gemma", "gemma2") and "output.weight" in tensors:
+        raise CheckpointError(
+            f"{file}: unexpected tensor output.weight; llama.cpp's {arch} ties the output "
+            "to token_embd.weight"
+        )
+    if arch == "gemma":
+        return {"hidden_activation": "gelu_pytorch_tanh"}
 
     layers, hidden, heads = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
     gemma: dict[str, Any] = {
@@ -195,11 +217,6 @@ def _gemma(
             raise CheckpointError(
                 f"{file}: gemma2.rope.freq_base_swa is not supported; llama.cpp's gemma2 rotates "
                 "every layer with rope.freq_base"
-            )
-        if "output.weight" in tensors:
-            raise CheckpointError(
-                f"{file}: unexpected tensor output.weight; llama.cpp's gemma2 ties the output "
-                "to token_embd.weight"
             )
         return gemma
     if key("attn_logit_softcapping") is not None:

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and 3,
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3, Gemma 1, 2, 3,
 and the Mixtral, Qwen3-MoE and gpt-oss mixtures of experts) over a flattened, variable-length
 batch; the families' switches are `config.Family`. Which keys a layer's queries see (a sliding
 window, soft-capped scores, sinks) is the attention backend's business (`LayerAttention`).
@@ -138,15 +138,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); with post norms
-    (OLMo 2) x + norm(attn(x)), then x + norm(mlp(x)); Gemma's both, x + norm(attn(norm(x))),
-    then x + norm(mlp(norm(x))). Granite scales each branch by its residual multiplier."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)) (Gemma 1's too, with
+    its (1 + w) norms); with post norms (OLMo 2) x + norm(attn(x)), then x + norm(mlp(x));
+    Gemma 2 and 3's both, x + norm(attn(norm(x))), then x + norm(mlp(norm(x))). Granite scales
+    each branch by its residual multiplier."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         hidden, eps, gemma = config.hidden_size, config.rms_norm_eps, config.family.gemma
         self.post_norms = config.family.post_norms
-        self.sandwich = gemma
+        self.sandwich = config.family.sandwich
         self.local_rope = config.local_rope(layer_index)
         if not self.post_norms:
             self.input_layernorm = RMSNorm(hidden, eps, gemma)
