@@ -680,6 +680,47 @@ def test_gemma2_defaults_alternate_layers_and_cap_logits():
     assert "soft-capped attention and logits" in config.describe()
 
 
+GEMMA2_2B_IT = {  # gemma-2-2b-it's config.json as transformers 4.42 wrote it, shrunk
+    "architectures": ["Gemma2ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0,
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "eos_token_id": [1, 107],
+    "final_logit_softcapping": 30.0,
+    "head_dim": 32,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "max_position_embeddings": 256,
+    "model_type": "gemma2",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 32,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "sliding_window": 64,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 32,
+}
+
+
+def test_gemma2_releases_without_tie_word_embeddings_are_tied():
+    """Gemma 2's releases leave `tie_word_embeddings` out (Gemma2Config's default is true) and
+    ship no lm_head: the output layer is the embedding, as transformers reads it."""
+    config = ModelConfig.from_hf(GEMMA2_2B_IT, "g")
+    assert config.tie_word_embeddings
+    assert "lm_head.weight" not in expected_tensors(config)
+    untied = ModelConfig.from_hf({**GEMMA2_2B_IT, "tie_word_embeddings": False}, "g")
+    assert "lm_head.weight" in expected_tensors(untied)
+
+
 GEMMA_2B = {  # gemma-2b's config.json as transformers 4.38 wrote it, shrunk
     "architectures": ["GemmaForCausalLM"],
     "model_type": "gemma",

@@ -371,6 +371,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "bos_token_id": 2,
         "eos_token_id": 1,
     },
+    "gemma2": {  # the releases leave out Gemma2Config's tied embeddings and ship no lm_head
+        "tie_word_embeddings": True,
+    },
     "gemma3_text": {  # transformers' Gemma3TextConfig: real text_configs omit what equals these
         "vocab_size": 262208,
         "hidden_size": 2304,
