@@ -779,6 +779,15 @@ def test_gemma1_reads_its_releases_configs_as_transformers_does():
         )
 
 
+@pytest.mark.parametrize("base", [GEMMA_2B, GEMMA2_2B_IT], ids=["gemma", "gemma2"])
+def test_bidirectional_attention_is_refused_not_computed_causally(base):
+    """transformers' Gemma attends both ways with `use_bidirectional_attention` (embedding
+    checkpoints); generating with causal attention instead would be another model."""
+    with pytest.raises(CheckpointError, match="use_bidirectional_attention is not supported"):
+        ModelConfig.from_hf({**base, "use_bidirectional_attention": True}, "g")
+    assert ModelConfig.from_hf({**base, "use_bidirectional_attention": False}, "g")
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [

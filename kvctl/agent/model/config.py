@@ -295,6 +295,11 @@ class ModelConfig:
         model_type = _model_type(hf)
         family = FAMILIES[model_type]
         _check_mlp(hf, family, model_type)
+        if hf.get("use_bidirectional_attention"):
+            raise CheckpointError(
+                "config.json: use_bidirectional_attention is not supported: an embedding model's "
+                "attention looks both ways, and this runtime generates with causal attention"
+            )
         num_heads = _size(hf, "num_attention_heads")
         hidden_size = _size(hf, "hidden_size")
         num_kv_heads = _size(hf, "num_key_value_heads", default=num_heads)
