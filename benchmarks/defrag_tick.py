@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         times = sorted(tick_times(pool, args.ticks))
         median = statistics.median(times)
         p90 = times[int(len(times) * 0.9)]
-        pool.check_invariants() if pages <= 100_000 else None
+        pool.invariants.check() if pages <= 100_000 else None
         print(
             f"{pages:>9} {stats.sequences:>9} {stats.free_extents:>9} {len(times):>5} "
             f"{median * 1e3:>9.3f} {p90 * 1e3:>7.3f} {times[-1] * 1e3:>7.3f} "

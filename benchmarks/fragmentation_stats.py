@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name, build in layouts.items():
         pool = build()
-        mask = np.array([pool.state(p) is PageState.FREE for p in range(pool.capacity)])
+        mask = np.array([pool.pages.state(p) is PageState.FREE for p in range(pool.capacity)])
         first = median_seconds(pool.stats, 1)
         # rates (reads per second), so that the per-round ratio kvctl / numpy is the speedup
         paired = paired_rounds(

@@ -97,7 +97,7 @@ def scanned_stats(pool: PagePool, states: np.ndarray) -> PoolOccupancy:
         page_size=pool.page_size,
         bytes_per_page=pool.bytes_per_page,
         segment_pages=pool.segment_pages,
-        segments=pool.segments,
+        segments=pool.sizing.segments,
         capacity_pages=len(states),
         used_pages=len(states) - free_pages - cached,
         cached_pages=cached,
@@ -113,7 +113,7 @@ def scanned_stats(pool: PagePool, states: np.ndarray) -> PoolOccupancy:
 
 def state_array(pool: PagePool) -> np.ndarray:
     states = np.full(pool.capacity, USED, dtype=np.uint8)
-    for start, length in pool.free_runs():
+    for start, length in pool.pages.free_runs():
         states[start : start + length] = FREE
     return states
 

@@ -18,8 +18,8 @@ Each is run at page size 1 and 16, in paired, interleaved rounds (`paired.py`); 
 ours / baseline per round, >= 1 meaning kvctl is at least as fast.
 
 What is timed, on each side: kvctl: `PrefixCache.match`, `record` and `insert` (which takes the
-cache's hold on the new pages in the pool: `PagePool.hold_cached`), and `evict` as the pool calls
-it when short (which gives the pages back: `PagePool.release_cached`); the pool's own reference
+cache's hold on the new pages in the pool: `pool.holds.hold`), and `evict` as the pool calls
+it when short (which gives the pages back: `pool.holds.release`); the pool's own reference
 counting (`adopt`, `free`) is not timed. Baseline: `match_prefix` of the prompt but its last
 token (the slice SGLang's scheduler takes) and `insert` of the page-aligned tokens
 (`page_align_keys`), and `evict`, with the allocator `free` it calls; its lock references and
@@ -360,8 +360,8 @@ class Replay:
     evicted: int = 0
     cache_seconds: float = 0.0
     evict_seconds: float = 0.0
-    hold_seconds: float = 0.0  # kvctl: of `cache_seconds`, in the pool's `hold_cached`
-    release_seconds: float = 0.0  # kvctl: of `evict_seconds`, in the pool's `release_cached`
+    hold_seconds: float = 0.0  # kvctl: of `cache_seconds`, in the pool's `holds.hold`
+    release_seconds: float = 0.0  # kvctl: of `evict_seconds`, in the pool's `holds.release`
 
 
 # ---- the two sides ----------------------------------------------------------------------------
@@ -379,8 +379,8 @@ def replay_kvctl(case: Case, split_pool: bool = False) -> Replay:
     clock = time.perf_counter
     hold_seconds, release_seconds = [0.0], [0.0]
     if split_pool:
-        pool.hold_cached = _timed(pool.hold_cached, hold_seconds)
-        pool.release_cached = _timed(pool.release_cached, release_seconds)
+        pool.holds.hold = _timed(pool.holds.hold, hold_seconds)
+        pool.holds.release = _timed(pool.holds.release, release_seconds)
 
     def evictor(num_pages: int) -> int:
         started = clock()
@@ -558,10 +558,10 @@ def main(argv: list[str] | None = None) -> int:
             key=lambda r: r.evict_seconds if evicting else r.cache_seconds,
         )
         if evicting:
-            part, total, name = split.release_seconds, split.evict_seconds, "release_cached"
+            part, total, name = split.release_seconds, split.evict_seconds, "holds.release"
             work = split.evicted
         else:
-            part, total, name = split.hold_seconds, split.cache_seconds, "hold_cached"
+            part, total, name = split.hold_seconds, split.cache_seconds, "holds.hold"
             work = split.cache_tokens
         own = work / (total - part)
         print(

@@ -36,9 +36,9 @@ def break_page_pool() -> None:
     """A page's reference count raised behind the pool's back."""
     pool = PagePool(16, 4)
     pool.allocate("a", 8)
-    pool.check_invariants()
+    pool.invariants.check()
     pool._ref[5] += 1
-    pool.check_invariants()
+    pool.invariants.check()
 
 
 def break_tier_index() -> None:
@@ -67,7 +67,7 @@ def break_prefix_cache() -> None:
     cache.insert(key, list(range(8)), pool.table("a").pages)
     pool.free("a")
     cache.check()
-    pool.release_cached([1])
+    pool.holds.release([1])
     cache.check()
 
 
@@ -82,7 +82,7 @@ def _budget_of(pages: int, floor: int, ceiling: int) -> tuple[KvBudget, PagePool
 def break_budget_over_its_total() -> None:
     """A pool grown behind the budget's back, past what the budget holds."""
     budget, pool = _budget_of(16, 4, 128)
-    pool.grow(64)
+    pool.sizing.grow(64)
     budget.check()
 
 

@@ -160,7 +160,7 @@ def test_a_model_with_requests_or_pins_does_not_sleep(make_engine) -> None:
     with pytest.raises(SleepRefused, match="1 pinned prefixes"):
         service.sleep(1, "a")
     assert engine.storage.num_pages == engine.pool.capacity == 256
-    engine.pool.check_invariants()
+    engine.pool.invariants.check()
 
 
 def test_an_idle_model_falls_asleep_by_itself_but_never_the_last(make_engine) -> None:
@@ -213,7 +213,7 @@ def test_a_client_that_leaves_during_a_wake_leaves_nothing_behind(make_engine) -
         assert service.wake("a").result(timeout=60).woke
         held = on_engine(service, lambda: (len(a.engine.requests), a.engine.pool.used_pages))
         assert held == (0, 0)
-        on_engine(service, a.engine.pool.check_invariants)
+        on_engine(service, a.engine.pool.invariants.check)
         assert generate(service, "a")
     finally:
         release.set()

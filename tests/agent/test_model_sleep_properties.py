@@ -37,7 +37,7 @@ def check(service: AgentService) -> None:
         service.budget.check()
         for pool in service.pools.values():
             engine = pool.engine
-            engine.pool.check_invariants()
+            engine.pool.invariants.check()
             if pool.sleep.awake:
                 assert engine.storage.num_pages == engine.pool.capacity
                 assert engine.weights_loaded

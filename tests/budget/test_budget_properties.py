@@ -85,10 +85,10 @@ class Member:
 
     def evict(self, pages: int, reason: str = "allocation") -> int:
         """The prefix cache's evictor: frees pages only it holds, lowest first."""
-        victims = [p for p in sorted(self.held) if self.pool.state(p) is PageState.CACHED]
+        victims = [p for p in sorted(self.held) if self.pool.pages.state(p) is PageState.CACHED]
         victims = victims[:pages]
         if victims:
-            self.pool.release_cached(victims)
+            self.pool.holds.release(victims)
         for page in victims:
             del self.held[page]
         return len(victims)
@@ -101,7 +101,7 @@ class Member:
         which a refused call may refill from released growth reservations)."""
         return (
             self.pool.capacity,
-            self.pool.page_map(),
+            self.pool.pages.map(),
             {s: list(self.pool.table(s).pages) for s in self.tags},
             self.storage.num_pages,
         )
@@ -149,7 +149,7 @@ class BudgetMachine(RuleBasedStateMachine):
             )
             member = Member(name, pool, storage, resizer)
             pool.set_evictor(member.evict)
-            pool.add_relocation_listener(member.follow)
+            pool.relocation.add_listener(member.follow)
             self.members[name] = member
         held = sum(m.pool.capacity * m.page_bytes for m in self.members.values())
         most = sum(CEILING_SEGMENTS * m.segment * m.page_bytes for m in self.members.values())
@@ -289,7 +289,7 @@ class BudgetMachine(RuleBasedStateMachine):
         member, seq = live
         pages = [p for p in member.pool.table(seq).pages if p not in member.held]
         if pages:
-            member.pool.hold_cached(pages)
+            member.pool.holds.hold(pages)
             for page, contents in zip(pages, member.storage.read_pages(pages), strict=True):
                 member.held[page] = contents
 
@@ -299,7 +299,7 @@ class BudgetMachine(RuleBasedStateMachine):
         names = sorted(name for name, m in self.members.items() if m.held)
         member = self.members[data.draw(st.sampled_from(names))]
         victims = sorted(member.held)[:count]
-        member.pool.release_cached(victims)
+        member.pool.holds.release(victims)
         for page in victims:
             del member.held[page]
 
@@ -528,14 +528,14 @@ class BudgetMachine(RuleBasedStateMachine):
         assert total == self.budget.assigned_bytes <= self.budget.total_bytes
         for member in self.members.values():
             pool, storage = member.pool, member.storage
-            pool.check_invariants()
+            pool.invariants.check()
             assert storage.num_pages == pool.capacity
             assert storage.nbytes == pool.capacity * pool.bytes_per_page
             assert member.resizer.min_pages <= pool.capacity <= member.resizer.max_pages
             for seq in member.tags:
                 self._check_sequence(member, seq)
             for page, contents in member.held.items():
-                assert pool.state(page) in (PageState.USED, PageState.CACHED)
+                assert pool.pages.state(page) in (PageState.USED, PageState.CACHED)
                 assert torch.equal(storage.read_pages([page])[0], contents), f"page {page}"
 
 

@@ -52,13 +52,13 @@ def add(
     if cached:
         pool.allocate("done", cached * PAGE_SIZE)
         held = list(pool.table("done").pages)
-        pool.hold_cached(held)
+        pool.holds.hold(held)
         pool.free("done")
         if evictable:
 
             def evict(n: int, reason: str = "allocation") -> int:
                 victims, held[:] = held[:n], held[n:]
-                pool.release_cached(victims)
+                pool.holds.release(victims)
                 return len(victims)
 
             pool.set_evictor(evict)
@@ -296,7 +296,7 @@ def test_a_donor_gives_its_cached_pages() -> None:
     rb.observe({"a": (short(12), 0), "b": (CALM, 0)})
     assert rb.rebalance() == [Move("a", 1200, {"b": 1200})]
     assert (b.capacity, b.used_pages, b.cached_pages) == (4, 2, 2)
-    b.check_invariants()
+    b.invariants.check()
 
 
 def test_a_taker_at_its_ceiling_takes_nothing_and_below_it_takes_up_to_it() -> None:

@@ -241,7 +241,7 @@ def test_n_choices_share_the_prompt_pages_and_sample_apart(checkpoint):
     shared = set()
     while engine.has_work():
         engine.step()
-        engine.pool.check_invariants()
+        engine.pool.invariants.check()
         engine.prefix_cache.check()
         if all(engine.pool.__contains__(r.seq_id) for r in (first, *others)):
             tables = [engine.pool.table(r.seq_id).pages for r in (first, *others)]

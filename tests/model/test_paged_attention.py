@@ -335,7 +335,7 @@ def decode_run(
         paths.append((spanning, gathered))
         for seq in seqs:
             lengths[seq] += 1
-    pool.check_invariants()
+    pool.invariants.check()
     return torch.stack(logits), paths
 
 

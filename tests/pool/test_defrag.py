@@ -68,13 +68,13 @@ def test_full_defrag_compacts_and_contents_follow_their_pages() -> None:
     assert p.table("f").pages == [2, 3]
     assert p.table("e").pages == [6, 7]
     assert p.table("f").is_run and p.table("e").is_run
-    assert p.free_runs() == [(8, 4)]
+    assert p.pages.free_runs() == [(8, 4)]
     for name in "acef":
         assert [copier.contents[pg] for pg in p.table(name).pages] == [(name, 0), (name, 1)]
     assert report.fragmentation_before == pytest.approx(0.5)
     assert (report.fragmentation_after, report.pages_moved, report.bytes_moved) == (0.0, 4, 40)
     assert (report.free_extents_before, report.free_extents_after, report.complete) == (2, 1, True)
-    p.check_invariants()
+    p.invariants.check()
 
 
 def test_budgeted_run_stops_early_and_resumes() -> None:
@@ -98,15 +98,20 @@ def test_time_budget_is_read_from_the_injected_clock() -> None:
 
 def test_moves_update_cached_holds_and_listeners() -> None:
     p = fragmented()
-    p.hold_cached([10, 11])
+    p.holds.hold([10, 11])
     p.free("f")  # pages 10, 11 stay cached
     seen: list[dict[int, int]] = []
-    p.add_relocation_listener(seen.append)
+    p.relocation.add_listener(seen.append)
     Defragmenter(p).run(DefragTrigger.MANUAL)
     assert seen == [{8: 2, 9: 3, 10: 6, 11: 7}]
-    assert [p.state(page).value for page in (2, 3, 6, 7)] == ["used", "used", "cached", "cached"]
+    assert [p.pages.state(page).value for page in (2, 3, 6, 7)] == [
+        "used",
+        "used",
+        "cached",
+        "cached",
+    ]
     assert p.cached_pages == 2
-    p.check_invariants()
+    p.invariants.check()
 
 
 def test_auto_defrag_threshold_with_hysteresis() -> None:
@@ -209,5 +214,5 @@ def test_a_full_defrag_of_a_large_churned_pool_leaves_one_free_run() -> None:
     report = Defragmenter(pool, batch_pages=1024).run(DefragTrigger.MANUAL)
     assert report.complete
     assert pool.stats().fragmentation_ratio == 0.0
-    assert len(pool.free_runs()) == 1
-    pool.check_invariants()
+    assert len(pool.pages.free_runs()) == 1
+    pool.invariants.check()

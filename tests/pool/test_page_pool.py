@@ -18,8 +18,8 @@ def test_allocate_prefers_one_contiguous_run() -> None:
     p.free("b")
     # the freed single page is the best fit for a one-page request
     assert p.allocate("d", 1).pages == [3]
-    assert p.free_runs() == [(6, 6)]
-    p.check_invariants()
+    assert p.pages.free_runs() == [(6, 6)]
+    p.invariants.check()
 
 
 def test_allocation_falls_back_to_scattered_pages_and_counts_the_miss() -> None:
@@ -28,14 +28,14 @@ def test_allocation_falls_back_to_scattered_pages_and_counts_the_miss() -> None:
         p.allocate(name, 8)  # two pages each: a=[0,1] b=[2,3] ... f=[10,11]
     p.free("b")
     p.free("d")
-    assert p.free_runs() == [(2, 2), (6, 2)]
+    assert p.pages.free_runs() == [(2, 2), (6, 2)]
     t = p.allocate("g", 16)  # four pages, no run of four is free
     assert sorted(t.pages) == [2, 3, 6, 7]
     assert not t.is_run
     stats = p.stats()
     counts = (stats.contiguous_misses_total, stats.alloc_attempts_total, stats.alloc_failures_total)
     assert counts == (1, 7, 0)
-    p.check_invariants()
+    p.invariants.check()
 
 
 def test_exhaustion_raises_counts_a_failure_and_changes_nothing() -> None:
@@ -44,12 +44,12 @@ def test_exhaustion_raises_counts_a_failure_and_changes_nothing() -> None:
     with pytest.raises(PoolExhausted, match="need 3 pages, 2 free"):
         p.allocate("b", 12)
     assert "b" not in p
-    assert p.free_runs() == [(10, 2)]
+    assert p.pages.free_runs() == [(10, 2)]
     assert (p.alloc_attempts, p.alloc_failures) == (2, 1)
     with pytest.raises(PoolExhausted):
         p.append("a", 12)
     assert p.table("a").num_tokens == 40
-    p.check_invariants()
+    p.invariants.check()
 
 
 def test_append_fills_the_last_page_before_taking_a_new_one() -> None:
@@ -60,7 +60,7 @@ def test_append_fills_the_last_page_before_taking_a_new_one() -> None:
     p.append("a", 1)  # token 5 needs a second page
     assert p.table("a").pages == [0, 1]
     assert p.table("a").is_run
-    p.check_invariants()
+    p.invariants.check()
 
 
 def test_fork_shares_pages_and_append_copies_a_shared_partial_page() -> None:
@@ -68,25 +68,25 @@ def test_fork_shares_pages_and_append_copies_a_shared_partial_page() -> None:
     p.allocate("a", 6)  # pages [0, 1]; page 1 holds 2 of 4 tokens
     p.fork("a", "b")
     assert p.table("b").pages == [0, 1]
-    assert (p.refcount(0), p.refcount(1)) == (2, 2)
+    assert (p.pages.refcount(0), p.pages.refcount(1)) == (2, 2)
     copies = p.append("b", 1)
     assert [(c.src, c.dst) for c in copies] == [(1, 2)]
     assert p.table("b").pages == [0, 2]
-    assert (p.refcount(1), p.refcount(2)) == (1, 1)
+    assert (p.pages.refcount(1), p.pages.refcount(2)) == (1, 1)
     assert p.append("a", 1) == []  # page 1 is private to "a" again: no copy
     p.free("a")
-    assert p.free_runs() == [(1, 1), (3, 9)]
+    assert p.pages.free_runs() == [(1, 1), (3, 9)]
     p.free("b")
-    assert p.free_runs() == [(0, 12)]
-    p.check_invariants()
+    assert p.pages.free_runs() == [(0, 12)]
+    p.invariants.check()
 
 
 def test_cached_pages_outlive_their_sequence_until_released() -> None:
     p = pool()
     p.allocate("a", 8)  # [0, 1]
-    p.hold_cached([0, 1])
+    p.holds.hold([0, 1])
     p.free("a")
-    assert [p.state(0), p.state(1), p.state(2)] == [
+    assert [p.pages.state(0), p.pages.state(1), p.pages.state(2)] == [
         PageState.CACHED,
         PageState.CACHED,
         PageState.FREE,
@@ -97,35 +97,35 @@ def test_cached_pages_outlive_their_sequence_until_released() -> None:
     assert [(c.src, c.dst) for c in copies] == [(1, 2)]
     assert table.pages == [0, 2]
     assert (p.used_pages, p.cached_pages) == (2, 1)
-    p.release_cached([0, 1])
-    assert p.free_runs() == [(1, 1), (3, 9)]
-    p.check_invariants()
+    p.holds.release([0, 1])
+    assert p.pages.free_runs() == [(1, 1), (3, 9)]
+    p.invariants.check()
 
 
 def test_allocation_evicts_cached_pages_when_short() -> None:
     p = pool(pages=4, segment_pages=4)
     p.allocate("a", 16)
-    p.hold_cached([0, 1, 2, 3])
+    p.holds.hold([0, 1, 2, 3])
     p.free("a")
 
     def evict(n: int, reason: str = "allocation") -> int:
-        p.release_cached([3, 2][:n] if n <= 2 else [3, 2, 1, 0][:n])
+        p.holds.release([3, 2][:n] if n <= 2 else [3, 2, 1, 0][:n])
         return n
 
     p.set_evictor(evict)
     assert p.can_allocate(8)
     assert p.allocate("b", 8).pages == [2, 3]
     assert p.cached_pages == 2
-    p.check_invariants()
+    p.invariants.check()
 
 
 def test_page_map_is_run_length_encoded() -> None:
     p = pool()
     p.allocate("a", 8)  # [0, 1]
     p.allocate("b", 4)  # [2]
-    p.hold_cached([2])
+    p.holds.hold([2])
     p.free("b")
-    assert p.page_map() == [
+    assert p.pages.map() == [
         PageRun(PageState.USED, 0, 2),
         PageRun(PageState.CACHED, 2, 1),
         PageRun(PageState.FREE, 3, 9),
@@ -160,8 +160,8 @@ def test_bad_calls_are_refused() -> None:
     with pytest.raises(ValueError):
         p.allocate("b", -1)
     with pytest.raises(PoolError, match="is free"):
-        p.hold_cached([5])
-    p.check_invariants()
+        p.holds.hold([5])
+    p.invariants.check()
 
 
 def test_growth_reserves_the_pages_after_the_last_one_and_stays_a_run() -> None:
@@ -176,10 +176,10 @@ def test_growth_reserves_the_pages_after_the_last_one_and_stays_a_run() -> None:
     assert a.pages == [0, *range(2, 10)] and a.reserved == 0
     assert a.run_starts == [0, 1]  # two runs: [0] and [2..9]
     assert (p.free_pages, p.used_pages, p.reserved_pages) == (1014, 10, 0)
-    p.check_invariants()
+    p.invariants.check()
     p.free("a")
-    assert p.free_runs() == [(0, 1), (2, 1022)]
-    p.check_invariants()
+    assert p.pages.free_runs() == [(0, 1), (2, 1022)]
+    p.invariants.check()
 
 
 def test_reserved_pages_count_as_free_and_are_reclaimed_before_a_failure() -> None:
@@ -190,7 +190,7 @@ def test_reserved_pages_count_as_free_and_are_reclaimed_before_a_failure() -> No
     p.allocate("big", 4 * 62)  # needs every free page: the reservation is given back first
     assert p.reserved_pages == 0 and p.free_pages == 0
     assert p.stats().alloc_failures_total == 0
-    p.check_invariants()
+    p.invariants.check()
 
 
 def test_shredded_free_space_is_handed_out_loose_and_filed_back_on_a_read() -> None:
@@ -206,7 +206,7 @@ def test_shredded_free_space_is_handed_out_loose_and_filed_back_on_a_read() -> N
     assert p.free_pages == 8
     assert p.stats().free_extents == 8  # a read files them into the free runs
     assert p._loose.pages == []
-    p.check_invariants()
+    p.invariants.check()
 
 
 def test_a_move_rewrites_only_the_tables_that_hold_the_moved_pages() -> None:
@@ -216,13 +216,13 @@ def test_a_move_rewrites_only_the_tables_that_hold_the_moved_pages() -> None:
     p.fork("e", "e2")  # e's pages have two holders
     tables = {name: p.table(name) for name in ("a", "c", "e", "e2", "f")}
     p.free("b")
-    p.relocate([(8, 2), (9, 3)])  # e's pages, shared with e2
+    p.relocation.relocate([(8, 2), (9, 3)])  # e's pages, shared with e2
     assert tables["e"].pages == tables["e2"].pages == [2, 3]
-    assert (p.refcount(2), p.refcount(8)) == (2, 0)
+    assert (p.pages.refcount(2), p.pages.refcount(8)) == (2, 0)
     assert tables["a"].pages == [0, 1] and tables["f"].pages == [10, 11]
     p.free("e")
     p.free("e2")
-    p.check_invariants()
+    p.invariants.check()
 
 
 def test_a_cached_run_is_held_shared_and_released_whole() -> None:
@@ -230,25 +230,25 @@ def test_a_cached_run_is_held_shared_and_released_whole() -> None:
     and releasing the run while some of it is in use again."""
     p = PagePool(64, 4, segment_pages=64)
     p.allocate("a", 32)  # [0..7]
-    p.hold_cached(p.table("a").pages)
+    p.holds.hold(p.table("a").pages)
     assert not p.table("a").private and p.cached_pages == 0
     p.free("a")
     assert (p.cached_pages, p.used_pages) == (8, 0)
     table, copies = p.adopt("b", list(range(8)), 32, 36)  # all eight cached pages, one more
     assert copies == [] and table.pages[:8] == list(range(8))
     assert (p.cached_pages, p.used_pages) == (0, 9)
-    p.check_invariants()
+    p.invariants.check()
     p.free("b")  # the shared run goes back to the cache, the private page to the free space
     assert (p.cached_pages, p.used_pages, p.free_pages) == (8, 0, 56)
-    p.check_invariants()
+    p.invariants.check()
     p.adopt("c", list(range(4)), 16, 16)  # uses half of the run again
-    p.release_cached(list(range(8)))  # the used half stays used, the rest is free
+    p.holds.release(list(range(8)))  # the used half stays used, the rest is free
     assert (p.cached_pages, p.used_pages, p.free_pages) == (0, 4, 60)
-    p.check_invariants()
+    p.invariants.check()
     with pytest.raises(PoolError, match="not all held"):
-        p.release_cached(list(range(4, 8)))  # no longer held: refused, nothing changed
+        p.holds.release(list(range(4, 8)))  # no longer held: refused, nothing changed
     assert p.free_pages == 60
-    p.check_invariants()
+    p.invariants.check()
 
 
 def test_holding_pages_of_a_freed_table_never_trusts_its_stale_flags() -> None:
@@ -257,9 +257,9 @@ def test_holding_pages_of_a_freed_table_never_trusts_its_stale_flags() -> None:
     p.free("a")  # "a" is gone; its table object still says private, pages [0..7]
     p.allocate("b", 16)  # [0..3] again, owned by "b"
     with pytest.raises(PoolError, match="free"):
-        p.hold_cached(list(range(8)))  # pages 4..7 are free
+        p.holds.hold(list(range(8)))  # pages 4..7 are free
     with pytest.raises(PoolError, match="not held"):
-        p.release_cached([0])  # the refused hold changed nothing
-    p.hold_cached(list(range(4)))
+        p.holds.release([0])  # the refused hold changed nothing
+    p.holds.hold(list(range(4)))
     assert p.cached_pages == 0 and not p.table("b").private
-    p.check_invariants()
+    p.invariants.check()

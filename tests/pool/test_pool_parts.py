@@ -1,4 +1,5 @@
-"""The pieces of the pool on their own: growth reservations, loose pages, the invariant check.
+"""The pieces of the pool on their own: growth reservations, loose pages, the parts it lends
+(cache holds, relocation, sizing, page readings) on its arrays, the invariant check.
 
 The invariant check is tested by breaking one piece of bookkeeping on purpose and expecting the
 part of the check that guards it (its message), so a test fails if that part is removed.
@@ -8,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
-from kvctl.agent.pool import PagePool, PoolCorrupted, PoolExhausted
+from kvctl.agent.pool import PagePool, PageRun, PageState, PoolCorrupted, PoolExhausted
 from kvctl.agent.pool.extents import FreeExtents
 from kvctl.agent.pool.loose_pages import REFILL_PAGES, LoosePages
-from kvctl.agent.pool.page_table import PageTable, run_starts_of, runs_of
+from kvctl.agent.pool.page_table import PageTable, as_run, run_starts_of, runs_of
 from kvctl.agent.pool.reservations import Reservations
 
 # ---- run helpers --------------------------------------------------------------------------
@@ -22,6 +23,14 @@ def test_runs_of_and_run_starts_of_cut_page_ids_into_maximal_ascending_runs() ->
     assert list(runs_of(pages)) == [(4, 3), (9, 1), (3, 2), (10, 1)]
     assert run_starts_of(pages) == [0, 3, 4, 6]
     assert list(runs_of([])) == [] and run_starts_of([0]) == [0]
+
+
+def test_as_run_names_the_first_id_of_a_run_of_the_pools_own_ids() -> None:
+    ids = list(range(16))
+    assert as_run(ids[3:9], ids) == 3
+    assert as_run([3, 4, 5], ids) is None  # under 4 pages: page by page is as cheap
+    assert as_run([3, 4, 6, 6], ids) is None  # not consecutive
+    assert as_run([14, 15, 16, 17], ids) is None  # past the pool
 
 
 # ---- growth reservations ------------------------------------------------------------------
@@ -178,7 +187,7 @@ def test_every_way_of_getting_pages_counts_one_allocation() -> None:
         p.allocate("b", 4 * 100)  # a failure counts too
     assert (p.alloc_attempts, p.alloc_failures) == (5, 1)
     assert p.stats().alloc_attempts_total == 5
-    p.check_invariants()
+    p.invariants.check()
 
 
 def test_loose_pages_count_one_allocation_each_time_they_serve_one() -> None:
@@ -200,7 +209,31 @@ def test_loose_pages_count_one_allocation_each_time_they_serve_one() -> None:
     p.free("y")
     p.stats()  # files the loose pages back into the runs: no allocation
     assert p.alloc_attempts == 21 and len(p._loose) == 0
-    p.check_invariants()
+    p.invariants.check()
+
+
+# ---- the parts the pool lends, on its own arrays -------------------------------------------
+
+
+def test_the_parts_read_and_move_the_pages_a_grow_adds_and_a_truncate_drops() -> None:
+    """Sizing grows and truncates the very lists the other parts read: pages a grow adds can
+    be held, moved and read through them, and after a truncate they are gone for all."""
+    p = PagePool(8, 1, segment_pages=8)
+    p.sizing.grow(8)
+    p.allocate("a", 12)  # pages 0..11, across the grown segment
+    p.holds.hold(list(range(8, 12)))
+    p.free("a")  # 0..7 free, 8..11 cached
+    assert (p.holds.held, p.cached_pages, p.pages.refcount(8)) == (4, 4, 0)
+    p.relocation.relocate([(8, 0), (9, 1), (10, 2), (11, 3)])
+    assert p.pages.map() == [PageRun(PageState.CACHED, 0, 4), PageRun(PageState.FREE, 4, 12)]
+    assert p.sizing.occupied_above(8) == 0
+    p.sizing.truncate(8)
+    assert (p.capacity, p.sizing.segments, p.pages.states().capacity) == (8, 1, 8)
+    assert p.pages.free_runs() == [(4, 4)]
+    p.invariants.check()
+    p.holds.release([0, 1, 2, 3])
+    assert (p.free_pages, p.holds.held) == (8, 0)
+    p.invariants.check()
 
 
 # ---- the invariant check, one broken piece at a time --------------------------------------
@@ -214,7 +247,7 @@ def grown_pool() -> PagePool:
     p.append("a", 4)
     p.allocate("b", 8)
     assert p.table("b").pages == [9, 10] and p.table("a").reserved == 7
-    p.check_invariants()
+    p.invariants.check()
     return p
 
 
@@ -223,7 +256,7 @@ def forked_pool() -> PagePool:
     p = PagePool(64, 4, segment_pages=64)
     p.allocate("a", 8)
     p.fork("a", "b")
-    p.check_invariants()
+    p.invariants.check()
     return p
 
 
@@ -237,14 +270,14 @@ def loose_pool() -> PagePool:
     p.allocate("x", 3)
     p.free("x")
     assert len(p._loose) == 3
-    p.check_invariants()
+    p.invariants.check()
     return p
 
 
 def full_pool() -> PagePool:
     p = PagePool(64, 4, segment_pages=64)
     p.allocate("a", 4 * 64)
-    p.check_invariants()
+    p.invariants.check()
     return p
 
 
@@ -295,7 +328,7 @@ BREAKS: dict[str, tuple[Callable[[], PagePool], Callable[[PagePool], object], st
         lambda p: p._free.take_range(60, 4),
         "page 60 is free and held, or neither",
     ),
-    "cache holds": (grown_pool, lambda p: setattr(p, "_held", 1), "cache-held pages"),
+    "cache holds": (grown_pool, lambda p: setattr(p.holds, "held", 1), "cache-held pages"),
     "cached count": (grown_pool, lambda p: setattr(p, "cached_pages", 1), "counted as cached"),
     "free count": (
         grown_pool,
@@ -328,4 +361,4 @@ def test_the_check_catches_each_broken_piece_of_bookkeeping(name: str) -> None:
     p = build()
     corrupt(p)
     with pytest.raises(PoolCorrupted, match=message):
-        p.check_invariants()
+        p.invariants.check()

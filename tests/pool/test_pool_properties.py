@@ -56,7 +56,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.resizer = PoolResizer(self.pool, self.defrag, self.storage, max_pages=MAX_PAGES)
         self.tags: dict[int, list[float]] = {}  # expected tag of every token of every sequence
         self.held: dict[int, torch.Tensor] = {}  # page -> contents when the cache took it
-        self.pool.add_relocation_listener(self._follow_held)
+        self.pool.relocation.add_listener(self._follow_held)
         self.ids = itertools.count()
         self.next_tag = itertools.count(1)
 
@@ -81,7 +81,7 @@ class PoolMachine(RuleBasedStateMachine):
         up in the extents afterwards, still free."""
         return (
             self.pool.capacity,
-            self.pool.page_map(),
+            self.pool.pages.map(),
             {s: list(self.pool.table(s).pages) for s in self.tags},
             self.storage.num_pages,
         )
@@ -181,7 +181,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule()
     def release_reservations(self) -> None:
         free = self.pool.free_pages
-        self.pool.release_reservations()
+        self.pool.sizing.release_reservations()
         assert self.pool.reserved_pages == 0 and self.pool.free_pages == free
 
     @rule(target=sequences, seq=sequences)
@@ -207,7 +207,7 @@ class PoolMachine(RuleBasedStateMachine):
             return
         pages = [p for p in self.pool.table(seq).pages if p not in self.held]
         if pages:
-            self.pool.hold_cached(pages)
+            self.pool.holds.hold(pages)
             for page, contents in zip(pages, self.storage.read_pages(pages), strict=True):
                 self.held[page] = contents
 
@@ -215,7 +215,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(count=st.integers(1, 4))
     def evict(self, count: int) -> None:
         victims = sorted(self.held)[:count]
-        self.pool.release_cached(victims)
+        self.pool.holds.release(victims)
         for page in victims:
             del self.held[page]
 
@@ -258,7 +258,7 @@ class PoolMachine(RuleBasedStateMachine):
             event("pages reserved for growth")
         if self.pool._loose:
             event("loose pages")
-        self.pool.check_invariants()
+        self.pool.invariants.check()
         assert self.storage.num_pages == self.pool.capacity
         for seq, expected in self.tags.items():
             table = self.pool.table(seq)
@@ -269,7 +269,7 @@ class PoolMachine(RuleBasedStateMachine):
             pages = self.storage.read_pages(table.pages)[:, 0, 0, :, 0, 0].reshape(-1)
             assert pages[: len(kept)].tolist() == kept, f"sequence {seq} lost tokens"
         for page, contents in self.held.items():
-            assert self.pool.state(page).value in ("used", "cached")
+            assert self.pool.pages.state(page).value in ("used", "cached")
             assert torch.equal(self.storage.read_pages([page])[0], contents), f"page {page}"
 
 

@@ -18,7 +18,7 @@ class CountingStore:
 
 def setup(pages: int = 12) -> tuple[PagePool, PoolResizer, CountingStore]:
     pool = PagePool(pages, 4, segment_pages=4)
-    store = CountingStore(pool.segments)
+    store = CountingStore(pool.sizing.segments)
     return pool, PoolResizer(pool, Defragmenter(pool), store, max_pages=32), store
 
 
@@ -27,9 +27,9 @@ def test_grow_adds_whole_segments_as_one_free_run_at_the_top() -> None:
     pool.allocate("a", 40)  # [0..9]
     result = resizer.resize(18)  # rounded up to 20 pages
     assert (result.old_pages, result.new_pages, result.direction) == (12, 20, "grow")
-    assert pool.free_runs() == [(10, 10)]
+    assert pool.pages.free_runs() == [(10, 10)]
     assert store.segments == 5
-    pool.check_invariants()
+    pool.invariants.check()
 
 
 def test_shrink_evacuates_the_tail_then_releases_it() -> None:
@@ -43,8 +43,8 @@ def test_shrink_evacuates_the_tail_then_releases_it() -> None:
     assert pool.table("c").pages == [0, 1]
     assert pool.table("b").pages == [4, 5, 6, 7]
     assert (pool.capacity, store.segments) == (8, 2)
-    assert pool.free_runs() == [(2, 2)]
-    pool.check_invariants()
+    assert pool.pages.free_runs() == [(2, 2)]
+    pool.invariants.check()
 
 
 def test_refused_shrink_leaves_everything_as_it_was() -> None:
@@ -53,10 +53,10 @@ def test_refused_shrink_leaves_everything_as_it_was() -> None:
     pool.allocate("b", 12)
     pool.free("a")
     pool.allocate("c", 8)  # 5 pages in use: b=[4,5,6] c=[0,1]
-    before = (pool.capacity, pool.free_runs(), pool.table("b").pages, pool.table("c").pages)
+    before = (pool.capacity, pool.pages.free_runs(), pool.table("b").pages, pool.table("c").pages)
     with pytest.raises(ResizeRefused, match="5 pages in use above the new size 4"):
         resizer.resize(4)
-    after = (pool.capacity, pool.free_runs(), pool.table("b").pages, pool.table("c").pages)
+    after = (pool.capacity, pool.pages.free_runs(), pool.table("b").pages, pool.table("c").pages)
     assert after == before
     assert store.segments == 3
     with pytest.raises(ResizeRefused, match="maximum of 32"):
@@ -64,7 +64,7 @@ def test_refused_shrink_leaves_everything_as_it_was() -> None:
     with pytest.raises(ResizeRefused, match="smaller than 4"):
         resizer.resize(0)
     assert pool.capacity == 12
-    pool.check_invariants()
+    pool.invariants.check()
 
 
 def test_a_refusal_names_the_pages_asked_and_the_rounding() -> None:
@@ -83,7 +83,7 @@ def test_a_refusal_names_the_pages_asked_and_the_rounding() -> None:
 def test_shrink_refuses_when_cached_pages_cannot_be_evicted() -> None:
     pool, resizer, _ = setup()
     pool.allocate("a", 40)
-    pool.hold_cached(list(range(10)))
+    pool.holds.hold(list(range(10)))
     pool.free("a")
     with pytest.raises(ResizeRefused, match="nothing can evict"):
         resizer.resize(4)
@@ -93,17 +93,17 @@ def test_shrink_refuses_when_cached_pages_cannot_be_evicted() -> None:
 def test_shrink_evicts_cached_pages_that_do_not_fit() -> None:
     pool, resizer, _ = setup()
     pool.allocate("a", 40)  # [0..9]
-    pool.hold_cached(list(range(10)))
+    pool.holds.hold(list(range(10)))
     pool.free("a")
     order = list(range(9, -1, -1))
 
     def evict(n: int, reason: str = "allocation") -> int:
         victims, order[:] = order[:n], order[n:]
-        pool.release_cached(victims)
+        pool.holds.release(victims)
         return len(victims)
 
     pool.set_evictor(evict)
     result = resizer.resize(4)
     assert (result.new_pages, result.pages_evicted) == (4, 6)
-    assert [pool.state(p).value for p in range(4)] == ["cached"] * 4
-    pool.check_invariants()
+    assert [pool.pages.state(p).value for p in range(4)] == ["cached"] * 4
+    pool.invariants.check()

@@ -484,7 +484,7 @@ def test_defrag_grow_and_shrink_keep_every_sequence_readable(direct_run_bytes: i
     assert result.pages_moved > 0
     assert pool.capacity == storage.num_pages == result.new_pages < 96
     assert max(max(pool.table(seq).pages) for seq in tags) < pool.capacity
-    pool.check_invariants()
+    pool.invariants.check()
     for seq, tag in tags.items():
         check_tags(storage, pool.table(seq), tag)
 

@@ -24,7 +24,7 @@ def run_waves(engine: Engine, waves: list[list[list[int]]], salt: str | None = N
         requests = [engine.add_request(p, GREEDY, cache_salt=salt) for p in wave]
         while engine.has_work():
             engine.step()
-            engine.pool.check_invariants()
+            engine.pool.invariants.check()
             if engine.prefix_cache is not None:
                 engine.prefix_cache.check()
         done.extend(requests)
@@ -163,7 +163,7 @@ def test_random_interleavings_keep_every_invariant_and_every_token(make_engine, 
                 engine.resizer.resize(rng.choice([16, 24]))
         elif engine.has_work():
             engine.step()
-        engine.pool.check_invariants()
+        engine.pool.invariants.check()
         engine.prefix_cache.check()
     assert [r.output_ids for r in requests] == expected
     stats = engine.stats

@@ -73,7 +73,7 @@ def eviction_order(pool: PagePool, cache: PrefixCache, key: IsolationKey) -> lis
         (page,) = before - held_pages(cache, key)
         order.append(page)
         cache.check()
-        pool.check_invariants()
+        pool.invariants.check()
     return order
 
 
@@ -97,12 +97,12 @@ def test_eviction_never_frees_a_page_a_request_uses() -> None:
     assert cache.evictable_pages() == 3
     assert cache.evict(100) == 3  # Y's 3 and Z's 4 5: page 0 is shared by the request
     assert held_pages(cache, key) == {0, 1}
-    assert [pool.state(p).value for p in (0, 1)] == ["used", "used"]
+    assert [pool.pages.state(p).value for p in (0, 1)] == ["used", "used"]
     assert cache.evictable_pages() == 0 and cache.evict(1) == 0
     pool.free("r")
     assert cache.evictable_pages() == 2
     cache.check()
-    pool.check_invariants()
+    pool.invariants.check()
 
 
 def test_a_copy_on_write_source_is_pinned_until_its_copy_is_applied() -> None:
@@ -113,7 +113,7 @@ def test_a_copy_on_write_source_is_pinned_until_its_copy_is_applied() -> None:
     table, copies = pool.adopt("r", match.pages, match.tokens, 7)
     assert [(c.src, c.dst) for c in copies] == [(3, table.pages[1])]
     cache.pin([c.src for c in copies])
-    assert pool.state(3).value == "cached" and cache.evictable_pages() == 3
+    assert pool.pages.state(3).value == "cached" and cache.evictable_pages() == 3
     assert cache.evict(100) == 3  # X's 1, Z's 4 5; not page 3 before its copy is made
     assert held_pages(cache, key) == {0, 3}
     cache.unpin_all()
@@ -139,7 +139,7 @@ def test_allocations_evict_through_the_pool_when_short() -> None:
     assert held_pages(cache, key) == {0, 3, 4}
     assert cache.stats().evictions["lru"] == 2
     cache.check()
-    pool.check_invariants()
+    pool.invariants.check()
 
 
 def test_the_unused_rest_of_a_partly_used_leaf_goes_before_older_leaves() -> None:
@@ -213,4 +213,4 @@ def test_a_leaf_gives_up_only_the_pages_after_those_a_request_uses(in_use) -> No
     assert cache.evict(100) == 8 - in_use
     assert held_pages(cache, key) == set(range(in_use))
     cache.check()
-    pool.check_invariants()
+    pool.invariants.check()

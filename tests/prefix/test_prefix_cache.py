@@ -104,7 +104,7 @@ def test_the_tree_follows_the_defragmenter_and_stays_consistent() -> None:
     cache.unpin_all()
     assert cache.evictable_pages() == 1
     cache.check()
-    pool.check_invariants()
+    pool.invariants.check()
 
 
 def cached_sequence(page_size: int = 4) -> tuple[PagePool, PrefixCache]:
@@ -119,7 +119,7 @@ def cached_sequence(page_size: int = 4) -> tuple[PagePool, PrefixCache]:
 
 def test_check_finds_a_tree_page_the_pool_freed() -> None:
     pool, cache = cached_sequence()
-    pool.release_cached([1])  # behind the cache's back
+    pool.holds.release([1])  # behind the cache's back
     with pytest.raises(PrefixCacheCorrupted, match="page 1 is in a tree but free"):
         cache.check()
 
@@ -127,7 +127,7 @@ def test_check_finds_a_tree_page_the_pool_freed() -> None:
 def test_check_finds_a_cached_page_no_tree_holds() -> None:
     pool, cache = cached_sequence()
     pool.allocate("b", 4)
-    pool.hold_cached(pool.table("b").pages)  # behind the cache's back
+    pool.holds.hold(pool.table("b").pages)  # behind the cache's back
     pool.free("b")
     with pytest.raises(PrefixCacheCorrupted, match="page 2 is cached in the pool but in no tree"):
         cache.check()
@@ -156,7 +156,7 @@ def test_at_page_size_1_the_tree_follows_moves_after_evictions_reused_its_pages(
     report = Defragmenter(pool).run("manual")
     assert report.complete
     cache.check()
-    pool.check_invariants()
+    pool.invariants.check()
     match = cache.match(key, [*range(4), 50, 51, 52, 53, 0])
     assert match.tokens == 8 and sorted(match.pages) == sorted(cache.tree(key).pages())
     assert not set(match.pages) & set(pool.table("filler").pages)

@@ -22,7 +22,7 @@ def run(engine: Engine, prompts: list[list[int]], salt: str | None = None) -> li
 
 
 def check(engine: Engine) -> None:
-    engine.pool.check_invariants()
+    engine.pool.invariants.check()
     if engine.prefix_cache is not None:
         engine.prefix_cache.check()
 

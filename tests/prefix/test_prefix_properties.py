@@ -77,7 +77,7 @@ class SimulatedStorage:
 def evictable_leaves(cache: PrefixCache) -> list[tuple[IsolationKey, RadixNode]]:
     """Every leaf whose last page eviction may free, sorted afresh by the policy."""
     priority = make_policy(cache.policy).priority
-    refcount = cache.pool.refcount
+    refcount = cache.pool.pages.refcount
     leaves = [
         (key, leaf)
         for key in cache.partitions()
@@ -100,7 +100,7 @@ def evict_from_scratch(cache: PrefixCache, num_pages: int) -> int:
         (priority(leaf), next(ties), leaf, key)
         for key, tree in trees.items()
         for leaf in tree.leaves
-        if not pool.refcount(leaf.pages[-1])
+        if not pool.pages.refcount(leaf.pages[-1])
     ]
     heapq.heapify(heap)
     freed = 0
@@ -108,12 +108,14 @@ def evict_from_scratch(cache: PrefixCache, num_pages: int) -> int:
         _, _, leaf, key = heapq.heappop(heap)
         if leaf.parent is None or not leaf.is_leaf:
             continue
-        tail = len(list(itertools.takewhile(lambda p: not pool.refcount(p), reversed(leaf.pages))))
+        tail = len(
+            list(itertools.takewhile(lambda p: not pool.pages.refcount(p), reversed(leaf.pages)))
+        )
         count = min(tail, num_pages - freed)
         dropped, remaining = trees[key].drop_last_pages(leaf, count)
-        pool.release_cached(dropped)
+        pool.holds.release(dropped)
         freed += count
-        if remaining not in (None, leaf) and not pool.refcount(remaining.pages[-1]):
+        if remaining not in (None, leaf) and not pool.pages.refcount(remaining.pages[-1]):
             heapq.heappush(heap, (priority(remaining), next(ties), remaining, key))
     return freed
 
@@ -224,7 +226,7 @@ class PrefixReuse(RuleBasedStateMachine):
         expected = evict_from_scratch(cache, pages)
         assert self.cache.evict(pages) == min(pages, evictable) == expected
         assert trees_of(self.cache) == trees_of(cache)
-        assert self.pool.page_map() == pool.page_map()
+        assert self.pool.pages.map() == pool.pages.map()
 
     @rule(max_pages=st.integers(1, 8), segments=st.integers(2, 5))
     def move_pages(self, max_pages: int, segments: int) -> None:
@@ -235,7 +237,7 @@ class PrefixReuse(RuleBasedStateMachine):
 
     @invariant()
     def pool_and_cache_agree(self) -> None:
-        self.pool.check_invariants()
+        self.pool.invariants.check()
         self.cache.check()
 
     @invariant()

@@ -14,7 +14,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 def drain(engine: Engine) -> None:
     while engine.has_work():
         engine.step()
-        engine.pool.check_invariants()
+        engine.pool.invariants.check()
 
 
 def bucket(counts: DurationCounts, seconds: float) -> int:

@@ -148,7 +148,7 @@ def test_a_prompt_preempted_mid_prefill_resumes_from_its_cached_pages(make_engin
         last = engine.add_request(long, greedy(5))
         while engine.has_work():
             engine.step()
-            engine.pool.check_invariants()
+            engine.pool.invariants.check()
             if engine.prefix_cache is not None:
                 engine.prefix_cache.check()
         return [r.output_ids for r in (*first, last)]
@@ -261,7 +261,7 @@ def test_random_workloads_give_the_same_tokens_with_a_small_budget(make_engine, 
             grow[0] = not grow[0]
             with contextlib.suppress(ResizeRefused):
                 engine.resizer.resize(target)
-        engine.pool.check_invariants()
+        engine.pool.invariants.check()
         engine.prefix_cache.check()
 
     assert run(engine, between) == expected

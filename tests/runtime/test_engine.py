@@ -69,7 +69,7 @@ def test_defrag_and_resize_between_every_step_change_no_token(make_engine) -> No
         if target >= engine.pool.used_pages:
             engine.resizer.resize(target)
         grow[0] = not grow[0]
-        engine.pool.check_invariants()
+        engine.pool.invariants.check()
 
     engine = make_engine(max_batch_seqs=3)  # staggered admission: requests end at different times
     prompts = [*PROMPTS, "x" * 37, "short", "y" * 61]
@@ -94,7 +94,7 @@ def test_a_small_pool_preempts_and_still_produces_the_same_tokens(make_engine) -
     small = make_engine(pool_pages=56, segment_pages=8)  # 93 pages needed at once
     assert run(small) == expected
     assert small.stats.preemptions > 0
-    small.pool.check_invariants()
+    small.pool.invariants.check()
     assert small.pool.used_pages == 0
 
 
@@ -166,7 +166,7 @@ def test_abort_frees_the_pages(make_engine) -> None:
     while engine.has_work():
         engine.step()
     assert len(b.output_ids) == GREEDY.max_tokens
-    engine.pool.check_invariants()
+    engine.pool.invariants.check()
     assert engine.pool.used_pages == 0
 
 
@@ -195,4 +195,4 @@ def test_a_request_larger_than_the_pool_is_refused_and_what_fits_runs_to_max_tok
     while engine.has_work():
         engine.step()
     assert grows.finish_reason is FinishReason.LENGTH and len(grows.output_ids) == 12
-    engine.pool.check_invariants()
+    engine.pool.invariants.check()

@@ -54,7 +54,7 @@ def _disturb(engine: Engine) -> None:
     capacity = engine.pool.capacity
     engine.resizer.resize(capacity + 16)
     engine.resizer.resize(capacity)
-    engine.pool.check_invariants()
+    engine.pool.invariants.check()
 
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])

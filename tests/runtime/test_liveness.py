@@ -28,7 +28,7 @@ def step_checked(engine: Engine) -> list:
     scheduler = engine.scheduler
     computed = {r: r.num_computed for r in (*scheduler.running, *scheduler.waiting)}
     events = engine.step()
-    engine.pool.check_invariants()
+    engine.pool.invariants.check()
     if engine.prefix_cache is not None:
         engine.prefix_cache.check()
     if had_work:

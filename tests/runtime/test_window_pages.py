@@ -80,7 +80,7 @@ def _run(engine: Engine, prompts, disturb: bool = False, new: int = NEW) -> list
     requests = [engine.add_request(p, params) for p in prompts]
     while engine.has_work():
         engine.step()
-        engine.pool.check_invariants()
+        engine.pool.invariants.check()
         if engine.prefix_cache is not None:
             engine.prefix_cache.check()
         if disturb:
@@ -106,7 +106,7 @@ def test_the_sliding_layers_give_back_their_pages_and_the_tokens_stay(gemma3) ->
     most = [0, 0, 0]
     while engine.has_work():
         engine.step()
-        engine.pool.check_invariants()
+        engine.pool.invariants.check()
         if engine.scheduler.pages.holds(request.seq_id):
             tables = engine.scheduler.pages.tables(request.seq_id)
             most = [max(m, len(t.pages)) for m, t in zip(most, tables, strict=True)]

@@ -148,7 +148,7 @@ class ZeroCopyReadMachine(RuleBasedStateMachine):
     def every_sequence_reads_back_its_tags_through_views(self) -> None:
         if not hasattr(self, "pool"):
             return
-        self.pool.check_invariants()
+        self.pool.invariants.check()
         for seq, tags in self.tags.items():
             pages = list(self.pool.table(seq).pages)
             run = is_run_in_one_segment(pages)

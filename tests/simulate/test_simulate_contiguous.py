@@ -117,7 +117,7 @@ def test_fragmentation_matches_the_pool_on_the_same_layout() -> None:
     for start, length in holes:
         for page in range(start, start + length):
             pool.free(page)
-    assert pool.free_runs() == holes
+    assert pool.pages.free_runs() == holes
     assert arena.stats().fragmentation_ratio == pool.stats().fragmentation_ratio
 
 

@@ -113,7 +113,7 @@ def test_every_byte_is_returned_at_the_end(name: str) -> None:
     assert isinstance(paged, PagedSide)
     carved = 0
     for mp in paged.pools.values():
-        mp.pool.check_invariants()
+        mp.pool.invariants.check()
         assert mp.pool.free_pages == mp.pool.capacity
         carved += mp.pool.capacity * mp.page_bytes
     assert carved + paged.unassigned_bytes == usable_budget(workload, 16)

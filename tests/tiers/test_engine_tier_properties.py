@@ -174,7 +174,7 @@ class EngineTierMachine(RuleBasedStateMachine):
     @invariant()
     def check(self) -> None:
         engine = self.engine
-        engine.pool.check_invariants()
+        engine.pool.invariants.check()
         assert engine.prefix_cache is not None
         engine.prefix_cache.check()
         self.tiers.check()

@@ -21,7 +21,7 @@ def run(engine: Engine, prompt: list[int], salt: str | None = None):
     (request,) = [engine.add_request(prompt, GREEDY, cache_salt=salt)]
     while engine.has_work():
         engine.step()
-        engine.pool.check_invariants()
+        engine.pool.invariants.check()
         if engine.prefix_cache is not None:
             engine.prefix_cache.check()
         if engine.tiers is not None:

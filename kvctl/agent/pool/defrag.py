@@ -64,22 +64,23 @@ def plan_moves(pool: PagePool, limit: int, boundary: int | None = None) -> list[
     The highest occupied pages go into the lowest free pages, as long as each move goes down;
     then every hole is below every source, so they can be paired in ascending order: a run of
     a sequence's pages lands as a run, and destinations ascend within each free run (the order
-    `PagePool.relocate` serves in O(1)). Free runs come lowest first off a heap and sources are
-    found by walking down from the top, so the cost follows the pages moved, not the pool size
-    or the number of sequences.
+    `Relocation.relocate` serves in O(1)). Free runs come lowest first off a heap and sources
+    are found by walking down from the top, so the cost follows the pages moved, not the pool
+    size or the number of sequences.
     """
     if limit <= 0:
         return []
     floor = 0 if boundary is None else boundary
     ceiling = pool.capacity if boundary is None else boundary
+    relocation = pool.relocation
     sources: list[int] = []
-    src = pool.highest_occupied(pool.capacity)
+    src = relocation.highest_occupied(pool.capacity)
     while src >= floor and len(sources) < limit:
         sources.append(src)
-        src = pool.highest_occupied(src)
+        src = relocation.highest_occupied(src)
     if not sources:
         return []
-    runs = pool.lowest_free_runs()
+    runs = relocation.lowest_free_runs()
     try:
         holes = _holes_below(runs, sources, ceiling)
     finally:
@@ -104,7 +105,7 @@ def is_compact(pool: PagePool, boundary: int | None = None) -> bool:
     """No page left to move: nothing occupied at or above `boundary`, or (without one) no free
     page below the highest occupied page."""
     if boundary is not None:
-        return pool.highest_occupied(pool.capacity) < boundary
+        return pool.relocation.highest_occupied(pool.capacity) < boundary
     return not plan_moves(pool, 1)
 
 
@@ -112,7 +113,7 @@ def moves_needed(pool: PagePool, boundary: int | None = None) -> int:
     """How many page moves a full compaction (below `boundary`) still needs."""
     if boundary is None:
         boundary = pool.capacity - pool.free_pages
-    return pool.occupied_above(boundary)
+    return pool.sizing.occupied_above(boundary)
 
 
 class Defragmenter:
@@ -137,7 +138,7 @@ class Defragmenter:
             return 0
         if self.copier is not None:
             self.copier.copy_pages([s for s, _ in moves], [d for _, d in moves])
-        self.pool.relocate(moves)
+        self.pool.relocation.relocate(moves)
         return len(moves)
 
     def run(

@@ -18,30 +18,38 @@ tables hold list them in `_sharers`. A move (defragmentation) then rewrites exac
 that hold the moved pages, so its cost follows the pages moved, not the number of sequences.
 
 No torch and no I/O here, so the whole pool can be exercised in microseconds by tests and by the
-simulator. Its parts, each in its own module: `page_table` (what one sequence holds),
-`reservations` (growth reservations), `loose_pages` (pages handed out one by one),
-`relocation` (moving pages), `pool_check` (the invariant check).
+simulator.
+
+The pool is built from parts, each in its own module, sharing its page arrays (the same lists,
+never copies). `page_table` says what one sequence holds; `reservations` and `loose_pages` serve
+the fast paths, which use them inline. The others are off the allocation paths, so the pool
+lends them to their callers as attributes rather than carrying their methods: `pool.holds`
+(`cache_holds`: the prefix cache's holds), `pool.relocation` (`relocation`: moving pages),
+`pool.sizing` (`pool_sizing`: growing and truncating), `pool.pages` (`page_view`: page by page
+readings), `pool.invariants` (`pool_check`: the leak check). What stays here is what a request
+does (allocate, append, fork, adopt, free) and the counters every reading starts from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from kvctl.agent.pool import relocation
+from kvctl.agent.pool.cache_holds import CacheHolds
 from kvctl.agent.pool.errors import PoolError, PoolExhausted, UnknownSequence
 from kvctl.agent.pool.extents import FreeExtents
 from kvctl.agent.pool.loose_pages import LoosePages
-from kvctl.agent.pool.page_table import CopyOnWrite, PageTable, SeqId, runs_of
-from kvctl.agent.pool.pool_check import check_pool
+from kvctl.agent.pool.page_table import CopyOnWrite, PageTable, SeqId, as_run, runs_of
+from kvctl.agent.pool.page_view import PageView
+from kvctl.agent.pool.pool_check import PoolInvariants
+from kvctl.agent.pool.pool_sizing import PoolSizing
+from kvctl.agent.pool.relocation import Relocation
 from kvctl.agent.pool.reservations import Reservations
-from kvctl.agent.pool.stats import PageRun, PageState, PageStates, PoolOccupancy
+from kvctl.agent.pool.stats import PoolOccupancy
 
 __all__ = ["DEFAULT_RESERVE_PAGES", "CopyOnWrite", "PagePool", "PageTable", "SeqId"]
 
 Evictor = Callable[[int, str], int]
 """Frees at least the given number of cached pages if it can; returns how many it freed."""
-RelocationListener = Callable[[dict[int, int]], None]
-"""Told `{old page: new page}` after pages moved, so holders outside page tables can follow."""
 
 DEFAULT_RESERVE_PAGES = 128
 """Pages a growing sequence takes at once (one used now, the rest reserved for its next ones)."""
@@ -50,10 +58,14 @@ DEFAULT_RESERVE_PAGES = 128
 class PagePool:
     """Pages, page tables and the free space of one KV pool.
 
-    Guarantees, checked by `check_invariants`: free + used + cached == capacity; a page's reference
-    count equals the number of page tables that hold it; no table holds a page twice; free pages
-    are exactly the pages with no reference and no cache hold, either in the free extents or
-    reserved for one sequence's growth.
+    Guarantees, checked by `invariants.check()`: free + used + cached == capacity; a page's
+    reference count equals the number of page tables that hold it; no table holds a page twice;
+    free pages are exactly the pages with no reference and no cache hold, either in the free
+    extents or reserved for one sequence's growth.
+
+    Its parts, reached as attributes: `holds` (the prefix cache's holds), `relocation` (moving
+    pages), `sizing` (growing, truncating), `pages` (page by page readings), `invariants` (the
+    leak check).
     """
 
     def __init__(
@@ -76,6 +88,7 @@ class PagePool:
         self.page_size = page_size
         self.segment_pages = segment_pages
         self.bytes_per_page = bytes_per_page
+        self.reserve_pages = reserve_pages  # the most pages a growing sequence takes at once
         capacity = -(-num_pages // segment_pages) * segment_pages
         self.capacity = capacity
         self._ref = [0] * capacity
@@ -98,20 +111,19 @@ class PagePool:
         self.alloc_failures = 0
         self.contiguous_misses = 0
         self._evictor: Evictor | None = None
-        self._listeners: list[RelocationListener] = []
-        self._held = 0  # pages the prefix cache holds (used or not)
         self._ones = [[1] * n for n in range(65)]
         self._zeros = [[0] * n for n in range(65)]
+        self.holds = CacheHolds(self)
+        self.relocation = Relocation(self)
+        self.sizing = PoolSizing(self)
+        self.pages = PageView(self)
+        self.invariants = PoolInvariants(self)
 
     # ---- wiring -------------------------------------------------------------------------
 
     def set_evictor(self, evictor: Evictor | None) -> None:
         """Install the function that frees cached pages when an allocation runs short."""
         self._evictor = evictor
-
-    def add_relocation_listener(self, listener: RelocationListener) -> None:
-        """Be told of every page move (the prefix cache follows its pages this way)."""
-        self._listeners.append(listener)
 
     # ---- reading ------------------------------------------------------------------------
 
@@ -123,11 +135,6 @@ class PagePool:
     @property
     def reserved_pages(self) -> int:
         return self._reservations.pages
-
-    @property
-    def reserve_pages(self) -> int:
-        """The most pages a growing sequence takes at once (see `DEFAULT_RESERVE_PAGES`)."""
-        return self._reservations.limit
 
     @property
     def alloc_attempts(self) -> int:
@@ -145,10 +152,6 @@ class PagePool:
         """Pages some page table references (free + used + cached == capacity)."""
         return self.capacity - self.free_pages - self.cached_pages
 
-    @property
-    def segments(self) -> int:
-        return self.capacity // self.segment_pages
-
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
@@ -165,25 +168,6 @@ class PagePool:
     def sequences(self) -> list[SeqId]:
         return list(self._tables)
 
-    def refcount(self, page: int) -> int:
-        return self._ref[page]
-
-    def state(self, page: int) -> PageState:
-        if self._ref[page]:
-            return PageState.USED
-        if self._cached[page]:
-            return PageState.CACHED
-        return PageState.FREE
-
-    def is_occupied(self, page: int) -> bool:
-        """Used or cached: what a defragmentation or a shrink has to move."""
-        return bool(self._ref[page] or self._cached[page])
-
-    def free_runs(self) -> list[tuple[int, int]]:
-        """Free extents as (start, length), in increasing page order (reserved pages apart)."""
-        self._loose.settle()
-        return list(self._free.runs())
-
     def stats(self) -> PoolOccupancy:
         """One reading; loose pages are filed into the free runs first, so the fragmentation
         figures describe the free space as it is."""
@@ -194,7 +178,7 @@ class PagePool:
             page_size=self.page_size,
             bytes_per_page=self.bytes_per_page,
             segment_pages=self.segment_pages,
-            segments=self.segments,
+            segments=self.sizing.segments,
             capacity_pages=self.capacity,
             used_pages=self.used_pages,
             cached_pages=self.cached_pages,
@@ -207,14 +191,6 @@ class PagePool:
             contiguous_misses_total=self.contiguous_misses,
             reserved_pages=reserved,
         )
-
-    def page_map(self) -> list[PageRun]:
-        """Every page's state, run-length encoded, in page order."""
-        return self.page_states().runs()
-
-    def page_states(self) -> PageStates:
-        """A copy of every page's state, cheap to take (see `PageStates`)."""
-        return PageStates(self.capacity, self.segment_pages, self._ref.copy(), bytes(self._cached))
 
     # ---- allocation ---------------------------------------------------------------------
 
@@ -382,7 +358,7 @@ class PagePool:
         pages = table.pages
         if cow:
             old = pages.pop()
-            self._release_one(old, table)
+            self._release((old,), table)
             if not pages:
                 table.run_starts = (0,)
             copies.append(CopyOnWrite(old, new_pages[0]))
@@ -500,183 +476,6 @@ class PagePool:
         if table.loose_from >= 0:
             table.loose_from = max(0, table.loose_from - num_pages)
 
-    # ---- prefix-cache holds -------------------------------------------------------------
-
-    def hold_cached(self, pages: Sequence[int]) -> None:
-        """Mark in-use pages as also held by the prefix cache, so they outlive their sequences.
-
-        Pages that are one range of ids (the common case: a prompt's run) are marked with a few
-        slice operations; others one by one.
-        """
-        lo = self._as_run(pages)
-        if lo is not None:
-            hi = lo + len(pages)
-            ref, cached = self._ref, self._cached
-            holder = self._owner[lo]
-            if (  # pages of one live private run (the common case): in use, not yet held
-                holder is not None
-                and holder.private
-                and holder.loose_from < 0
-                and len(holder.run_starts) == 1
-                and self._tables.get(holder.seq_id) is holder
-                and holder.pages[0] <= lo
-                and hi <= holder.pages[0] + len(holder.pages)
-            ):
-                self._held += hi - lo
-                cached[lo:hi] = b"\x01" * (hi - lo)
-                holder.private = holder.writable = False
-                return
-            if 0 not in ref[lo:hi] or 0 not in cached[lo:hi]:  # every page used or held
-                self._held += cached[lo:hi].count(0)
-                cached[lo:hi] = b"\x01" * (hi - lo)
-                owners = self._owner[lo:hi]
-                first = owners[0]
-                holders = (first,) if owners.count(first) == len(owners) else set(owners)
-                for holder in holders:
-                    if holder is not None:  # conservative: False is always safe
-                        holder.private = holder.writable = False
-                return
-        ref, cached, owner = self._ref, self._cached, self._owner
-        for p in pages:  # refuse before changing anything
-            if not ref[p] and not cached[p]:
-                raise PoolError(f"page {p} is free; the prefix cache can only hold pages in use")
-        for p in pages:
-            if cached[p]:
-                continue
-            self._held += 1
-            cached[p] = 1
-            if ref[p] == 1:
-                holder = owner[p]
-                assert holder is not None
-                holder.private = holder.writable = False
-            # pages two tables hold are not private to either, nor writable in place
-
-    def _as_run(self, pages: Sequence[int]) -> int | None:
-        """The first id if `pages` are one ascending run of consecutive ids, else None (cheap:
-        table pages share their int objects with `_ids`, so the comparison is by identity)."""
-        n = len(pages)
-        if n < 4:
-            return None
-        lo = pages[0]
-        if not 0 <= lo <= self.capacity - n or pages[-1] != lo + n - 1:
-            return None
-        return lo if pages == self._ids[lo : lo + n] else None
-
-    def release_cached(self, pages: Sequence[int]) -> None:
-        """Drop the prefix cache's hold; pages no sequence uses become free.
-
-        Refuses, changing nothing, if any page is not held. A range of ids nobody else uses
-        (the common case: an evicted prompt's run) is released with a few slice operations.
-        """
-        cached, ref = self._cached, self._ref
-        lo = self._as_run(pages)
-        if lo is not None:
-            hi = lo + len(pages)
-            if 0 in cached[lo:hi]:
-                raise PoolError(f"pages from {lo} to {hi - 1} are not all held by the cache")
-            cached[lo:hi] = bytes(hi - lo)
-            self._held -= hi - lo
-            if not any(ref[lo:hi]):
-                self.cached_pages -= hi - lo
-                self._free.give(lo, hi - lo)
-                return
-            freed = [p for p in range(lo, hi) if not ref[p]]
-        else:
-            for p in pages:
-                if not cached[p]:
-                    raise PoolError(f"page {p} is not held by the prefix cache")
-            freed = []
-            for p in pages:
-                cached[p] = 0
-                self._held -= 1
-                if not ref[p]:
-                    freed.append(p)
-        self.cached_pages -= len(freed)
-        for start, length in runs_of(sorted(freed)):
-            self._free.give(start, length)
-
-    # ---- moving pages (defragmentation; see `relocation`) ----------------------------------
-
-    def highest_occupied(self, below: int) -> int:
-        """The highest used or cached page under `below`, or -1 if there is none.
-
-        Walks down from `below - 1`, jumping whole free runs; a reservation met on the way is
-        released (its pages hold nothing), so the cost follows what is stepped over.
-        """
-        return relocation.highest_occupied(self, below)
-
-    def lowest_free_runs(self) -> Iterator[tuple[int, int]]:
-        """Free extents lowest first, lazily (see `FreeExtents.lowest_runs`)."""
-        self._loose.settle()
-        return self._free.lowest_runs()
-
-    def relocate(self, moves: Sequence[tuple[int, int]]) -> None:
-        """Switch every reference from each `src` page to its `dst` page, then free the `src`.
-
-        The caller has already copied the contents (`KVStorage.copy_pages`). Each `dst` must be
-        in the free extents and each `src` occupied. Only the tables holding a moved page are
-        touched (the owner index names them).
-        """
-        relocation.relocate(self, moves)
-
-    # ---- resizing -----------------------------------------------------------------------
-
-    def grow(self, num_pages: int) -> None:
-        """Add `num_pages` free pages at the top of the id space (whole segments)."""
-        if num_pages <= 0 or num_pages % self.segment_pages:
-            raise PoolError(
-                f"grow by whole segments of {self.segment_pages} pages, not {num_pages}"
-            )
-        old = self.capacity
-        self._ref.extend([0] * num_pages)
-        self._ids.extend(range(old, old + num_pages))
-        self._cached.extend(bytes(num_pages))
-        self._owner.extend([None] * num_pages)
-        self.capacity = old + num_pages
-        self._free.give(old, num_pages)
-        self._reservations.fit(self.capacity)
-
-    def occupied_above(self, boundary: int) -> int:
-        """Pages at or above `boundary` that are used or cached (what a shrink must move).
-
-        Releases the reservations first: they hold nothing and a shrink drops them anyway.
-        """
-        self.release_reservations()
-        self._loose.settle()
-        free_above = sum(
-            min(length, start + length - boundary)
-            for start, length in self._free.runs()
-            if start + length > boundary
-        )
-        return max(0, self.capacity - boundary) - free_above
-
-    def truncate(self, new_capacity: int) -> None:
-        """Drop the pages from `new_capacity` up, which must all be free."""
-        if new_capacity % self.segment_pages or not 0 < new_capacity <= self.capacity:
-            raise PoolError(f"truncate to whole segments of {self.segment_pages} pages")
-        if self.occupied_above(new_capacity):
-            raise PoolError(f"truncate: pages at or above {new_capacity} are still occupied")
-        if new_capacity == self.capacity:
-            return
-        self._free.take_range(new_capacity, self.capacity - new_capacity)
-        del self._ref[new_capacity:]
-        del self._ids[new_capacity:]
-        del self._cached[new_capacity:]
-        del self._owner[new_capacity:]
-        self.capacity = new_capacity
-        self._reservations.fit(new_capacity)
-
-    # ---- growth reservations and invariants ---------------------------------------------
-
-    def release_reservations(self) -> int:
-        """Return every reserved page to the free extents (before a shrink); how many."""
-        return self._reservations.release_all()
-
-    def check_invariants(self) -> None:
-        """Raise `PoolCorrupted` if any bookkeeping disagrees with any other (a leak check; see
-        `pool_check`)."""
-        check_pool(self)
-
     # ---- internals ----------------------------------------------------------------------
 
     def _pages_to_append(self, table: PageTable, num_tokens: int) -> int:
@@ -773,7 +572,7 @@ class PagePool:
         operations; anything else goes page by page.
         """
         ref, cached, owner, sharers = self._ref, self._cached, self._owner, self._sharers
-        lo = self._as_run(pages)
+        lo = as_run(pages, self._ids)
         if lo is not None:
             hi = lo + len(pages)
             if not any(ref[lo:hi]) and 0 not in cached[lo:hi]:
@@ -797,9 +596,6 @@ class PagePool:
                 sharers[p].append(table)
             ref[p] = r + 1
 
-    def _release_one(self, page: int, table: PageTable) -> None:
-        self._release((page,), table)
-
     def _release(self, pages: Sequence[int], table: PageTable) -> None:
         """Drop `table`'s reference to each page; return pages nobody holds to the free space.
 
@@ -807,7 +603,7 @@ class PagePool:
         that started on a cached prefix frees it this way); the rest page by page.
         """
         ref, cached = self._ref, self._cached
-        lo = self._as_run(pages)
+        lo = as_run(pages, self._ids)
         runs = [(lo, len(pages))] if lo is not None else runs_of(pages)
         for start, length in runs:
             hi = start + length

@@ -1,7 +1,7 @@
 """What one sequence holds: its page table, the copy storage must make, and runs of page ids.
 
-Kept apart from the pool so the pieces of the pool (reservations, loose pages, the invariant
-check) can name a table without importing the pool itself.
+Kept apart from the pool so the parts of the pool (reservations, loose pages, cache holds,
+relocation, the invariant check) can name a table without importing the pool itself.
 """
 
 from __future__ import annotations
@@ -110,3 +110,19 @@ def run_starts_of(pages: Sequence[int]) -> list[int]:
         if pages[i] != pages[i - 1] + 1:
             starts.append(i)
     return starts
+
+
+def as_run(pages: Sequence[int], ids: list[int]) -> int | None:
+    """The first id if `pages` are one ascending run of at least 4 consecutive ids, else None.
+
+    Cheap: `ids` are the pool's page ids, whose int objects table pages share, so the list
+    comparison is by identity. Used by the pool and by its cache holds alike, to treat a run
+    with a few slice operations instead of page by page.
+    """
+    n = len(pages)
+    if n < 4:
+        return None
+    lo = pages[0]
+    if not 0 <= lo <= len(ids) - n or pages[-1] != lo + n - 1:
+        return None
+    return lo if pages == ids[lo : lo + n] else None

@@ -150,11 +150,11 @@ class PoolResizer:
     def _grow(self, pages: int) -> None:
         if self.storage is not None:
             self.storage.add_segments(pages // self.pool.segment_pages)
-        self.pool.grow(pages)
+        self.pool.sizing.grow(pages)
 
     def _shrink(self, target: int) -> tuple[int, int]:
         pool = self.pool
-        pool.release_reservations()
+        pool.sizing.release_reservations()
         evicted = 0
         overflow = pool.used_pages + pool.cached_pages - target
         if overflow > 0:
@@ -166,7 +166,7 @@ class PoolResizer:
                 f"could not evacuate pages above {target}; the pool keeps {pool.capacity} pages"
             )
         released = (pool.capacity - target) // pool.segment_pages
-        pool.truncate(target)
+        pool.sizing.truncate(target)
         if self.storage is not None:
             self.storage.release_segments(released)
         return report.pages_moved, evicted

@@ -187,7 +187,7 @@ class PrefixCache:
         self.spill: Spill | None = None  # where evicted pages go instead of being dropped
         self.events: PageEvents | None = None  # told of pages taken and freed (KV events)
         pool.set_evictor(self.evict)
-        pool.add_relocation_listener(self._follow_moves)
+        pool.relocation.add_listener(self._follow_moves)
 
     # ---- policy and keys ------------------------------------------------------------------
 
@@ -266,7 +266,7 @@ class PrefixCache:
     def evictable_pages(self, *matches: PrefixMatch) -> int:
         """Cached pages eviction can free now, or once `matches` are adopted (adoption makes
         their pages used, and a pinned page waits for its copy)."""
-        refcount = self.pool.refcount
+        refcount = self.pool.pages.refcount
         blocked = {p for p in self._pinned if not refcount(p)}
         for match in matches:
             blocked.update(p for p in match.pages if not refcount(p))
@@ -300,7 +300,7 @@ class PrefixCache:
         self._clock += 1
         taken = tree.insert(tokens, pages, self._clock, whole, self.clock())
         if taken:
-            self.pool.hold_cached(taken)
+            self.pool.holds.hold(taken)
             self._held_pages += len(taken)
             if self.events is not None and key.group == 0:  # the last pages of the `whole`
                 self.events.stored(key, tokens, whole - len(taken), whole)
@@ -321,7 +321,7 @@ class PrefixCache:
         """Free at least `num_pages` cached pages if that many can go, leaf-first in policy order;
         return how many were freed. Pages a request uses and pinned pages are never freed.
         `reason` (EVICTION_REASONS) is what needed the room, counted per page."""
-        order, release = self._order, self.pool.release_cached
+        order, release = self._order, self.pool.holds.release
         set_aside: list[tuple[RadixNode, RadixTree]] = []
         spilled: list[Spilled] = []
         freed = 0
@@ -379,7 +379,7 @@ class PrefixCache:
         (pages in use are a prefix of every node's pages, which `check` verifies) and after its
         last pinned page."""
         pages = leaf.pages
-        refcount = self.pool.refcount
+        refcount = self.pool.pages.refcount
         n = len(pages)
         if refcount(pages[-1]):
             return 0
@@ -450,7 +450,7 @@ class PrefixCache:
                     continue
                 dropped.append(self._spilled(key, leaf, count))
                 pages, _ = tree.drop_last_pages(leaf, count)
-                self.pool.release_cached(pages)
+                self.pool.holds.release(pages)
                 freed += count
                 progress = True
         return freed
@@ -551,11 +551,11 @@ class PrefixCache:
         problems.extend(
             f"page {p} is in a tree but free in the pool"
             for p in sorted(held)
-            if self.pool.state(p) is PageState.FREE
+            if self.pool.pages.state(p) is PageState.FREE
         )
         cached = {
             page
-            for run in self.pool.page_map()
+            for run in self.pool.pages.map()
             if run.state is PageState.CACHED
             for page in range(run.start, run.start + run.length)
         }
@@ -566,7 +566,7 @@ class PrefixCache:
 
     def _used_prefix_problems(self, tree: RadixTree) -> list[str]:
         problems: list[str] = []
-        used = self.pool.refcount
+        used = self.pool.pages.refcount
         for node in tree.nodes():
             flags = [bool(used(p)) for p in node.pages]
             if flags != sorted(flags, reverse=True):

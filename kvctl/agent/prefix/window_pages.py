@@ -136,7 +136,7 @@ class WindowPages:
             else:
                 ranges.append((index, index + 1))
         if taken:
-            self.pool.hold_cached(taken)
+            self.pool.holds.hold(taken)
         return ranges
 
     def evict(
@@ -145,7 +145,7 @@ class WindowPages:
         """Free up to `num_pages` held pages no request uses and no copy waits for, least
         recently used first (only of `keys`' partitions when given); (key, tokens up to the
         page, its index, page) of each, whose K/V stay in place until the page is taken again."""
-        refcount = self.pool.refcount
+        refcount = self.pool.pages.refcount
         victims: list[int] = []
         for page, entry in self._entries.items():
             if len(victims) == num_pages:
@@ -162,7 +162,7 @@ class WindowPages:
             del self._pages[entry.digest]
             tokens = entry.tokens[: (entry.index + 1) * self.page_size]
             gone.append((entry.key, tokens, entry.index, page))
-        self.pool.release_cached(victims)
+        self.pool.holds.release(victims)
         return gone
 
     def follow_moves(self, moves: dict[int, int]) -> None:

@@ -727,7 +727,7 @@ class Engine:
 
     def page_states(self) -> PageStates:
         """The pool's page states, the pages of sliding-window groups marked apart."""
-        states = self.pool.page_states()
+        states = self.pool.pages.states()
         pages = self.scheduler.window_page_ids()
         if not pages:
             return states
