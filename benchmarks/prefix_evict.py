@@ -382,7 +382,7 @@ def replay_kvctl(case: Case, split_pool: bool = False) -> Replay:
         pool.holds.hold = _timed(pool.holds.hold, hold_seconds)
         pool.holds.release = _timed(pool.holds.release, release_seconds)
 
-    def evictor(num_pages: int) -> int:
+    def evictor(num_pages: int, reason: str = "allocation") -> int:
         started = clock()
         freed = cache.evict(num_pages)
         out.evict_seconds += clock() - started
