@@ -16,7 +16,7 @@ from kvctl.agent.model import SamplingParams, build_demo_model
 from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.runtime import Engine
 from kvctl.agent.service import AgentService, RequestStream
-from kvctl.api import RuntimeSettings
+from kvctl.api import RuntimeSettings, WakeResult
 from kvctl.settings import StartupLimits
 from tests.kv_device import DEVICE
 
@@ -49,6 +49,12 @@ def budgeted(make_engine, settings: RuntimeSettings | None = None) -> AgentServi
 
 def on_engine(service: AgentService, fn: Callable):
     return service.call(fn).result(timeout=60)
+
+
+def wake(service: AgentService, model: str) -> Future[WakeResult]:
+    """Wake `model` as the wake route does: started on the engine thread; the future is done
+    once the model can step."""
+    return on_engine(service, lambda: service.wake(service.pool(model)))
 
 
 def open_greedy(
@@ -97,5 +103,5 @@ def slow_to_wake(make_engine: Callable[..., Engine], reload: Callable[[], Module
     engines = [make_engine(), make_engine()]
     service = AgentService([model_pool(engines[0], "a", reload), model_pool(engines[1], "b")])
     service.start()
-    on_engine(service, lambda: service.sleep(2, "a"))
+    on_engine(service, lambda: service.sleep(service.pool("a"), 2))
     return service

@@ -144,9 +144,10 @@ def resize_view(
     pages_moved: int = 0,
     pages_evicted: int = 0,
     tier: str = "device",
+    pool: str | None = None,
 ) -> api.ResizeResult:
-    """The API's account of a resize of the device pool (or of the tier named) from `old_pages`
-    to `new_pages` pages of `page_bytes` each."""
+    """The API's account of a resize of the device pool (or of the tier named) of model `pool`
+    from `old_pages` to `new_pages` pages of `page_bytes` each."""
     return api.ResizeResult(
         old_pages=old_pages,
         new_pages=new_pages,
@@ -156,4 +157,5 @@ def resize_view(
         pages_moved=pages_moved,
         pages_evicted=pages_evicted,
         tier="device" if tier == "device" else tier_name(tier),
+        pool=pool,
     )

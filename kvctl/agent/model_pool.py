@@ -1,9 +1,18 @@
 """One served model on the agent: its engine (pool, scheduler, prefix cache, tiers), the names
-clients reach it by, and the readings and commands that concern its pool alone.
+clients reach it by, and every action and reading of its pool.
 
 An agent serves one model or several; each has one of these, named by the model (the `pool`
-label of its metrics). Everything here runs on the agent's one engine thread, except reading
-`snapshot`, which is replaced whole.
+label of its metrics). The rule that divides the work with `AgentService`: what concerns one
+model's pool is written here, once (defrag, resize, tier resize, release, the page map, the
+snapshot, and in `ModelSleep` the model's sleeping and waking); what weighs one model against the
+others or needs the whole agent (finding a pool by name, the engine thread, admission, the shared
+budget and its rebalancing, the last awake model, room for a wake) is the service's. A route
+finds the pool and runs its action on the engine thread through `AgentService.call`: the action
+has one owner, so there is one place to change it and one check of its caller.
+
+Everything here runs on the agent's one engine thread, except reading `snapshot`, which is
+replaced whole; the commands a route runs are `engine_only` and refuse any other caller while
+the engine thread runs.
 """
 
 from __future__ import annotations
@@ -23,14 +32,15 @@ from kvctl.agent.api_views import (
     tier_view,
 )
 from kvctl.agent.autoresize import AutoResize
-from kvctl.agent.budget import BudgetedPool, Pressure
+from kvctl.agent.budget import BudgetedPool, KvBudget, Pressure
 from kvctl.agent.model_sleep import ModelSleep, Reload
 from kvctl.agent.observe.metrics import Histograms
 from kvctl.agent.observe.tally import Tally
 from kvctl.agent.observe.window import CounterRatioWindow
-from kvctl.agent.pool import DefragReport, DefragTrigger, ResizeRefused
+from kvctl.agent.pool import DefragReport, DefragTrigger, PoolError, ResizeRefused
 from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.runtime import Engine
+from kvctl.agent.runtime.thread_owner import ThreadOwner, engine_only
 from kvctl.agent.served import ServedModel
 from kvctl.api import (
     DefragResult,
@@ -43,6 +53,9 @@ from kvctl.api import (
 from kvctl.settings import StartupLimits
 
 log = logging.getLogger(__name__)
+
+ResizeRefusal = PoolError
+"""What `ModelPool.resize` raises when it changes nothing: the pool's own refusals."""
 
 # What a sleeping pool reads as 0: its storage is parked, whatever its bookkeeping keeps
 _HELD_BY_AWAKE_POOLS = (
@@ -63,6 +76,11 @@ class AgentReadings:
     admin_actions_total: dict[str, int]
     gpus: list[GpuMemory]
     share: PoolShare | None = None
+
+
+def _alone() -> AgentReadings:
+    """What a pool no service serves yet knows of an agent: nothing."""
+    return AgentReadings(alert_notifications_dropped_total=0, admin_actions_total={}, gpus=[])
 
 
 class ModelPool:
@@ -88,7 +106,8 @@ class ModelPool:
         self.wall_clock = wall_clock
         self.window = window
         self.max_waiting = max_waiting
-        self.member: BudgetedPool | None = None  # set when the pool shares a budget
+        self.budget: KvBudget | None = None  # set when the pool shares one
+        self.agent_readings: Callable[[], AgentReadings] = _alone  # set by the service
         cache = engine.prefix_cache
         self.histograms = Histograms() if cache is None else Histograms(residency=cache.residency)
         self.sleep = ModelSleep(engine, name, self.histograms.wake, reload, clock)
@@ -103,6 +122,16 @@ class ModelPool:
         self._seen_preemptions = engine.scheduler.preemptions
         engine.auto_defrag.add_listener(self._note_defrag)
         self.snapshot: PoolSnapshot | None = None
+
+    @property
+    def owner(self) -> ThreadOwner:
+        """The owner of the engine's thread, which the commands check."""
+        return self.engine.owner
+
+    @property
+    def member(self) -> BudgetedPool | None:
+        """The pool's place in the shared budget; None when it has the agent to itself."""
+        return None if self.budget is None else self.budget.pools[self.name]
 
     # ---- settings -----------------------------------------------------------------------
 
@@ -131,21 +160,50 @@ class ModelPool:
 
     # ---- commands (engine thread) -------------------------------------------------------
 
-    def page_states(self) -> PageStates:
-        """Every page's state; none while the model sleeps (its storage holds no page)."""
-        self.engine.owner.check("ModelPool.page_states")
+    @engine_only
+    def page_states_and_snapshot(self) -> tuple[PageStates, PoolSnapshot]:
+        """Every page's state and a fresh snapshot of the same moment; no page while the model
+        sleeps (its storage holds none)."""
+        engine = self.engine
         if self.sleep.holds_no_pages:
-            return PageStates(0, self.engine.pool.segment_pages, [], b"")
-        return self.engine.page_states()
+            states = PageStates(0, engine.pool.segment_pages, [], b"")
+        else:
+            states = engine.page_states()
+        return states, self.publish()
 
+    @engine_only
     def defrag_now(self, max_pages: int | None) -> DefragResult:
         """A manual defragmentation, to completion or `max_pages`."""
-        self.engine.owner.check("ModelPool.defrag_now")
         return defrag_view(self.engine.auto_defrag.run_now(DefragTrigger.MANUAL, max_pages))
 
+    @engine_only
     def resize(self, pages: int) -> ResizeResult:
-        """Resize to `pages`; `ResizeRefused` changes nothing (and so does a sleeping pool)."""
-        self.engine.owner.check("ModelPool.resize")
+        """An operator's resize to `pages`; `ResizeRefused` changes nothing (and so does a
+        sleeping pool). A pool sharing a budget is pinned at its new size, its share from then
+        on, until `release`d: the operator's size holds against the rebalancer."""
+        result = self._resize(pages)
+        member, budget = self.member, self.budget
+        if member is None or budget is None:
+            return result
+        member.pinned = True
+        budget.set_share(self.name, self.engine.pool.capacity)
+        return result.model_copy(update={"pinned": True})
+
+    @engine_only
+    def release(self) -> bool:
+        """Hand a pinned pool back to the rebalancer; whether it was pinned. ValueError when the
+        pool shares no budget."""
+        member = self.member
+        if member is None:
+            raise ValueError(
+                "this pool shares no budget (start the agent with several models or "
+                "--kv-budget): nothing pins it"
+            )
+        pinned, member.pinned = member.pinned, False
+        return pinned
+
+    def _resize(self, pages: int) -> ResizeResult:
+        """Resize to `pages` (an operator's or automatic resize); nothing while asleep."""
         if not self.sleep.awake:
             raise ResizeRefused(
                 f"model {self.name!r} sleeps and its pool holds no memory; wake it first "
@@ -179,12 +237,13 @@ class ModelPool:
             engine.pool.bytes_per_page,
             pages_moved=moved,
             pages_evicted=evicted,
+            pool=self.name,
         )
 
+    @engine_only
     def resize_tier(self, tier: str, pages: int) -> ResizeResult:
         """Give a host or disk tier room for `pages` pages (0 turns it off); pages evicted to
         fit go down a tier. ValueError when there is no such tier."""
-        self.engine.owner.check("ModelPool.resize_tier")
         tiers = self.engine.tiers
         if tiers is None:
             raise ValueError(
@@ -205,6 +264,7 @@ class ModelPool:
             page_bytes,
             pages_evicted=held.counters.evicted_pages - before,
             tier=tier,
+            pool=self.name,
         )
 
     def maybe_auto_resize(self, spare_bytes: int | None) -> None:
@@ -217,7 +277,7 @@ class ModelPool:
         if target is None or target == stats.capacity_pages:
             return
         try:
-            self.resize(target)
+            self._resize(target)
         except ResizeRefused as refused:  # logged, never fatal (a full budget says so each time)
             level = logging.DEBUG if self.member is not None else logging.WARNING
             log.log(
@@ -256,6 +316,11 @@ class ModelPool:
         self._last_defrag, self._last_defrag_at = defrag_view(report), self.clock()
 
     # ---- the snapshot -------------------------------------------------------------------
+
+    def publish(self) -> PoolSnapshot:
+        """Build the snapshot now (it replaces the published one) with what the agent tells
+        every pool's (`agent_readings`), and return it."""
+        return self.build_snapshot(self.agent_readings())
 
     def build_snapshot(self, agent: AgentReadings) -> PoolSnapshot:
         """A fresh reading of the pool, the queue and the counters (engine thread)."""

@@ -17,7 +17,9 @@ observed in `kvctl_model_wake_seconds`.
 Refused, changing nothing: a model with requests running or waiting (they would lose their
 pages), one with pinned prefixes (a pin promises its pages stay on the device), a model already
 asleep, and level 2 where nothing can reload the weights. The agent's last awake model is the
-service's rule (`AgentService.sleep`).
+service's rule (`AgentService.sleep`), and so is the room a wake takes back from the other pools
+(`AgentService.wake`): a sleep or wake reaches this model's part through them, and they check
+their caller.
 """
 
 from __future__ import annotations
@@ -164,7 +166,6 @@ class ModelSleep:
     ) -> SleepResult:
         """Release the pool (and at level 2 the weights); `SleepRefused` changes nothing."""
         engine = self.engine
-        engine.owner.check("ModelSleep.sleep")
         self.check_can_sleep(level)
         pool = engine.pool
         evicted = pool.evict(pool.cached_pages, "sleep") if pool.cached_pages else 0
@@ -224,7 +225,6 @@ class ModelSleep:
         """Start waking the model (nothing to do when awake, nothing more while it wakes): the
         pool comes back now, the weights now or on a loader thread. The future is done when
         the model can step, or with `SleepRefused` when the wake failed (it sleeps on)."""
-        self.engine.owner.check("ModelSleep.wake")
         future: Future[WakeResult] = Future()
         if self.awake:
             future.set_result(self._result(trigger, 0.0, woke=False))

@@ -1,7 +1,8 @@
-"""The agent's prefix operations across its pools: which pool a command is for, the engine
-thread's check, and the previews of the prefixes the wire models show (`api_views`).
+"""The agent's prefix operations across its pools: which pool a command is for, and the previews
+of the prefixes the wire models show (`api_views`).
 
-Every method runs on the engine thread (`AgentService.call`), between two steps. A pool runs
+Every command runs on the engine thread (`AgentService.call`), between two steps, and refuses
+any other caller while that thread runs (`engine_only`, against the service's owner). A pool runs
 them through its engine's `PrefixOperations`; a pool without a prefix cache refuses them in one
 line. Pin ids are unique across the pools, so unpinning needs no model.
 """
@@ -18,6 +19,7 @@ from kvctl.agent.runtime.prefix_ops import PrefixOperations
 from kvctl.agent.runtime.prefix_pins import PrefixOpRefused as PrefixOpRefused
 from kvctl.agent.runtime.prefix_pins import PrefixPin
 from kvctl.agent.runtime.prefix_pins import UnknownPin as UnknownPin
+from kvctl.agent.runtime.thread_owner import ThreadOwner, engine_only
 
 LISTED_PREFIXES = 10
 PREVIEW_TOKENS = 48
@@ -30,14 +32,19 @@ class UnknownSalt(LookupError):
 class PrefixAdmin:
     """Lookups, pins and clears on the pools of one agent (engine thread)."""
 
-    def __init__(self, pools: dict[str, ModelPool], pool: Callable[[str | None], ModelPool]):
+    def __init__(
+        self,
+        pools: dict[str, ModelPool],
+        pool: Callable[[str | None], ModelPool],
+        owner: ThreadOwner,
+    ) -> None:
         self.pools = pools
         self._pool = pool  # the pool a command names (`AgentService.pool`)
+        self.owner = owner  # the engine thread's (`AgentService.owner`)
 
     def ops(self, name: str | None) -> tuple[ModelPool, PrefixOperations]:
         """The pool named and its prefix operations; `PrefixOpRefused` without a cache."""
         pool = self._pool(name)
-        pool.engine.owner.check("PrefixAdmin")
         ops = pool.engine.prefix_ops
         if ops is None:
             raise PrefixOpRefused(
@@ -46,29 +53,32 @@ class PrefixAdmin:
             )
         return pool, ops
 
+    @engine_only
     def lookup(
         self, name: str | None, salt: str | None, token_ids: Sequence[int]
     ) -> api.PrefixLookupResult:
         pool, ops = self.ops(name)
         return lookup_view(pool.name, ops.lookup(salt, token_ids))
 
+    @engine_only
     def pin(
         self, name: str | None, salt: str | None, token_ids: Sequence[int], ttl_s: float | None
     ) -> api.PrefixPinView:
         pool, ops = self.ops(name)
         return _pin_view(pool, ops.pin(salt, token_ids, ttl_s))
 
+    @engine_only
     def store_below(
         self, name: str | None, salt: str | None, token_ids: Sequence[int], tier: str
     ) -> int:
         _, ops = self.ops(name)
         return ops.store_below(salt, token_ids, tier)
 
+    @engine_only
     def unpin(self, pin_id: str) -> api.PrefixPinView:
         for pool in self.pools.values():
             ops = pool.engine.prefix_ops
             if ops is not None and any(p.pin_id == pin_id for p in ops.pins.all()):
-                pool.engine.owner.check("PrefixAdmin.unpin")
                 return _pin_view(pool, ops.unpin(pin_id))
         raise UnknownPin(f"no pin {pin_id!r} (kvctl prefix ls lists them)")
 
@@ -78,6 +88,7 @@ class PrefixAdmin:
             if pool.engine.prefix_ops is not None:
                 pool.engine.prefix_ops.expire()
 
+    @engine_only
     def listing(self, name: str | None, count: int = LISTED_PREFIXES) -> api.PrefixListing:
         """The pins and the `count` largest cached prefixes of one pool, or of every pool."""
         pools = list(self.pools.values()) if name is None else [self._pool(name)]
@@ -89,7 +100,6 @@ class PrefixAdmin:
             capacity += pool.engine.pool.capacity
             if ops is None:
                 continue
-            pool.engine.owner.check("PrefixAdmin.listing")
             pins += [_pin_view(pool, pin) for pin in ops.pins.all()]
             prefixes += [_prefix_view(pool, p) for p in ops.cache.largest(count)]
             pinned += ops.pins.pinned_pages
@@ -103,6 +113,7 @@ class PrefixAdmin:
             capacity_pages=capacity,
         )
 
+    @engine_only
     def clear(self, name: str | None, salt: str | None, place: str) -> api.PrefixClearResult:
         """Forget cached prefixes of one model (every model when `name` is None), one salt
         (every salt when None), in one place or all; `UnknownSalt` when no pool has anything
@@ -111,8 +122,6 @@ class PrefixAdmin:
         targets = [(pool, ops) for pool in pools if (ops := pool.engine.prefix_ops) is not None]
         if not targets:
             raise PrefixOpRefused("no model here runs with a prefix cache: nothing to clear")
-        for pool, _ in targets:
-            pool.engine.owner.check("PrefixAdmin.clear")
         salts = None if salt is None else {salt}
         if salt is not None and not any(ops.knows_salt(salt) for _, ops in targets):
             raise UnknownSalt(

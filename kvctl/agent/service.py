@@ -6,11 +6,20 @@ An agent serves one model or several (`ModelPool` each: an engine with its pool,
 prefix cache and tiers). Only the engine thread touches them. It steps every engine that has
 work in turn, so the models share the device the way they share the KV budget: one step at a
 time. Everything else talks to it in two ways: `call(fn)` queues a function to run on the engine
-thread between two steps (defrag, resize, settings, new requests) and returns a future; each
+thread between two steps (a pool's action, settings, new requests) and returns a future; each
 pool's `snapshot` is the latest immutable `PoolSnapshot`, replaced whole after each step. So an
 HTTP handler never waits for more than a queue hand-off, and the engine never waits for a
-handler. While the engine thread runs, the engine-only methods (here and on the `Engine`) raise
-`WrongThread` for any other caller.
+handler. While the engine thread runs, the engine-only methods (`engine_only` here, on
+`ModelPool` and `PrefixAdmin`; the `Engine`'s own) raise `WrongThread` for any other caller.
+
+What is the service's and what is a pool's: the service owns what concerns the agent as a whole
+(the set of pools and finding one by name, the engine thread and running work on it, admission
+and the queues across models, the shared budget and its rebalancing, the settings in force,
+shutdown) and the rules that weigh one model against the others: the last awake model sleeps
+only when forced, and a wake takes back room from the other pools. Every action and reading of
+one model's pool is the `ModelPool`'s (defrag, resize, tier resize, release, the page map, the
+snapshot, the model's own sleeping and waking): a route finds the pool with `pool(name)` and runs
+its action through `call`, so nothing here forwards a pool's action.
 
 Between steps the thread also runs what must happen on the pools' time: automatic defrag ticks
 (also when idle, which is the cheapest time to compact), automatic resize, rebalancing memory
@@ -24,6 +33,7 @@ so a flood costs the agent a refusal each, not memory and latency for everyone.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -42,17 +52,14 @@ from kvctl.agent.observe.alerting import AlertLoop
 from kvctl.agent.observe.gpu import GpuProbe
 from kvctl.agent.observe.metrics import KvEventCounters
 from kvctl.agent.observe.tally import Tally
-from kvctl.agent.pool import PoolError
-from kvctl.agent.pool.stats import PageStates
 from kvctl.agent.prefix_admin import PrefixAdmin
 from kvctl.agent.runtime import Engine, Request, RequestRefused, RequestSummary, TokenEvent
+from kvctl.agent.runtime.thread_owner import ThreadOwner, engine_only
 from kvctl.api import (
     Alert,
-    DefragResult,
     GpuMemory,
     PoolShare,
     PoolSnapshot,
-    ResizeResult,
     RuntimeSettings,
     SleepLevel,
     SleepResult,
@@ -81,10 +88,6 @@ RESIZE_CHECK_INTERVAL_S = 1.0  # automatic resize looks at windows of many secon
 REBALANCE_CHECK_INTERVAL_S = 0.5  # pressure is read this often; moves need it to hold longer
 IDLE_SLEEP_CHECK_INTERVAL_S = 1.0  # sleep.idle_s is at least a second
 WAKE_SETTLE_S = 60.0  # at shutdown, the longest wait for a checkpoint being reloaded
-
-
-ResizeRefusal = PoolError
-"""What `AgentService.resize` raises when it changes nothing: the pool's own refusals."""
 
 
 class UnknownPool(LookupError):
@@ -136,18 +139,6 @@ class RequestStream:
         return self.request.request_id  # set once at creation: safe from any thread
 
 
-def _settle(
-    target: Future[WakeResult], error: BaseException | None, done: Future[WakeResult] | None = None
-) -> None:
-    """Settle `target` with `error`, or else with `done`'s result (once; nothing when neither)."""
-    if target.done():
-        return
-    if error is not None:
-        target.set_exception(error)
-    elif done is not None:
-        target.set_result(done.result())
-
-
 def _deliver_all(deliveries: list[tuple[RequestStream, TokenEvent]]) -> None:
     for stream, event in deliveries:
         stream.events.put_nowait(event)
@@ -159,8 +150,8 @@ class AgentService:
 
     Built from its pools, in the order the models were configured; `share_budget` puts them
     all under one KV budget, before `run()` or `start()`. The settings are checked against
-    `limits`, by default the first pool's (each pool keeps its own for its resizer). Every
-    command takes a pool's name, None meaning the only pool."""
+    `limits`, by default the first pool's (each pool keeps its own for its resizer). `pool(name)`
+    finds a pool by a name it is served under (None: the only pool)."""
 
     def __init__(
         self,
@@ -200,27 +191,29 @@ class AgentService:
         self._refill: tuple[int, float] | None = None
         self._ended = 0  # requests ended since the engines were last idle
         self._idle_trim = IdleTrim(clock())  # returns a burst's freed heap (kvctl.agent.memory)
-        self.prefix = PrefixAdmin(self.pools, self.pool)  # lookups, pins and clears
+        self.owner = ThreadOwner()  # claimed by the engine thread with the engines'
+        self.prefix = PrefixAdmin(self.pools, self.pool, self.owner)  # lookups, pins and clears
         for pool in pools:
             if pool.name in self.pools:
                 raise ValueError(f"two models are named {pool.name!r}")
             self.pools[pool.name] = pool
             pool.sleep.notify = self._wake.set  # a loader thread's weights are ready
+            pool.agent_readings = functools.partial(self._readings, pool)
             pool.apply_settings(self.settings)
-            self._publish(pool)
+            pool.publish()
 
     def share_budget(self, budget: KvBudget) -> None:
         """Put every pool under `budget` (whose members are the pools' resizers, by name) and
         start moving memory between them."""
         for name, pool in self.pools.items():
-            pool.member = budget.pools[name]
-            pool.member.on_resize = pool.record_resize
-            pool.member.make_room = pool.engine.scheduler.preempt_to_fit
+            pool.budget = budget
+            member = budget.pools[name]
+            member.on_resize = pool.record_resize
+            member.make_room = pool.engine.scheduler.preempt_to_fit
             pool.engine.scheduler.reachable_pages = lambda n=name: budget.reachable_pages(n)
         self.budget = budget
         self.rebalancer = Rebalancer(budget, self.settings.rebalance, self.clock)
-        for pool in self.pools.values():
-            self._publish(pool)
+        self._publish_all()
 
     # ---- the pools ----------------------------------------------------------------------
 
@@ -254,9 +247,9 @@ class AgentService:
 
         The agent calls this on its main thread: torch runs its parallel kernels fastest from
         the thread that initialised it (the HTTP server then runs on another thread)."""
-        engines = [pool.engine for pool in self.pools.values()]
-        for engine in engines:
-            engine.owner.claim()
+        owners = [self.owner, *(pool.engine.owner for pool in self.pools.values())]
+        for owner in owners:
+            owner.claim()
         try:
             if self.alerting is not None:
                 self.alerting.start()
@@ -271,8 +264,8 @@ class AgentService:
             for pool in self.pools.values():
                 pool.sleep.settle(WAKE_SETTLE_S)
         finally:
-            for engine in engines:
-                engine.owner.release()
+            for owner in owners:
+                owner.release()
 
     def start(self) -> None:
         """Run the engine on a thread of its own (for tests and in-process embedding)."""
@@ -489,7 +482,7 @@ class AgentService:
                 if waiting >= target.max_waiting:
                     raise queue_full(waiting, target)
                 if not target.sleep.awake:
-                    woken = self._start_wake(target, "request")
+                    woken = self.wake(target, "request")
                     if woken.done() and woken.exception() is not None:
                         raise WakeFailed(str(woken.exception()))
                 target.sleep.last_active = self.clock()
@@ -534,65 +527,19 @@ class AgentService:
 
         self.call(run)
 
-    # ---- commands (engine thread; `name` is a pool's, None for the only one) --------------
+    # ---- the agent-wide commands (engine thread) ----------------------------------------
 
-    def page_states_and_snapshot(self, name: str | None = None) -> tuple[PageStates, PoolSnapshot]:
-        """Run on the engine thread: a pool's page states and a fresh snapshot of the same
-        moment."""
-        pool = self.pool(name)
-        pool.engine.owner.check("AgentService.page_states_and_snapshot")
-        states = pool.page_states()
-        return states, self._publish(pool)
-
-    def defrag_now(self, max_pages: int | None, name: str | None = None) -> DefragResult:
-        """Run on the engine thread: a manual defragmentation, to completion or `max_pages`."""
-        pool = self.pool(name)
-        pool.engine.owner.check("AgentService.defrag_now")
-        return pool.defrag_now(max_pages)
-
-    def resize(self, pages: int, name: str | None = None) -> ResizeResult:
-        """Run on the engine thread: resize pool `name` to `pages`; `ResizeRefused` changes
-        nothing. A pool sharing a budget is pinned at its new size until `release`d."""
-        pool = self.pool(name)
-        pool.engine.owner.check("AgentService.resize")
-        result = pool.resize(pages).model_copy(update={"pool": pool.name})
-        if pool.member is None or self.budget is None:
-            return result
-        pool.member.pinned = True
-        self.budget.set_share(pool.name, pool.engine.pool.capacity)
-        return result.model_copy(update={"pinned": True})
-
-    def release(self, name: str | None = None) -> bool:
-        """Run on the engine thread: hand a pinned pool back to the rebalancer; whether it was
-        pinned. ValueError when the pool shares no budget."""
-        pool = self.pool(name)
-        pool.engine.owner.check("AgentService.release")
-        if pool.member is None:
-            raise ValueError(
-                "this pool shares no budget (start the agent with several models or "
-                "--kv-budget): nothing pins it"
-            )
-        pinned, pool.member.pinned = pool.member.pinned, False
-        return pinned
-
-    def resize_tier(self, tier: str, pages: int, name: str | None = None) -> ResizeResult:
-        """Run on the engine thread: resize a host or disk tier (`ModelPool.resize_tier`)."""
-        pool = self.pool(name)
-        pool.engine.owner.check("AgentService.resize_tier")
-        return pool.resize_tier(tier, pages).model_copy(update={"pool": pool.name})
-
+    @engine_only
     def sleep(
         self,
+        pool: ModelPool,
         level: SleepLevel,
-        name: str | None = None,
         force: bool = False,
         trigger: SleepTrigger = "manual",
     ) -> SleepResult:
-        """Run on the engine thread: put a model to sleep (`kvctl.agent.model_sleep`);
-        `SleepRefused` changes nothing. The last awake model sleeps only when forced: every
-        request would then wait for a wake."""
-        pool = self.pool(name)
-        pool.engine.owner.check("AgentService.sleep")
+        """Put a model to sleep (`kvctl.agent.model_sleep`); `SleepRefused` changes nothing.
+        The service's because the last awake model sleeps only when forced: every request
+        would then wait for a wake."""
         pool.sleep.check_can_sleep(level)
         if not force and self._awake_count() == 1:
             raise SleepRefused(
@@ -601,24 +548,13 @@ class AgentService:
                 "it anyway"
             )
         result = pool.sleep.sleep(level, trigger, pool.member)
-        self._publish(pool)
+        pool.publish()
         return result
 
-    def wake(self, name: str | None = None) -> Future[WakeResult]:
-        """Wake a model (from any thread); the future is done when it can step, with
-        `SleepRefused` when the wake failed."""
-        pool = self.pool(name)
-        woken: Future[WakeResult] = Future()
-
-        def start() -> None:
-            self._start_wake(pool, "manual").add_done_callback(
-                lambda done: _settle(woken, done.exception(), done)
-            )
-
-        self.call(start).add_done_callback(lambda started: _settle(woken, started.exception()))
-        return woken
-
-    def _start_wake(self, pool: ModelPool, trigger: WakeTrigger) -> Future[WakeResult]:
+    @engine_only
+    def wake(self, pool: ModelPool, trigger: WakeTrigger = "manual") -> Future[WakeResult]:
+        """Start waking a model; the future is done when it can step, with `SleepRefused` when
+        the wake failed. The service's because the pool takes back room from the others."""
         return pool.sleep.wake(trigger, pool.member, self._make_room(pool))
 
     def _make_room(self, pool: ModelPool) -> MakeRoom | None:
@@ -636,7 +572,7 @@ class AgentService:
             failure = pool.sleep.poll(pool.member)
             if failure is not None:
                 self._end_waiting(pool, failure)
-            self._publish(pool)
+            pool.publish()
 
     def _end_waiting(self, pool: ModelPool, detail: str) -> None:
         events = []
@@ -668,18 +604,16 @@ class AgentService:
             if now - pool.sleep.last_active < idle_s or self._awake_count() <= 1:
                 continue
             try:
-                self.sleep(level, pool.name, trigger="idle")
+                self.sleep(pool, level, trigger="idle")
             except SleepRefused as refused:  # pins, say: it stays awake, and says why
                 log.debug("model %s stays awake: %s", pool.name, refused)
                 pool.sleep.last_active = now  # asked again after another idle period
 
+    @engine_only
     def change_settings(self, changes: object) -> tuple[RuntimeSettings, RuntimeSettings]:
-        """Run on the engine thread: merge a PATCH body into the settings in force and apply
-        them to every pool; returns the settings before and after. Merging here, not on the
-        HTTP thread, makes concurrent changes serial; a refused change (`SettingsError`)
-        changes nothing."""
-        for pool in self.pools.values():
-            pool.engine.owner.check("AgentService.change_settings")
+        """Merge a PATCH body into the settings in force and apply them to every pool; returns
+        the settings before and after. Merging on the engine thread, not on the HTTP thread,
+        makes concurrent changes serial; a refused change (`SettingsError`) changes nothing."""
         before = self.settings
         settings = apply_changes(before, changes, self.defaults, self.limits)
         self.settings = settings
@@ -699,19 +633,15 @@ class AgentService:
 
     def _publish_all(self) -> None:
         for pool in self.pools.values():
-            self._publish(pool)
+            pool.publish()
 
-    def _publish(self, pool: ModelPool) -> PoolSnapshot:
-        """Build `pool`'s snapshot now (it replaces the published one) and return it."""
-        return pool.build_snapshot(
-            AgentReadings(
-                alert_notifications_dropped_total=(
-                    self.alerting.dropped_total if self.alerting else 0
-                ),
-                admin_actions_total=self.admin_actions.read(),
-                gpus=self._gpus(),
-                share=self._share(pool),
-            )
+    def _readings(self, pool: ModelPool) -> AgentReadings:
+        """What `pool`'s snapshot carries about the agent as a whole (its `agent_readings`)."""
+        return AgentReadings(
+            alert_notifications_dropped_total=self.alerting.dropped_total if self.alerting else 0,
+            admin_actions_total=self.admin_actions.read(),
+            gpus=self._gpus(),
+            share=self._share(pool),
         )
 
     def _share(self, pool: ModelPool) -> PoolShare | None:

@@ -285,9 +285,9 @@ def test_a_real_snapshot_is_built_from_the_views(make_engine) -> None:
     service = one_pool_service(make_engine(), api.RuntimeSettings())
     engine = service.pools["demo"].engine
     engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3))
-    result = service.defrag_now(None)
+    result = service.pool(None).defrag_now(None)
     assert isinstance(result, api.DefragResult) and result.trigger == "manual"
-    _, snapshot = service.page_states_and_snapshot()
+    _, snapshot = service.pool(None).page_states_and_snapshot()
     core = engine.pool.stats()
     assert snapshot.model_dump(include=set(OCCUPANCY_KEYS + DERIVED_KEYS)) == (
         occupancy_view(core).model_dump()

@@ -10,6 +10,7 @@ import pytest
 from one_pool import one_pool_service
 
 from kvctl.agent.model import SamplingParams
+from kvctl.agent.model_pool import ModelPool
 from kvctl.agent.runtime import Engine
 from kvctl.agent.runtime.thread_owner import WrongThread
 from kvctl.agent.service import AgentService
@@ -26,8 +27,12 @@ def running(make_engine) -> Iterator[AgentService]:
         service.stop(grace=0)
 
 
+def pool_of(service: AgentService) -> ModelPool:
+    return service.pool("demo")
+
+
 def engine_of(service: AgentService) -> Engine:
-    return service.pool("demo").engine
+    return pool_of(service).engine
 
 
 ENGINE_ONLY = [
@@ -36,12 +41,15 @@ ENGINE_ONLY = [
     ("Engine.add_request", lambda s: engine_of(s).add_request([1, 2, 3], SamplingParams())),
     ("Engine.abort", lambda s: engine_of(s).abort("req-0")),
     ("Engine.set_eviction_policy", lambda s: engine_of(s).set_eviction_policy("lru")),
-    ("AgentService.resize", lambda s: s.resize(64)),
-    ("AgentService.defrag_now", lambda s: s.defrag_now(None)),
-    ("AgentService.page_states_and_snapshot", lambda s: s.page_states_and_snapshot()),
-    ("AgentService.release", lambda s: s.release()),
-    ("AgentService.resize_tier", lambda s: s.resize_tier("host", 1)),
+    ("ModelPool.resize", lambda s: pool_of(s).resize(64)),
+    ("ModelPool.defrag_now", lambda s: pool_of(s).defrag_now(None)),
+    ("ModelPool.page_states_and_snapshot", lambda s: pool_of(s).page_states_and_snapshot()),
+    ("ModelPool.release", lambda s: pool_of(s).release()),
+    ("ModelPool.resize_tier", lambda s: pool_of(s).resize_tier("host", 1)),
     ("AgentService.change_settings", lambda s: s.change_settings({})),
+    ("AgentService.sleep", lambda s: s.sleep(pool_of(s), 1, force=True)),
+    ("AgentService.wake", lambda s: s.wake(pool_of(s))),
+    ("PrefixAdmin.listing", lambda s: s.prefix.listing(None)),
 ]
 
 
@@ -54,9 +62,9 @@ def test_engine_only_methods_refuse_another_thread(running, name, call) -> None:
 
 
 def test_queued_on_the_engine_thread_they_run(running) -> None:
-    result = running.call(lambda: running.resize(64)).result(timeout=30)
+    result = running.call(lambda: pool_of(running).resize(64)).result(timeout=30)
     assert (result.old_pages, result.new_pages) == (256, 64)
-    states, snapshot = running.call(running.page_states_and_snapshot).result(timeout=30)
+    states, snapshot = running.call(pool_of(running).page_states_and_snapshot).result(timeout=30)
     assert states.capacity == snapshot.capacity_pages == 64
 
 
@@ -64,7 +72,7 @@ def test_after_the_engine_thread_stops_the_caller_owns_it(make_engine) -> None:
     service = one_pool_service(make_engine(), RuntimeSettings())
     service.start()
     service.stop(grace=0)
-    assert service.resize(64).new_pages == 64
+    assert pool_of(service).resize(64).new_pages == 64
     [request] = engine_of(service).generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     assert len(request.output_ids) == 2
 
@@ -84,7 +92,7 @@ def test_a_commands_effect_is_published_before_its_result_is_handed_over(running
 
     def resize() -> object:
         events.append("ran")
-        return running.resize(64)
+        return pool_of(running).resize(64)
 
     future = running.call(resize)
     future.add_done_callback(lambda _: events.append("answered"))

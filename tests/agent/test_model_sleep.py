@@ -23,6 +23,7 @@ from sleeping_models import (
     open_greedy,
     slow_reload,
     slow_to_wake,
+    wake,
 )
 
 from kvctl.agent.model_sleep import SleepRefused
@@ -47,7 +48,7 @@ def test_a_sleeping_model_releases_its_pool_to_the_budget(two_models) -> None:
     a = service.pool("a")
     page = a.engine.pool.bytes_per_page
     before = budget.unassigned_bytes
-    result = on_engine(service, lambda: service.sleep(1, "a"))
+    result = on_engine(service, lambda: service.sleep(service.pool("a"), 1))
     assert result.kv_bytes == 128 * page and result.level == 1 and result.trigger == "manual"
     assert budget.unassigned_bytes == before + 128 * page
     assert a.engine.storage.num_segments == 0 and a.engine.storage.nbytes == 0
@@ -65,11 +66,11 @@ def test_the_other_pool_grows_into_the_released_memory_and_gives_it_back_on_wake
     service = two_models
     budget = service.budget
     assert budget is not None
-    on_engine(service, lambda: service.sleep(1, "a"))
+    on_engine(service, lambda: service.sleep(service.pool("a"), 1))
     b = service.pool("b").engine
     on_engine(service, lambda: service.pool("b").engine.resizer.resize(128 + 128 + SEGMENT))
     assert b.pool.capacity == 288 and budget.unassigned_bytes == 0
-    woken = service.wake("a").result(timeout=60)
+    woken = wake(service, "a").result(timeout=60)
     assert woken.woke and woken.level == 1 and woken.trigger == "manual"
     a = service.pool("a").engine
     assert a.pool.capacity == woken.capacity_pages == 128  # its share, taken back from b
@@ -86,7 +87,7 @@ def test_the_other_pool_grows_into_the_released_memory_and_gives_it_back_on_wake
 def test_a_request_wakes_the_model_and_gets_the_tokens_it_got_before(two_models, level) -> None:
     service = two_models
     before = generate(service, "a")
-    on_engine(service, lambda: service.sleep(level, "a"))
+    on_engine(service, lambda: service.sleep(service.pool("a"), level))
     engine = service.pool("a").engine
     assert engine.weights_loaded == (level == 1)
     if engine.device.type != "cpu":  # on a GPU, asleep at level 1 the weights are in host memory
@@ -112,7 +113,7 @@ def test_a_level_two_wake_that_cannot_load_its_weights_ends_the_waiting_requests
     service = AgentService([model_pool(engines[0], "a", broken), model_pool(engines[1], "b")])
     service.start()
     try:
-        on_engine(service, lambda: service.sleep(2, "a"))
+        on_engine(service, lambda: service.sleep(service.pool("a"), 2))
         tokens = generate(service, "a")
         assert tokens == [] and loaded.is_set()
         a = service.pool("a")
@@ -120,7 +121,7 @@ def test_a_level_two_wake_that_cannot_load_its_weights_ends_the_waiting_requests
         assert a.engine.storage.num_segments == 0  # asleep again: nothing held
         assert "No such file" in (a.sleep.last_wake_error or "")
         with pytest.raises(SleepRefused, match="could not reload its weights"):
-            service.wake("a").result(timeout=60)
+            wake(service, "a").result(timeout=60)
         assert generate(service, "b")  # the other model served throughout
     finally:
         service.stop(grace=0)
@@ -132,15 +133,15 @@ def test_refusals_change_nothing(make_engine) -> None:
     service.start()
     try:
         with pytest.raises(SleepRefused, match="no checkpoint to reload"):
-            on_engine(service, lambda: service.sleep(2, "a"))
-        on_engine(service, lambda: service.sleep(1, "a"))
+            on_engine(service, lambda: service.sleep(service.pool("a"), 2))
+        on_engine(service, lambda: service.sleep(service.pool("a"), 1))
         with pytest.raises(SleepRefused, match="already asleep at level 1"):
-            on_engine(service, lambda: service.sleep(1, "a"))
+            on_engine(service, lambda: service.sleep(service.pool("a"), 1))
         with pytest.raises(SleepRefused, match="last awake model"):
-            on_engine(service, lambda: service.sleep(1, "b"))
+            on_engine(service, lambda: service.sleep(service.pool("b"), 1))
         b = service.pool("b").engine
         assert b.pool.capacity == 256 and b.storage.num_pages == 256
-        on_engine(service, lambda: service.sleep(1, "b", force=True))
+        on_engine(service, lambda: service.sleep(service.pool("b"), 1, force=True))
         assert b.storage.num_pages == 0
         assert generate(service, "b")  # a request wakes even the last model
     finally:
@@ -153,12 +154,12 @@ def test_a_model_with_requests_or_pins_does_not_sleep(make_engine) -> None:
     # not started: this thread is the engine thread
     engine.add_request(PROMPT, GREEDY)
     with pytest.raises(SleepRefused, match="0 requests running and 1 waiting"):
-        service.sleep(1, "a")
+        service.sleep(service.pool("a"), 1)
     while engine.has_work():
         engine.step()
     service.prefix.pin("a", None, PROMPT, None)
     with pytest.raises(SleepRefused, match="1 pinned prefixes"):
-        service.sleep(1, "a")
+        service.sleep(service.pool("a"), 1)
     assert engine.storage.num_pages == engine.pool.capacity == 256
     engine.pool.invariants.check()
 
@@ -187,11 +188,11 @@ def test_an_idle_model_falls_asleep_by_itself_but_never_the_last(make_engine) ->
 
 def test_a_sleeping_pools_map_has_no_pages(two_models) -> None:
     service = two_models
-    on_engine(service, lambda: service.sleep(1, "a"))
-    states, snapshot = on_engine(service, lambda: service.page_states_and_snapshot("a"))
+    on_engine(service, lambda: service.sleep(service.pool("a"), 1))
+    states, snapshot = on_engine(service, service.pool("a").page_states_and_snapshot)
     assert states.capacity == snapshot.capacity_pages == 0 and states.runs() == []
-    service.wake("a").result(timeout=60)
-    states, snapshot = on_engine(service, lambda: service.page_states_and_snapshot("a"))
+    wake(service, "a").result(timeout=60)
+    states, snapshot = on_engine(service, service.pool("a").page_states_and_snapshot)
     assert states.capacity == snapshot.capacity_pages == 128
 
 
@@ -210,7 +211,7 @@ def test_a_client_that_leaves_during_a_wake_leaves_nothing_behind(make_engine) -
         a = service.pool("a")
         assert a.sleep.waking
         release.set()
-        assert service.wake("a").result(timeout=60).woke
+        assert wake(service, "a").result(timeout=60).woke
         held = on_engine(service, lambda: (len(a.engine.requests), a.engine.pool.used_pages))
         assert held == (0, 0)
         on_engine(service, a.engine.pool.invariants.check)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sleeping_models import budgeted, generate, on_engine, open_greedy, tokens_of
+from sleeping_models import budgeted, generate, on_engine, open_greedy, tokens_of, wake
 
 from kvctl.agent.model_sleep import SleepRefused
 from kvctl.agent.service import AgentService
@@ -54,7 +54,7 @@ def race(service: AgentService, model: str, level: int) -> list[int]:
 
     async def run() -> list[int]:
         loop = asyncio.get_running_loop()
-        slept = service.call(lambda: service.sleep(level, model, force=True))
+        slept = service.call(lambda: service.sleep(service.pool(model), level, force=True))
         tokens = await tokens_of(await asyncio.wrap_future(open_greedy(service, model, loop)))
         try:
             await asyncio.wrap_future(slept)
@@ -80,7 +80,7 @@ def test_any_order_of_sleeps_wakes_and_requests_keeps_the_budget_and_the_tokens(
         expected = generate(service, "a")  # both models are the demo model
         actions: dict[str, Callable[[str, int], object]] = {
             "sleep": lambda model, level: _sleep(service, model, level),
-            "wake": lambda model, _: service.wake(model).result(timeout=120),
+            "wake": lambda model, _: wake(service, model).result(timeout=120),
             "generate": lambda model, _: _served(generate(service, model), expected),
             "race": lambda model, level: _served(race(service, model, level), expected),
         }
@@ -96,7 +96,7 @@ def test_any_order_of_sleeps_wakes_and_requests_keeps_the_budget_and_the_tokens(
 
 def _sleep(service: AgentService, model: str, level: int) -> None:
     try:
-        on_engine(service, lambda: service.sleep(level, model, force=True))
+        on_engine(service, lambda: service.sleep(service.pool(model), level, force=True))
     except SleepRefused as refused:
         assert "already asleep" in str(refused)
 

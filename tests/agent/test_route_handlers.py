@@ -1,7 +1,7 @@
-"""The route handlers called alone, with a context of the test's own: a fake service that runs
-commands at once and records them, no engine, no HTTP. What only a real agent shows (status
-codes through the middleware, bodies over the wire) is in test_agent_http.py and its siblings;
-here each handler's own decisions: which pool, which service command, what is audited."""
+"""The route handlers called alone, with a context of the test's own: a fake service whose pools
+run their actions at once and record them, no engine, no HTTP. What only a real agent shows
+(status codes through the middleware, bodies over the wire) is in test_agent_http.py and its
+siblings; here each handler's own decisions: which pool, which action, what is audited."""
 
 from __future__ import annotations
 
@@ -53,15 +53,16 @@ BYTES_PER_PAGE = 65536  # pool_snapshot's
 
 
 class FakeService:
-    """The part of `AgentService` the handlers use; commands run at once and are recorded."""
+    """The part of `AgentService` the handlers use; commands, its own and its pools' actions,
+    run at once and are recorded."""
 
     pool = AgentService.pool  # the real lookup, so 404 and 409 name the pools as an agent does
     names = AgentService.names
 
     def __init__(self, *names: str, refuse: Exception | None = None) -> None:
-        self.pools = {name: fake_pool(name) for name in names}
         self.commands: list[tuple[Any, ...]] = []
         self.refuse = refuse
+        self.pools = {name: FakePool(self, name) for name in names}
         self.budget = None
         self.settings = RuntimeSettings()
         self.alerting = None
@@ -90,8 +91,30 @@ class FakeService:
         if self.refuse is not None:
             raise self.refuse
 
-    def defrag_now(self, max_pages: int | None, name: str | None = None) -> DefragResult:
-        self._run("defrag_now", max_pages, name)
+    def change_settings(self, changes: object) -> tuple[RuntimeSettings, RuntimeSettings]:
+        self._run("change_settings", changes)
+        before = self.settings
+        self.settings = before.model_copy(
+            update={"alerts": before.alerts.model_copy(update={"interval_s": 5.0})}
+        )
+        return before, self.settings
+
+
+class FakePool:
+    """The part of `ModelPool` the handlers use; its actions are recorded on the service's list,
+    with the pool's name last."""
+
+    def __init__(self, service: FakeService, name: str, tiers: list | None = None) -> None:
+        self.service = service
+        self.name = name
+        self.snapshot = pool_snapshot(pool=name, tiers=tiers or [])
+        self.served = ServedModel((name, f"{name}-alias"), None, 4096)
+        self.histograms = Histograms()
+        self.rejected = Tally()
+        self.engine = SimpleNamespace(tokenizer=None)
+
+    def defrag_now(self, max_pages: int | None) -> DefragResult:
+        self.service._run("defrag_now", max_pages, self.name)
         return DefragResult(
             trigger="manual",
             fragmentation_before=0.4,
@@ -104,36 +127,17 @@ class FakeService:
             complete=True,
         )
 
-    def resize(self, pages: int, name: str | None = None) -> ResizeResult:
-        self._run("resize", pages, name)
-        return resized(pages, "device", name)
+    def resize(self, pages: int) -> ResizeResult:
+        self.service._run("resize", pages, self.name)
+        return resized(pages, "device", self.name)
 
-    def resize_tier(self, tier: str, pages: int, name: str | None = None) -> ResizeResult:
-        self._run("resize_tier", tier, pages, name)
-        return resized(pages, tier, name)
+    def resize_tier(self, tier: str, pages: int) -> ResizeResult:
+        self.service._run("resize_tier", tier, pages, self.name)
+        return resized(pages, tier, self.name)
 
-    def release(self, name: str | None = None) -> bool:
-        self._run("release", name)
+    def release(self) -> bool:
+        self.service._run("release", self.name)
         return True
-
-    def change_settings(self, changes: object) -> tuple[RuntimeSettings, RuntimeSettings]:
-        self._run("change_settings", changes)
-        before = self.settings
-        self.settings = before.model_copy(
-            update={"alerts": before.alerts.model_copy(update={"interval_s": 5.0})}
-        )
-        return before, self.settings
-
-
-def fake_pool(name: str, tiers: list | None = None) -> SimpleNamespace:
-    return SimpleNamespace(
-        name=name,
-        snapshot=pool_snapshot(pool=name, tiers=tiers or []),
-        served=ServedModel((name, f"{name}-alias"), None, 4096),
-        histograms=Histograms(),
-        rejected=Tally(),
-        engine=SimpleNamespace(tokenizer=None),
-    )
 
 
 def resized(pages: int, tier: str, name: str | None) -> ResizeResult:
@@ -238,10 +242,10 @@ def test_an_unknown_pool_is_404_naming_those_served() -> None:
     assert "'a', 'a-alias', 'b', 'b-alias'" in error.detail
 
 
-# ---- pool actions: route -> AgentService command, audited ---------------------------------
+# ---- pool actions: route -> the pool's action on the engine thread, audited --------------
 
 
-def test_defrag_goes_through_the_service_with_the_pools_name(audit) -> None:
+def test_defrag_is_the_named_pools_action(audit) -> None:
     ctx = make_context("a", "b")
     result = run(pools.named_defrag(request(), "b-alias", ctx, DefragRequest(max_pages=9)))
     assert result.pages_moved == 7
@@ -269,7 +273,7 @@ def test_a_device_resize_in_bytes_rounds_up_to_a_page(audit) -> None:
 
 def test_a_tier_resize_in_bytes_rounds_down_to_the_tiers_page() -> None:
     ctx = make_context("demo")
-    ctx.service.pools["demo"] = fake_pool("demo", tiers=[tier_reading("host")])
+    ctx.service.pools["demo"] = FakePool(ctx.service, "demo", tiers=[tier_reading("host")])
     body = ResizeRequest(tier="host", bytes=3 * BYTES_PER_PAGE + 1)
     run(pools.named_resize(request(), "demo", body, ctx))
     assert ctx.service.commands == [("resize_tier", "host", 3, "demo")]
@@ -291,7 +295,7 @@ def test_a_refused_resize_is_409_and_audited(audit) -> None:
     assert ctx.service.admin_actions.read() == {}
 
 
-def test_release_goes_through_the_service() -> None:
+def test_release_is_the_named_pools_action() -> None:
     ctx = make_context("a", "b")
     answer = run(pools.release(request(), "a", ctx))
     assert (answer.pool, answer.was_pinned) == ("a", True)

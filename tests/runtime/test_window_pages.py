@@ -177,7 +177,7 @@ def test_the_pool_shows_the_window_pages_apart(gemma3) -> None:
     for _ in range(3):
         engine.step()
     stats = engine.stats
-    states, snapshot = one_pool_service(engine).page_states_and_snapshot()
+    states, snapshot = one_pool_service(engine).pool(None).page_states_and_snapshot()
     runs = states.runs()
     window = sum(r.length for r in runs if r.state is PageState.WINDOW)
     used = sum(r.length for r in runs if r.state is PageState.USED)

@@ -4,11 +4,18 @@ The engine, its pool and its storage are plain objects without locks: they are s
 one thread (the agent's engine thread) touches them. A call from another thread would not fail
 at once; it would corrupt a page table or a request now and then. So the engine-only methods
 check the caller, and a mistake is an error at the line that made it.
+
+An action is checked once, by the method that carries it out (`engine_only`), not again by the
+methods it calls nor by those that forward to it: the check is the action's, wherever it comes
+from.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Callable
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 
 class WrongThread(RuntimeError):
@@ -41,3 +48,28 @@ class ThreadOwner:
                 f"{what} runs on the engine thread ({self._name}), not on "
                 f"{threading.current_thread().name}: queue it with AgentService.call"
             )
+
+
+class Owned(Protocol):
+    """An object whose methods touch an engine: the owner of that engine's thread."""
+
+    @property
+    def owner(self) -> ThreadOwner: ...
+
+
+H = TypeVar("H", bound=Owned)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def engine_only(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, P], R]:
+    """Mark a method as engine-only: it checks its caller against its object's `owner` before
+    anything runs, and a refusal names it (`ModelPool.resize runs on the engine thread ...`)."""
+    what = method.__qualname__
+
+    @functools.wraps(method)
+    def checked(self: H, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        self.owner.check(what)
+        return method(self, *args, **kwargs)
+
+    return checked

@@ -5,8 +5,8 @@ An agent has one pool per served model. `/v1/pools/{name}/...` name one; the sin
 409 naming the pools when there are several, rather than guess. Reads never wait on the engine:
 `/v1/pool(s)` are served from the latest published snapshots. A map takes a copy of the page
 states on the engine thread (a few memory copies) and does the O(capacity) encoding on a worker
-thread. Every action goes to the engine thread through one `AgentService` command (named pool,
-or None for the only one), is audited, and changes nothing when refused.
+thread. Every action is the pool's own (`ModelPool`): the route finds the pool and runs the
+action on the engine thread (`ctx.on_engine`); it is audited, and changes nothing when refused.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable
 from fastapi import APIRouter, Request
 
 from kvctl.agent.http.context import ERRORS, ApiError, Context, ServerContext
-from kvctl.agent.model_pool import ModelPool
-from kvctl.agent.service import AgentService, ResizeRefusal, UnknownPool
+from kvctl.agent.model_pool import ModelPool, ResizeRefusal
+from kvctl.agent.service import AgentService, UnknownPool
 from kvctl.api import (
     POOL_REQUIRED,
     UNKNOWN_POOL,
@@ -78,8 +78,8 @@ async def named_pool(name: str, ctx: Context) -> PoolSnapshot:
 
 
 async def page_map(ctx: ServerContext, name: str | None) -> PoolMap:
-    target = pool_of(ctx.service, name).name
-    states, snapshot = await ctx.on_engine(lambda: ctx.service.page_states_and_snapshot(target))
+    target = pool_of(ctx.service, name)
+    states, snapshot = await ctx.on_engine(target.page_states_and_snapshot)
     runs = await asyncio.to_thread(states.runs)
     return PoolMap(
         capacity_pages=states.capacity,
@@ -104,14 +104,14 @@ async def named_pool_map(name: str, ctx: Context) -> PoolMap:
 async def defrag_pool(
     ctx: ServerContext, request: Request, body: DefragRequest | None, name: str | None
 ) -> DefragResult:
-    target = pool_of(ctx.service, name).name
+    target = pool_of(ctx.service, name)
     max_pages = body.max_pages if body else None
-    result = await ctx.on_engine(lambda: ctx.service.defrag_now(max_pages, target))
+    result = await ctx.on_engine(lambda: target.defrag_now(max_pages))
     ctx.audit_request(
         request,
         "defrag",
         "ok",
-        pool=target,
+        pool=target.name,
         max_pages=max_pages,
         pages_moved=result.pages_moved,
         fragmentation_before=result.fragmentation_before,
@@ -135,17 +135,16 @@ async def named_defrag(
 
 
 def resize_command(
-    service: AgentService, target: ModelPool, body: ResizeRequest
+    target: ModelPool, body: ResizeRequest
 ) -> tuple[int, Callable[[], ResizeResult], tuple[type[Exception], ...]]:
-    """The pages `body` asks for, the service command that resizes to them, and the errors
-    that mean a refusal: the device pool in whole segments (`bytes` rounded up to a page), a
-    host or disk tier in pages (`bytes` rounded down); 409 for a tier the pool does not have."""
+    """The pages `body` asks for, the pool's action that resizes to them, and the errors that
+    mean a refusal: the device pool in whole segments (`bytes` rounded up to a page), a host or
+    disk tier in pages (`bytes` rounded down); 409 for a tier the pool does not have."""
     snapshot = snapshot_of(target)
-    name = target.name
     if body.tier == "device":
         per_page = snapshot.bytes_per_page
         pages = body.pages if body.pages is not None else -(-(body.bytes or 0) // per_page)
-        return pages, lambda: service.resize(pages, name), (ResizeRefusal,)
+        return pages, lambda: target.resize(pages), (ResizeRefusal,)
     tier = next((t for t in snapshot.tiers if t.tier == body.tier), None)
     if tier is None:
         raise ApiError(
@@ -154,14 +153,14 @@ def resize_command(
             "--disk-tier-path)",
         )
     pages = body.pages if body.pages is not None else (body.bytes or 0) // tier.page_bytes
-    return pages, lambda: service.resize_tier(body.tier, pages, name), (ValueError,)
+    return pages, lambda: target.resize_tier(body.tier, pages), (ValueError,)
 
 
 async def resize_pool(
     ctx: ServerContext, request: Request, body: ResizeRequest, name: str | None
 ) -> ResizeResult:
     target = pool_of(ctx.service, name)
-    pages, run, refusals = resize_command(ctx.service, target, body)
+    pages, run, refusals = resize_command(target, body)
     try:
         result = await ctx.on_engine(run)
     except refusals as refused:
@@ -209,11 +208,11 @@ async def named_resize(
 @router.post("/v1/pools/{name}/release", response_model=PoolRelease, responses=ERRORS)
 async def release(request: Request, name: str, ctx: Context) -> PoolRelease:
     """Hand a pinned pool back to the agent, which may move memory in and out of it again."""
-    target = pool_of(ctx.service, name).name
+    target = pool_of(ctx.service, name)
     try:
-        was_pinned = await ctx.on_engine(lambda: ctx.service.release(target))
+        was_pinned = await ctx.on_engine(target.release)
     except ValueError as refused:
-        ctx.audit_request(request, "release", "refused", pool=target, reason=str(refused))
+        ctx.audit_request(request, "release", "refused", pool=target.name, reason=str(refused))
         raise ApiError(409, str(refused)) from None
-    ctx.audit_request(request, "release", "ok", pool=target, was_pinned=was_pinned)
-    return PoolRelease(pool=target, was_pinned=was_pinned)
+    ctx.audit_request(request, "release", "ok", pool=target.name, was_pinned=was_pinned)
+    return PoolRelease(pool=target.name, was_pinned=was_pinned)

@@ -27,12 +27,12 @@ async def sleep(
     request: Request, name: str, ctx: Context, body: SleepRequest | None = None
 ) -> SleepResult:
     """Release the model's KV pool (and at level 2 its weights) until it wakes."""
-    target = pool_of(ctx.service, name).name
+    target = pool_of(ctx.service, name)
     body = body or SleepRequest()
-    details = {"pool": target, "level": body.level, "force": body.force}
+    details = {"pool": target.name, "level": body.level, "force": body.force}
     try:
         result = await ctx.on_engine(
-            lambda: ctx.service.sleep(body.level, target, force=body.force)
+            lambda: ctx.service.sleep(target, body.level, force=body.force)
         )
     except SleepRefused as refused:
         ctx.audit_request(request, "sleep", "refused", **details, reason=str(refused))
@@ -46,13 +46,14 @@ async def sleep(
 @router.post("/v1/pools/{name}/wake", response_model=WakeResult, responses=ERRORS)
 async def wake(request: Request, name: str, ctx: Context) -> WakeResult:
     """Wake the model; answers once it can step (at once when it is awake)."""
-    target = pool_of(ctx.service, name).name
+    target = pool_of(ctx.service, name)
     try:
-        result = await asyncio.wrap_future(ctx.service.wake(target))
+        woken = await ctx.on_engine(lambda: ctx.service.wake(target))
+        result = await asyncio.wrap_future(woken)
     except SleepRefused as refused:
-        ctx.audit_request(request, "wake", "refused", pool=target, reason=str(refused))
+        ctx.audit_request(request, "wake", "refused", pool=target.name, reason=str(refused))
         raise ApiError(409, str(refused)) from None
     ctx.audit_request(
-        request, "wake", "ok", pool=target, woke=result.woke, seconds=result.wake_seconds
+        request, "wake", "ok", pool=target.name, woke=result.woke, seconds=result.wake_seconds
     )
     return result
