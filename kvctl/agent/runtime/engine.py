@@ -58,7 +58,7 @@ from kvctl.agent.runtime.scheduler import (
     Scheduler,
     check_batch_limits,
 )
-from kvctl.agent.runtime.thread_owner import ThreadOwner
+from kvctl.agent.runtime.thread_owner import ThreadOwner, engine_only
 from kvctl.agent.tiers import TieredStore, TierStats
 from kvctl.settings import DefragSettings
 
@@ -359,6 +359,7 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------
 
+    @engine_only
     def add_request(
         self,
         prompt: str | Sequence[int],
@@ -375,7 +376,6 @@ class Engine:
         Requests with different `cache_salt` never share prefix-cache pages. Choice `choice` > 0
         of a request with `n` > 1 names its `first_choice` (same prompt, params and salt): it
         waits until that one has computed the prompt, then adopts its pages (`DeferredChoices`)."""
-        self.owner.check("Engine.add_request")
         params = params or SamplingParams()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string when given")
@@ -471,9 +471,9 @@ class Engine:
             t.numel() * t.element_size() for t in tensors if device is None or t.device == device
         )
 
+    @engine_only
     def unload_weights(self) -> None:
         """Drop the model (level-2 sleep); nothing may step until `load_weights`."""
-        self.owner.check("Engine.unload_weights")
         self._model = None
 
     def serving_form(self, model: LlamaModel) -> LlamaModel:
@@ -481,14 +481,14 @@ class Engine:
         model no engine runs yet."""
         return fuse(model, kernels=self.config.cpu_kernels)
 
+    @engine_only
     def load_weights(self, model: LlamaModel) -> None:
         """Serve `model` (the same checkpoint, loaded again) from the next step on."""
-        self.owner.check("Engine.load_weights")
         self._model = self.serving_form(model)
 
+    @engine_only
     def move_weights(self, device: torch.device) -> None:
         """Move the model's weights to `device` (a level-1 sleep keeps them in host memory)."""
-        self.owner.check("Engine.move_weights")
         self.model.to(device)
 
     def _pinned_pages(self) -> int:
@@ -503,9 +503,9 @@ class Engine:
             default=0,
         )
 
+    @engine_only
     def abort(self, request_id: str, detail: str = "the client went away") -> Request:
         """Stop a request now; its pages are freed before the next step."""
-        self.owner.check("Engine.abort")
         request = self.requests[request_id]
         if not request.finished:
             request.finish_reason = FinishReason.ABORT
@@ -518,18 +518,18 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.choices)
 
+    @engine_only
     def set_eviction_policy(self, name: str) -> None:
         """Switch the prefix cache's eviction policy now (ValueError for an unknown name)."""
-        self.owner.check("Engine.set_eviction_policy")
         if self.prefix_cache is None:
             raise ValueError("the prefix cache is off (--no-prefix-cache): no eviction policy")
         self.prefix_cache.set_policy(name)
 
     # ---- the step -----------------------------------------------------------------------
 
+    @engine_only
     def step(self) -> list[TokenEvent]:
         """Run one scheduling step; return the tokens it produced and the requests it ended."""
-        self.owner.check("Engine.step")
         batch = self.scheduler.schedule()
         events = [self._end(r) for r in batch.ended] if batch is not None else []
         if batch is not None and batch.requests:
@@ -680,9 +680,9 @@ class Engine:
     # ---- reading ------------------------------------------------------------------------
 
     @property
+    @engine_only
     def stats(self) -> EngineStats:
         """The pool and the scheduler read together, built when asked (not on every step)."""
-        self.owner.check("Engine.stats")
         prefix = self.prefix_cache.stats() if self.prefix_cache is not None else None
         tiers = tuple(self.tiers.stats()) if self.tiers is not None else ()
         return EngineStats(
