@@ -8,6 +8,7 @@ import fcntl
 import logging
 import threading
 
+from kvctl.agent import kernels
 from kvctl.agent.kernels import build_lock
 
 
@@ -50,3 +51,22 @@ def test_a_build_in_progress_is_waited_for_and_its_lock_left_alone(tmp_path, cap
 def test_no_lock_is_nothing_to_do(tmp_path) -> None:
     with build_lock(tmp_path):
         pass
+
+
+def test_two_checkouts_of_the_same_source_build_apart(tmp_path) -> None:
+    """ninja's build line names the source's path: two checkouts sharing one cache would rebuild
+    the kernels for each other on every start if they shared a build directory."""
+    first, second = tmp_path / "a" / "cpu_ops.cpp", tmp_path / "b" / "cpu_ops.cpp"
+    for copy in (first, second):
+        copy.parent.mkdir()
+        copy.write_bytes(kernels.SOURCE.read_bytes())
+    torch_dir = tmp_path / "torch"
+    assert kernels.build_name(first, "2.13.0", torch_dir) != kernels.build_name(
+        second, "2.13.0", torch_dir
+    )
+    assert kernels.build_name(first, "2.13.0", torch_dir) == kernels.build_name(
+        first, "2.13.0", torch_dir
+    )
+    assert kernels.build_name(first, "2.13.0", torch_dir) != kernels.build_name(
+        first, "2.13.1", torch_dir
+    )

@@ -65,6 +65,19 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def build_name(source: Path, torch_version: str, torch_dir: Path) -> str:
+    """The extension's name, which names its build directory: one per source text and path,
+    torch, flags and CPU. Two environments with the same torch version but their own headers
+    (two virtualenvs), or two checkouts of the same source (ninja's build line names the
+    source's path), must not share a build: each would rebuild it for the other, and race."""
+    identity = [source.read_bytes(), str(source.resolve()).encode(), torch_version.encode()]
+    identity.append(" ".join(FLAGS).encode())
+    identity += [_cpu_model().encode(), " ".join(sorted(_cpu_flags())).encode()]
+    identity.append(str(torch_dir).encode())
+    key = hashlib.sha256(b"\0".join(identity)).hexdigest()[:16]
+    return f"kvctl_cpu_ops_{key}"
+
+
 @functools.cache
 def cpu_ops() -> ModuleType | None:
     """The built extension, or None (the reason is logged once). Builds it on first use."""
@@ -75,15 +88,7 @@ def cpu_ops() -> ModuleType | None:
     import torch
     from torch.utils.cpp_extension import load
 
-    # Two environments with the same torch version but their own headers (two virtualenvs),
-    # or two checkouts of the same source (ninja's build line names the source's path), must
-    # not share a build: each would rebuild it for the other, and race.
-    identity = [SOURCE.read_bytes(), str(SOURCE.resolve()).encode(), torch.__version__.encode()]
-    identity.append(" ".join(FLAGS).encode())
-    identity += [_cpu_model().encode(), " ".join(sorted(_cpu_flags())).encode()]
-    identity.append(str(Path(torch.__file__).resolve().parent).encode())
-    key = hashlib.sha256(b"\0".join(identity)).hexdigest()[:16]
-    name = f"kvctl_cpu_ops_{key}"
+    name = build_name(SOURCE, torch.__version__, Path(torch.__file__).resolve().parent)
     directory = cache_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
     if not any(directory.glob(f"{name}*.so")):
